@@ -1,0 +1,5 @@
+import sys
+
+from mmpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,160 @@
+"""`mmpipe <command> [key=value ...]`: the only module that sees Hydra.
+
+Commands compose conf/config.yaml with the overrides (Hydra's own syntax and errors), turn it
+into a validated RunConfig, and only then start any process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from mmpipe.config import PROJECT_ROOT, RunConfig, run_config_from_dict
+
+CONF_DIR = Path(os.environ.get("MMPIPE_CONF", PROJECT_ROOT / "conf"))
+USAGE = """usage: mmpipe <command> [key=value ...]
+
+commands:
+  train      train the configured model through DeepSpeed pipeline stages
+  plan       plan a workload trace (stages, micro-batches) and compare with baselines
+  simulate   compare pipeline schedules on the planned micro-batches of a trace
+
+examples:
+  mmpipe train                                  # tiny model, shipped data, pp=2
+  mmpipe train train.steps=20 parallel.dp=2     # 4 processes
+  mmpipe train plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]
+  mmpipe plan model=qwen2-vl-7b data=trace data.path=trace.jsonl hardware=h100 parallel.pp=4
+  mmpipe train recipes=<name>                   # a ready experiment from recipes/
+"""
+
+
+def compose(overrides: list[str], *, job: str) -> tuple[dict[str, Any], str]:
+    """Compose the config with Hydra; return the resolved mapping and the run directory."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf, open_dict
+
+    GlobalHydra.instance().clear()
+    search = f"hydra.searchpath=[file://{PROJECT_ROOT}]"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=f"mmpipe_{job}"):
+        cfg = hydra_compose(config_name="config", overrides=[search, *overrides], return_hydra_config=True)
+    run_dir = str(OmegaConf.select(cfg, "hydra.run.dir"))
+    with open_dict(cfg):
+        del cfg["hydra"]
+        cfg.pop("recipes", None)
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    assert isinstance(container, dict)
+    return container, run_dir
+
+
+def load(overrides: list[str], *, job: str) -> RunConfig:
+    cfg, run_dir = compose(overrides, job=job)
+    return run_config_from_dict(cfg, run_dir=run_dir)
+
+
+def cmd_train(rc: RunConfig) -> int:
+    from mmpipe.runtime.launch import launch, python_module, under_external_launcher
+    from mmpipe.runtime.preflight import check_data, write_run_config
+
+    check_data(rc)
+    if under_external_launcher():
+        from mmpipe.runtime.train import train
+
+        train(rc)
+        return 0
+    path = write_run_config(rc)
+    nproc = rc.launcher.nproc or rc.parallel.pp * rc.parallel.dp
+    print(f"mmpipe train: {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), run dir {rc.run_dir}",
+          flush=True)
+    return launch(python_module("mmpipe.runtime.worker", str(path)), nproc=nproc,
+                  backend=rc.launcher.backend, master_port=rc.launcher.master_port)
+
+
+def cmd_plan(rc: RunConfig, *, compare_schedules: bool = False) -> int:
+    from mmpipe.planner.command import run_plan
+    from mmpipe.planner.hardware import hardware_from_dict
+
+    if rc.data.kind != "trace":
+        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace; "
+                         f"use data=trace data.path=FILE.jsonl")
+    from mmpipe.config import resolve_path
+
+    run_plan(model=rc.model, hardware=hardware_from_dict(rc.hardware), pp=rc.parallel.pp,
+             dp=rc.parallel.dp, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
+             trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=resolve_path(rc.data.path),
+             out=rc.plan.out, steps=rc.plan.steps, plot=rc.plan.plot, stages=list(rc.plan.stages or []) or None,
+             compare_schedules=compare_schedules)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[RunConfig], int]] = {
+    "train": cmd_train,
+    "plan": cmd_plan,
+    "simulate": lambda rc: cmd_plan(rc, compare_schedules=True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, overrides = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"mmpipe: unknown command {cmd!r}; use one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    bad = [o for o in overrides if o.startswith("--local_rank") or o.startswith("--local-rank")]
+    overrides = [o for o in overrides if o not in bad]  # the deepspeed launcher's argument; ranks come from env
+    try:
+        rc = load(overrides, job=cmd)
+    except Exception as err:  # noqa: BLE001
+        if not _is_user_error(err):
+            raise
+        print(f"mmpipe {cmd}: error: {_explain(err, overrides)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[cmd](rc)
+    except Exception as err:  # noqa: BLE001 - one clean line for config and input errors
+        if not _is_user_error(err):
+            raise
+        msg = str(err).strip().replace("\n", " ")
+        print(f"mmpipe {cmd}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _explain(err: BaseException, overrides: list[str]) -> str:
+    """Hydra's message, plus the closest real key when an override names one that does not exist."""
+    import difflib
+    import re
+
+    msg = " ".join(str(err).split())
+    m = re.search(r"Could not override '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "?")
+        known = _known_keys()
+        near = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {near[0]}?" if near else "run `mmpipe train --help` for the groups"
+        return f"{key}={value}: no such config key; {hint}"
+    return msg
+
+
+def _known_keys() -> list[str]:
+    import yaml
+
+    root = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
+    return [f"{g}.{k}" for g, sec in root.items() if isinstance(sec, dict) for k in sec]
+
+
+def _is_user_error(err: BaseException) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(err, (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Typed run configuration, and the one place a Hydra config becomes plain values.
+
+Everything below the CLI takes these dataclasses. Validation happens here, before any process
+is launched, and every message names the key as the user types it, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ("data-aware", "ds-default", "llava-grouped", "packed-ffd")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    pp: int = 2
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas."""
+
+    def __post_init__(self) -> None:
+        for key in ("pp", "dp"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{key}={v!r} must be a positive integer")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 60
+    """Optimizer steps."""
+    global_batch: int = 16
+    """Samples per optimizer step, all replicas together."""
+    micro_batches: int = 4
+    """Micro-batches per replica per step."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 5
+    """Linear warm-up steps."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    seed: int = 0
+    """Seed of the initial weights and the data order."""
+    trainable: tuple[str, ...] = ("all",)
+    """Component prefixes that train."""
+    optimizer: str = "adamw"
+    """adamw | sgd."""
+    save_every: int = 0
+    """DeepSpeed checkpoint every N steps (0: only at the end)."""
+    log_every: int = 1
+    """Metrics line every N steps."""
+    record_samples: bool = False
+    """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl)."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "global_batch", "micro_batches", "log_every"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"train.{key}={v!r} must be a positive integer")
+        for key in ("warmup_steps", "save_every", "seed"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"train.{key}={v!r} must be a non-negative integer")
+        if not self.lr > 0:
+            raise ValueError(f"train.lr={self.lr!r} must be > 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"train.optimizer={self.optimizer!r} is unknown; use adamw or sgd")
+        if not self.trainable:
+            raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes")
+        for t in self.trainable:
+            if t not in TRAINABLE_PREFIXES:
+                raise ValueError(
+                    f"train.trainable entry {t!r} is unknown; use {', '.join(TRAINABLE_PREFIXES)}"
+                )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    kind: str = "shards"
+    """shards (webdataset tar shards) | trace (a JSONL workload trace, for planning)."""
+    path: str = ""
+    """Shard brace list or trace file."""
+    tokenizer: str | None = None
+    """Tokenizer JSON made by mmpipe.data.synth."""
+    on_error: str = "skip"
+    """skip (count and go on) | raise."""
+    shuffle_buffer: int = 0
+    """Sample shuffle buffer (0: stream order)."""
+    epochs: int | None = None
+    """Passes over the shards (None: forever)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("shards", "trace"):
+            raise ValueError(f"data.kind={self.kind!r} is unknown; use shards or trace")
+        if not self.path or self.path == "???":
+            raise ValueError("data.path is not set; give data.path=FILE (a shard brace list or trace)")
+        if self.on_error not in ("skip", "raise"):
+            raise ValueError(f"data.on_error={self.on_error!r} is unknown; use skip or raise")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanConfig:
+    policy: str = "data-aware"
+    """data-aware | ds-default | llava-grouped | packed-ffd."""
+    stages: tuple[tuple[str, str], ...] | None = None
+    """User override: (first layer, last layer) of each stage."""
+    out: str | None = None
+    """Plan JSON path (mmpipe plan)."""
+    steps: int | None = None
+    """Plan only the first K steps (mmpipe plan)."""
+    plot: str | None = None
+    """PNG timeline of a step (mmpipe plan)."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"plan.policy={self.policy!r} is unknown; use {', '.join(POLICIES)}")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"plan.steps={self.steps!r} must be a positive integer or null")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LauncherConfig:
+    nproc: int | None = None
+    """Local processes (default pp * dp)."""
+    backend: str = "auto"
+    """auto | gloo | nccl."""
+    master_port: int = 0
+    """Rendezvous port (0: a free one)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"launcher.backend={self.backend!r} is unknown; use auto, gloo or nccl")
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"launcher.nproc={self.nproc} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """One whole run, validated."""
+
+    model: ModelSpec
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig
+    plan: PlanConfig
+    launcher: LauncherConfig
+    hardware: Mapping[str, Any] = field(default_factory=dict)
+    """Raw hardware group (typed by the planner)."""
+    run_dir: str = "."
+    """Where metrics.jsonl and checkpoints go."""
+
+    @property
+    def layers(self) -> list[str]:
+        return layer_names(self.model)
+
+    @property
+    def stage_bounds(self) -> list[tuple[int, int]] | None:
+        """The user's stage override as [start, end) indices, or None."""
+        if self.plan.stages is None:
+            return None
+        return stages_to_bounds(self.plan.stages, self.layers)
+
+
+def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
+    values = dict(values or {})
+    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    for key in values:
+        if key not in known:
+            raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunConfig:
+    """Validate a resolved config mapping (what Hydra composed) into a RunConfig."""
+    cfg = dict(cfg)
+    for key in cfg:
+        if key not in ("model", "parallel", "train", "data", "plan", "launcher", "hardware", "hydra"):
+            raise ValueError(f"{key} is not a config group; known: model, parallel, train, data, plan, launcher, hardware")
+    train = dict(cfg.get("train") or {})
+    if "trainable" in train:
+        t = train["trainable"]
+        train["trainable"] = (t,) if isinstance(t, str) else tuple(t)
+    plan = dict(cfg.get("plan") or {})
+    if plan.get("stages") is not None:
+        plan["stages"] = parse_stages(plan["stages"])
+    rc = RunConfig(
+        model=spec_from_dict(cfg["model"]),
+        parallel=_section(ParallelConfig, "parallel", cfg.get("parallel")),
+        train=_section(TrainConfig, "train", train),
+        data=_section(DataConfig, "data", cfg.get("data")),
+        plan=_section(PlanConfig, "plan", plan),
+        launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
+        hardware=dict(cfg.get("hardware") or {}),
+        run_dir=run_dir,
+    )
+    check_run(rc)
+    return rc
+
+
+def check_run(rc: RunConfig) -> None:
+    """Cross-key checks: the ones no single section can make."""
+    pp, dp, t = rc.parallel.pp, rc.parallel.dp, rc.train
+    n_layers = len(rc.layers)
+    if pp > n_layers:
+        raise ValueError(
+            f"parallel.pp={pp} exceeds the {n_layers} layers of model {rc.model.name}; use at most {n_layers}"
+        )
+    if t.global_batch % dp:
+        raise ValueError(
+            f"train.global_batch={t.global_batch} is not divisible by parallel.dp={dp}; "
+            f"use a multiple of {dp}"
+        )
+    per_replica = t.global_batch // dp
+    if t.micro_batches > per_replica:
+        raise ValueError(
+            f"train.micro_batches={t.micro_batches} exceeds the {per_replica} samples each replica gets "
+            f"per step (train.global_batch={t.global_batch} / parallel.dp={dp}); use at most {per_replica}"
+        )
+    world = rc.launcher.nproc if rc.launcher.nproc is not None else pp * dp
+    if world != pp * dp:
+        raise ValueError(
+            f"launcher.nproc={world} does not equal parallel.pp * parallel.dp = {pp} * {dp} = {pp * dp}; "
+            f"set launcher.nproc={pp * dp} or change parallel.dp to {max(1, world // pp)}"
+        )
+    if rc.plan.stages is not None and len(rc.plan.stages) != pp:
+        raise ValueError(
+            f"plan.stages gives {len(rc.plan.stages)} stages but parallel.pp={pp}; "
+            f"give one [first,last] pair per stage or set parallel.pp={len(rc.plan.stages)}"
+        )
+    rc.stage_bounds  # validates names and tiling
+
+
+def parse_stages(value: Any) -> tuple[tuple[str, str], ...]:
+    """Accept [[first,last],...] (as Hydra parses it) or 'first:last,first:last' strings."""
+    if isinstance(value, str):
+        pairs = [p.split(":") for p in value.split(",") if p.strip()]
+    else:
+        pairs = [list(p) if not isinstance(p, str) else p.split(":") for p in value]
+    out = []
+    for p in pairs:
+        if len(p) != 2:
+            raise ValueError(
+                f"plan.stages entry {p!r} is not a [first_layer,last_layer] pair; "
+                f"write plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]"
+            )
+        out.append((str(p[0]).strip(), str(p[1]).strip()))
+    return tuple(out)
+
+
+def stages_to_bounds(stages: tuple[tuple[str, str], ...], layers: list[str]) -> list[tuple[int, int]]:
+    """Turn (first, last) layer names per stage into [start, end) indices that tile `layers`."""
+    index = {n: i for i, n in enumerate(layers)}
+    bounds = []
+    for s, (first, last) in enumerate(stages):
+        for n in (first, last):
+            if n not in index:
+                near = [l for l in layers if l.split(".")[0] == n.split(".")[0]] or layers
+                raise ValueError(
+                    f"plan.stages: stage {s} names layer {n!r}, which the model does not have; "
+                    f"layers run {layers[0]} ... {layers[-1]} (e.g. {', '.join(near[:4])})"
+                )
+        a, b = index[first], index[last] + 1
+        if b <= a:
+            raise ValueError(f"plan.stages: stage {s} [{first},{last}] is empty or reversed")
+        bounds.append((a, b))
+    expect = 0
+    for s, (a, b) in enumerate(bounds):
+        if a != expect:
+            what = f"leaves {layers[expect]} .. {layers[a - 1]} uncovered" if a > expect else \
+                f"overlaps the previous stage at {layers[a]}"
+            raise ValueError(
+                f"plan.stages: stage {s} starts at {layers[a]} and {what}; each stage must start "
+                f"right after the previous one ends, the first at {layers[0]} and the last ending at {layers[-1]}"
+            )
+        expect = b
+    if expect != len(layers):
+        raise ValueError(
+            f"plan.stages: the last stage ends at {layers[expect - 1]}, leaving "
+            f"{layers[expect]} .. {layers[-1]} uncovered; end the last stage at {layers[-1]}"
+        )
+    return bounds
+
+
+def resolve_path(p: str) -> str:
+    """A relative path is taken from the current directory, else from the project root."""
+    if not p or os.path.isabs(p) or p.startswith("pipe:"):
+        return p
+    head = p.split("{")[0]
+    if Path(head).exists() or Path(head).parent.exists() and str(Path(head).parent) != ".":
+        return p
+    if (PROJECT_ROOT / head).exists() or (PROJECT_ROOT / head).parent.exists():
+        return str(PROJECT_ROOT / p)
+    return p

@@ -1,0 +1,82 @@
+"""The tuple of tensors that flows through the pipeline layers, and the masks built from it.
+
+DeepSpeed passes a tuple of tensors between stages and needs every floating tensor it sends to
+come back with a gradient. So the carrier has fixed slots, media travel as integers (pixels
+as uint8, log-mel features and frozen activations as the bits of their floats, viewed as an
+integer type of the same width), and only activations that really require grad are floats.
+A stage boundary may therefore fall between any two layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Slot positions in the carrier tuple.
+INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio placeholders expanded)
+POSITION_IDS = 1  # [B, T] long: positions, restarting at 0 for each packed sample
+SEGMENT_IDS = 2  # [B, T] long: 1.. per sample in a row, 0 on padding
+IMAGE = 3  # pixels [P, C, p, p] uint8 -> vision states [1, P, Dv] -> image embeddings [N, D]
+IMAGE_GRID = 4  # [num_images, 2] long: patch rows and columns of each image
+AUDIO = 5  # log-mel [clips, mel, F] (bits) -> audio states [1, A, Da] -> audio embeddings [N, D]
+AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
+HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)
+NUM_SLOTS = 8
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def empty() -> torch.Tensor:
+    """The value of a slot that holds nothing (yet, or any more)."""
+    return torch.zeros(0, dtype=torch.long)
+
+
+def to_wire(t: torch.Tensor) -> torch.Tensor:
+    """A float that will get no gradient travels as the integer view of its bits."""
+    if t.is_floating_point() and not t.requires_grad:
+        return t.contiguous().view(_INT_OF_WIDTH[t.element_size()])
+    return t
+
+
+def from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of to_wire for a slot known to hold floats of `dtype`."""
+    if t.is_floating_point():
+        return t.to(dtype)
+    if t.dtype == torch.uint8:  # pixels, not bits
+        return t
+    if t.element_size() == torch.finfo(dtype).bits // 8:
+        return t.view(dtype)
+    return t.view(_float_of_width(t.element_size())).to(dtype)
+
+
+def _float_of_width(width: int) -> torch.dtype:
+    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[width]
+
+
+def pack(slots: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    assert len(slots) == NUM_SLOTS
+    return tuple(to_wire(t) for t in slots)
+
+
+def segment_mask(seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, L, L] mask letting positions attend only within their own segment."""
+    allowed = seg[:, None] == seg[None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=seg.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def causal_segment_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, T, T] block-diagonal causal mask; padding attends to itself only."""
+    b, t = segment_ids.shape
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = same & causal & (segment_ids[:, :, None] > 0)
+    allowed |= torch.eye(t, dtype=torch.bool, device=segment_ids.device)
+    mask = torch.zeros((b, t, t), dtype=dtype, device=segment_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def repeat_ids(lengths: torch.Tensor) -> torch.Tensor:
+    """[3, 2] -> [0, 0, 0, 1, 1]: the owner of each position of concatenated items."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)

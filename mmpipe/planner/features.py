@@ -1,0 +1,161 @@
+"""Per-sample features the planner needs, from metadata alone (no media is decoded).
+
+These rules are also what the runtime's preprocessing obeys, so the planner's token counts
+are the tokens the model really sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from mmpipe.model.spec import AudioSpec, ModelSpec, VisionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SampleMeta:
+    """What a trace line (or a shard's metadata) says of one sample."""
+
+    text_tokens: int
+    """Tokens of the templated conversation, placeholders not counted."""
+    images: tuple[tuple[int, int], ...] = ()
+    """(height, width) in pixels of each image (video frames count as images)."""
+    audio_seconds: tuple[float, ...] = ()
+    """Duration of each audio clip."""
+
+
+@dataclass(frozen=True, slots=True)
+class SampleFeatures:
+    """A sample as the model sees it: encoder sequence lengths and LLM length."""
+
+    image_positions: tuple[int, ...]
+    """Vision-encoder sequence length of each image."""
+    image_tokens: tuple[int, ...]
+    """LLM tokens each image becomes."""
+    audio_positions: tuple[int, ...]
+    """Audio-encoder sequence length of each clip."""
+    audio_tokens: tuple[int, ...]
+    """LLM tokens each clip becomes."""
+    text_tokens: int
+    """Text tokens of the conversation."""
+
+    @property
+    def llm_len(self) -> int:
+        return self.text_tokens + sum(self.image_tokens) + sum(self.audio_tokens)
+
+    @property
+    def modality(self) -> str:
+        """`image`, `audio`, `image+audio` or `text`."""
+        kinds = [k for k, v in (("image", self.image_tokens), ("audio", self.audio_tokens)) if v]
+        return "+".join(kinds) or "text"
+
+
+def resize_image(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
+    """The (height, width) an image is resized to before patching."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size {height}x{width} must be positive")
+    if v.resize == "fixed":
+        return v.image_size, v.image_size
+    f = v.patch * v.merge
+    h = max(f, round(height / f) * f)
+    w = max(f, round(width / f) * f)
+    if h * w > v.max_pixels:
+        beta = math.sqrt(height * width / v.max_pixels)
+        h = max(f, math.floor(height / beta / f) * f)
+        w = max(f, math.floor(width / beta / f) * f)
+    elif h * w < v.min_pixels:
+        beta = math.sqrt(v.min_pixels / (height * width))
+        h = math.ceil(height * beta / f) * f
+        w = math.ceil(width * beta / f) * f
+    return h, w
+
+
+def image_grid(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
+    """Patch grid (rows, cols) of an image after resizing."""
+    h, w = resize_image(v, height, width)
+    return h // v.patch, w // v.patch
+
+
+def image_positions(v: VisionSpec, height: int, width: int) -> int:
+    gh, gw = image_grid(v, height, width)
+    return gh * gw + (1 if v.cls_token else 0)
+
+
+def image_tokens(v: VisionSpec, height: int, width: int) -> int:
+    gh, gw = image_grid(v, height, width)
+    return (gh * gw) // (v.merge * v.merge)
+
+
+def audio_frames(a: AudioSpec, seconds: float) -> int:
+    """Mel frames of a clip (cut at max_seconds)."""
+    if not seconds > 0:
+        raise ValueError(f"audio duration {seconds} s must be positive")
+    return max(1, math.ceil(min(seconds, a.max_seconds) * a.frames_per_s))
+
+
+def audio_positions(a: AudioSpec, seconds: float) -> int:
+    return math.ceil(audio_frames(a, seconds) / a.conv_stride)
+
+
+def audio_tokens(a: AudioSpec, seconds: float) -> int:
+    return math.ceil(audio_positions(a, seconds) / a.pool)
+
+
+def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> SampleFeatures:
+    """Features of one sample under a model; `where` names it in errors (e.g. 'trace line 7')."""
+    if meta.images and spec.vision is None:
+        raise ValueError(f"{where} has images but model {spec.name} has no vision encoder")
+    if meta.audio_seconds and spec.audio is None:
+        raise ValueError(f"{where} has audio but model {spec.name} has no audio encoder")
+    v, a = spec.vision, spec.audio
+    return SampleFeatures(
+        image_positions=tuple(image_positions(v, h, w) for h, w in meta.images) if v else (),
+        image_tokens=tuple(image_tokens(v, h, w) for h, w in meta.images) if v else (),
+        audio_positions=tuple(audio_positions(a, s) for s in meta.audio_seconds) if a else (),
+        audio_tokens=tuple(audio_tokens(a, s) for s in meta.audio_seconds) if a else (),
+        text_tokens=meta.text_tokens,
+    )
+
+
+def meta_from_json(obj: Any, *, where: str) -> SampleMeta:
+    """Parse one trace object; errors name `where` (e.g. 'trace.jsonl line 12')."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    try:
+        text = obj.get("text_tokens", 0)
+        if not isinstance(text, int) or isinstance(text, bool) or text < 0:
+            raise ValueError(f"text_tokens={text!r} must be a non-negative integer")
+        images = []
+        for img in obj.get("images") or []:
+            if (not isinstance(img, (list, tuple)) or len(img) != 2
+                    or not all(isinstance(x, (int, float)) and x > 0 for x in img)):
+                raise ValueError(f"image {img!r} must be [height, width] with positive sides")
+            images.append((int(img[0]), int(img[1])))
+        clips = []
+        for sec in obj.get("audio_seconds") or []:
+            if not isinstance(sec, (int, float)) or isinstance(sec, bool) or not sec > 0:
+                raise ValueError(f"audio_seconds entry {sec!r} must be a positive number")
+            clips.append(float(sec))
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    return SampleMeta(text_tokens=text, images=tuple(images), audio_seconds=tuple(clips))
+
+
+def read_trace(path: str | Path) -> Iterator[SampleMeta]:
+    """Stream a JSONL workload trace; a malformed line is an error naming its number."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path={str(path)!r}: no such trace file")
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path.name} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+            yield meta_from_json(obj, where=where)

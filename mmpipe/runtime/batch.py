@@ -1,0 +1,117 @@
+"""Micro-batch tensors: samples packed into one sequence, or padded to their longest.
+
+A micro-batch is what DeepSpeed's data iterator yields: `(carrier, (targets, scale))`. The
+first stage takes the carrier, the last stage the labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from mmpipe.model import carrier as C
+
+
+class SampleLike(Protocol):
+    key: str
+    input_ids: list[int]
+    labels: list[int]
+    images: list[np.ndarray]
+    audio: list[np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-batch ready for the pipeline, with the keys of its samples."""
+
+    keys: tuple[str, ...]
+    """Sample keys in order (what the stages saw)."""
+    carrier: tuple[torch.Tensor, ...]
+    """Input tuple of the first stage."""
+    targets: torch.Tensor
+    """[B, T] next-token targets, -100 where no label."""
+    label_tokens: int
+    """Tokens that carry a label."""
+    tokens: int
+    """LLM tokens of real samples (no padding)."""
+
+    def for_engine(self, scale: float) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        return self.carrier, (self.targets, torch.tensor([scale], dtype=torch.float32))
+
+
+def shifted_targets(labels: Sequence[int]) -> list[int]:
+    """Position t predicts token t+1 of the same sample; the last position predicts nothing."""
+    return list(labels[1:]) + [-100]
+
+
+def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: int) -> MicroBatch:
+    """Build the tensors of one micro-batch.
+
+    Args:
+        samples: the micro-batch's samples, in order.
+        patch: the vision encoder's patch side (images are cut into patches here).
+        packed: one row holding every sample (per-sample attention and positions), or one
+            padded row per sample.
+        pad_id: token id used for padding.
+    """
+    if not samples:
+        raise ValueError("a micro-batch needs at least one sample")
+    lengths = [len(s.input_ids) for s in samples]
+    if packed:
+        ids = torch.tensor([sum((s.input_ids for s in samples), [])], dtype=torch.long)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        seg = torch.repeat_interleave(torch.arange(1, len(samples) + 1), torch.tensor(lengths))[None]
+        tgt = torch.tensor([sum((shifted_targets(s.labels) for s in samples), [])], dtype=torch.long)
+    else:
+        t = max(lengths)
+        ids = torch.full((len(samples), t), pad_id, dtype=torch.long)
+        pos = torch.zeros((len(samples), t), dtype=torch.long)
+        seg = torch.zeros((len(samples), t), dtype=torch.long)
+        tgt = torch.full((len(samples), t), -100, dtype=torch.long)
+        for i, (s, n) in enumerate(zip(samples, lengths)):
+            ids[i, :n] = torch.tensor(s.input_ids)
+            pos[i, :n] = torch.arange(n)
+            seg[i, :n] = 1
+            tgt[i, :n] = torch.tensor(shifted_targets(s.labels))
+
+    images = [img for s in samples for img in s.images]
+    pixels, grid = _patchify(images, patch)
+    clips = [clip for s in samples for clip in s.audio]
+    mels, frames = _stack_clips(clips)
+    carrier = C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty()])
+    return MicroBatch(
+        keys=tuple(s.key for s in samples),
+        carrier=carrier,
+        targets=tgt,
+        label_tokens=int((tgt != -100).sum()),
+        tokens=sum(lengths),
+    )
+
+
+def _patchify(images: list[np.ndarray], patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not images:
+        return torch.zeros((0, 3, patch, patch), dtype=torch.uint8), torch.zeros((0, 2), dtype=torch.long)
+    chunks, grid = [], []
+    for img in images:
+        h, w, c = img.shape
+        if h % patch or w % patch:
+            raise ValueError(f"image of {h}x{w} is not a multiple of the patch size {patch}")
+        gh, gw = h // patch, w // patch
+        x = img.reshape(gh, patch, gw, patch, c).transpose(0, 2, 4, 1, 3).reshape(-1, c, patch, patch)
+        chunks.append(x)
+        grid.append((gh, gw))
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(chunks))), torch.tensor(grid, dtype=torch.long)
+
+
+def _stack_clips(clips: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    if not clips:
+        return torch.zeros((0, 1, 1), dtype=torch.float32), torch.zeros(0, dtype=torch.long)
+    bins = clips[0].shape[0]
+    longest = max(c.shape[1] for c in clips)
+    mels = torch.zeros((len(clips), bins, longest), dtype=torch.float32)
+    for i, c in enumerate(clips):
+        mels[i, :, : c.shape[1]] = torch.from_numpy(np.asarray(c, dtype=np.float32))
+    return mels, torch.tensor([c.shape[1] for c in clips], dtype=torch.long)

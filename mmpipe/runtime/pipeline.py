@@ -1,0 +1,125 @@
+"""DeepSpeed pipeline assembly: explicit stage boundaries, lazily built layers, one config dict."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
+from torch import nn
+
+from mmpipe.model.layers import build_layer, token_loss
+from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
+
+
+class _LayerFromName(nn.Module):
+    """LayerSpec wants an nn.Module class; this one builds the named mmpipe layer instead, so
+    each rank constructs only the layers of its own stage."""
+
+    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int):  # type: ignore[misc]
+        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token)
+
+
+class StagedPipelineModule(PipelineModule):
+    """A PipelineModule whose stage boundaries are given, not computed by DeepSpeed."""
+
+    def __init__(self, *, layers: list[LayerSpec], bounds: list[int], **kwargs):
+        self._mmpipe_bounds = list(bounds)
+        super().__init__(layers=layers, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - DeepSpeed hook
+        self.parts = list(self._mmpipe_bounds)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineSpec:
+    """Everything needed to build the pipeline on one rank."""
+
+    model: ModelSpec
+    """Architecture."""
+    stages: tuple[tuple[int, int], ...]
+    """[start, end) layer indices of each stage."""
+    seed: int
+    """Initial weights depend on (seed, layer name) only."""
+    image_token: int
+    """Token id of an image placeholder."""
+    audio_token: int
+    """Token id of an audio placeholder."""
+    trainable: tuple[str, ...] = ("all",)
+    """Component prefixes that train; the rest is frozen."""
+    recompute: tuple[bool, ...] = ()
+    """Activation recomputation per stage (one layer per checkpoint)."""
+
+
+def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
+    names = layer_names(p.model)
+    specs = [LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token) for n in names]
+    bounds = [s for s, _ in p.stages] + [p.stages[-1][1]]
+    module = StagedPipelineModule(
+        layers=specs, bounds=bounds, num_stages=len(p.stages), loss_fn=token_loss,
+        partition_method="uniform", dynamic_shape=True,
+    )
+    if p.recompute and p.recompute[module.stage_id]:
+        module.activation_checkpoint_interval = 1  # recompute every layer of this stage in backward
+    for layer in module.forward_funcs:
+        if isinstance(layer, nn.Module):
+            train = is_trainable(getattr(layer, "name", ""), p.trainable)
+            for param in layer.parameters():
+                param.requires_grad_(train)
+    return module
+
+
+def deepspeed_config(*, micro_batches: int, dp: int, grad_clip: float) -> dict:
+    """The one DeepSpeed config dict of a run (fp32; the optimizer is passed in)."""
+    return {
+        "train_batch_size": micro_batches * dp,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": micro_batches,
+        "gradient_clipping": grad_clip,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": 0},
+    }
+
+
+def lr_lambda(step: int, *, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(params, *, lr: float, weight_decay: float, kind: str = "adamw") -> torch.optim.Optimizer:
+    trainable = [p for p in params if p.requires_grad]
+    if kind == "sgd":
+        return torch.optim.SGD(trainable, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), eps=1e-8)
+
+
+def fix_buffer_reuse(engine) -> None:
+    """Make the engine's receive buffers dtype-aware.
+
+    PipelineEngine._allocate_or_extend_buffers caches one buffer per tuple index and reuses it
+    whenever it is large enough, whatever its dtype. A middle stage receives both activations
+    (index 0 is our int64 token ids) and gradients (index 0 is a float) through that cache, so
+    with three or more stages it would receive ids into a float buffer and gloo aborts with
+    "Received data size doesn't match expected size". Keying the cache by (index, dtype) keeps
+    DeepSpeed's reuse while never handing out a buffer of the wrong type.
+    """
+    cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def allocate(idx: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape) if shape else 1
+        buf = cache.get((idx, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = engine._allocate_buffer(shape, dtype=dtype, num_buffers=1)[0]
+            cache[(idx, dtype)] = buf
+            return buf
+        return buf.flatten()[:numel].view(shape)
+
+    engine._allocate_or_extend_buffers = allocate

@@ -1,0 +1,172 @@
+"""The training worker: one process per rank, DeepSpeed's PipelineEngine executes the steps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
+from mmpipe.model.spec import layer_names
+from mmpipe.runtime.batch import MicroBatch
+from mmpipe.runtime.feed import StepFeeder
+from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
+from mmpipe.runtime.pipeline import (PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
+                                     lr_lambda, make_optimizer)
+from mmpipe.runtime.stages import choose_stages, format_stage_table
+
+log = logging.getLogger("mmpipe")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunResult:
+    """What rank 0 reports at the end of a run."""
+
+    losses: list[float] = field(default_factory=list)
+    """Loss of every step."""
+    samples: int = 0
+    """Samples trained on, all replicas."""
+    tokens: int = 0
+    """LLM tokens trained on, all replicas."""
+    seconds: float = 0.0
+    """Wall time of the steps (after start-up)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Samples dropped, by reason, all replicas."""
+
+
+def _quiet_deepspeed() -> None:
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def train(rc: RunConfig) -> RunResult:
+    """Train on this rank; every rank of the job calls this with the same config."""
+    import deepspeed
+
+    _quiet_deepspeed()
+    threads = int(os.environ.get("MMPIPE_THREADS", "0")) or max(
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    backend = os.environ.get("MMPIPE_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    rank = dist.get_rank()
+    run_dir = Path(rc.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    from mmpipe.data.tokenizer import check_vocab, load_tokenizer
+
+    tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
+    check_vocab(tok, rc.model.llm.vocab)
+    stage_plan = choose_stages(rc)
+    names = layer_names(rc.model)
+    pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
+                         image_token=tok.image_id, audio_token=tok.audio_id,
+                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute))
+    torch.manual_seed(rc.train.seed)
+    module = build_pipeline_module(pspec)
+    optimizer = make_optimizer(module.parameters(), lr=rc.train.lr, weight_decay=rc.train.weight_decay,
+                               kind=rc.train.optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, warmup=rc.train.warmup_steps, total=rc.train.steps))
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler,
+        config=deepspeed_config(micro_batches=rc.train.micro_batches, dp=rc.parallel.dp,
+                                grad_clip=rc.train.grad_clip))
+    fix_buffer_reuse(engine)
+    first, last = engine.is_first_stage(), engine.is_last_stage()
+    dp_rank, dp_group = engine.grid.data_parallel_id, engine.grid.get_data_parallel_group()
+    _write_stage_file(run_dir, rank, engine.stage_id, dp_rank, module)
+
+    feeder = None
+    if first or last:
+        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=dp_rank, stage_plan=stage_plan,
+                            record=(run_dir / f"samples_rank{rank}.jsonl") if rc.train.record_samples else None)
+    writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    if rank == 0:
+        print(format_stage_table(rc, stage_plan, names), flush=True)
+    bar = ProgressBar(rc.train.steps) if rank == 0 else None
+
+    result = RunResult()
+    t_start = time.perf_counter()
+    for step in range(1, rc.train.steps + 1):
+        t0 = time.perf_counter()
+        mbs: list[MicroBatch] = feeder.next_step() if feeder else []
+        counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
+                               sum(m.tokens for m in mbs)], dtype=torch.float64)
+        if first or last:
+            dist.all_reduce(counts, group=dp_group)  # whole-step figures, all replicas
+        scale = rc.train.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
+        it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
+        if step == 1 and rank == 0:
+            print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
+                  f"{int(counts[1])} samples (first step)", flush=True)
+        loss = float(engine.train_batch(data_iter=it))
+        dt = time.perf_counter() - t0
+        result.losses.append(loss)
+        result.samples += int(counts[1])
+        result.tokens += int(counts[2])
+        if rank == 0:
+            rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
+                   "tokens_per_s": counts[2].item() / dt, "step_time": dt,
+                   "lr": scheduler.get_last_lr()[0], "samples": int(counts[1]), "tokens": int(counts[2]),
+                   "label_tokens": int(counts[0]), "micro_batches": len(mbs)}
+            if step % rc.train.log_every == 0 or step == rc.train.steps:
+                writer.write(rec)
+            bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
+        if rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
+            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{step}")
+    result.seconds = time.perf_counter() - t_start
+    engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{rc.train.steps}")
+    result.skipped = _gather_skips(feeder, first, dp_group)
+    if rank == 0:
+        bar.close()
+        _summary(rc, result, run_dir)
+    dist.barrier()
+    return result
+
+
+def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module) -> None:
+    layers = [getattr(f, "name", "") for f in module.forward_funcs]
+    params = sum(p.numel() for p in module.parameters())
+    (run_dir / f"stage_rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}))
+
+
+def _gather_skips(feeder, first: bool, dp_group) -> dict[str, int]:
+    if not first:
+        return {}
+    mine = feeder.skips.as_dict() if feeder else {}
+    parts: list = [None] * dist.get_world_size(group=dp_group)
+    dist.all_gather_object(parts, mine, group=dp_group)
+    total: dict[str, int] = {}
+    for p in parts:
+        for k, v in (p or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
+    skipped = sum(r.skipped.values())
+    why = ", ".join(f"{v} {k}" for k, v in sorted(r.skipped.items())) or "none"
+    head = sum(r.losses[:3]) / len(r.losses[:3])
+    tail = sum(r.losses[-3:]) / len(r.losses[-3:])
+    print(
+        f"done: {len(r.losses)} steps in {r.seconds:.1f}s | loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} "
+        f"(mean of first 3 {head:.3f}, last 3 {tail:.3f}) | {r.samples / r.seconds:.1f} samples/s, "
+        f"{r.tokens / r.seconds:.0f} tokens/s | skipped {skipped} samples ({why}) | "
+        f"metrics {run_dir / 'metrics.jsonl'} | checkpoint {run_dir / 'checkpoints'}",
+        flush=True,
+    )

@@ -1,0 +1,22 @@
+"""Entry of each launched process: `python -m mmpipe.runtime.worker RUN_DIR/run.yaml`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from mmpipe.config import run_config_from_dict
+from mmpipe.runtime.train import train
+
+
+def main(path: str) -> int:
+    cfg = yaml.safe_load(Path(path).read_text())
+    rc = run_config_from_dict(cfg, run_dir=str(Path(path).parent))
+    train(rc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
