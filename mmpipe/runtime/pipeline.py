@@ -72,13 +72,14 @@ def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
     return module
 
 
-def deepspeed_config(*, micro_batches: int, dp: int, grad_clip: float) -> dict:
-    """The one DeepSpeed config dict of a run (fp32; the optimizer is passed in)."""
+def deepspeed_config(*, micro_batches: int, dp: int) -> dict:
+    """The one DeepSpeed config dict of a run (fp32; the optimizer is passed in; clipping is
+    done by GlobalGradClip across stages, so DeepSpeed's own per-stage clipping stays off)."""
     return {
         "train_batch_size": micro_batches * dp,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": micro_batches,
-        "gradient_clipping": grad_clip,
+        "gradient_clipping": 0.0,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "zero_optimization": {"stage": 0},
@@ -123,3 +124,35 @@ def fix_buffer_reuse(engine) -> None:
         return buf.flatten()[:numel].view(shape)
 
     engine._allocate_or_extend_buffers = allocate
+
+
+class GlobalGradClip:
+    """Clip by the gradient norm of the whole model, across all pipeline stages.
+
+    DeepSpeed's fp32 path clips each stage by its own norm (its model-parallel group is the
+    tensor-slice group, not the pipeline), which is not what a single-process run would do.
+    This runs as an optimizer step pre-hook, after the data-parallel gradient reduction: each
+    stage sums its squared gradients, one all-reduce over the pipeline group gives the norm.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float, group) -> None:
+        self.max_norm = max_norm
+        self.group = group
+        self.last_norm = 0.0
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer.register_step_pre_hook(lambda *_: self())
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self._params if p.grad is not None]
+        sq = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(sq, group=self.group)
+        norm = float(sq.sqrt())
+        self.last_norm = norm
+        if self.max_norm > 0 and norm > self.max_norm:
+            coef = self.max_norm / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)

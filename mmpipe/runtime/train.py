@@ -18,7 +18,7 @@ from mmpipe.model.spec import layer_names
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
-from mmpipe.runtime.pipeline import (PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
+from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
                                      lr_lambda, make_optimizer)
 from mmpipe.runtime.stages import choose_stages, format_stage_table
 
@@ -83,9 +83,9 @@ def train(rc: RunConfig) -> RunResult:
         optimizer, lambda s: lr_lambda(s, warmup=rc.train.warmup_steps, total=rc.train.steps))
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(micro_batches=rc.train.micro_batches, dp=rc.parallel.dp,
-                                grad_clip=rc.train.grad_clip))
+        config=deepspeed_config(micro_batches=rc.train.micro_batches, dp=rc.parallel.dp))
     fix_buffer_reuse(engine)
+    clip = GlobalGradClip(optimizer, max_norm=rc.train.grad_clip, group=engine.grid.get_pipe_parallel_group())
     first, last = engine.is_first_stage(), engine.is_last_stage()
     dp_rank, dp_group = engine.grid.data_parallel_id, engine.grid.get_data_parallel_group()
     _write_stage_file(run_dir, rank, engine.stage_id, dp_rank, module)
@@ -121,7 +121,7 @@ def train(rc: RunConfig) -> RunResult:
         if rank == 0:
             rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
                    "tokens_per_s": counts[2].item() / dt, "step_time": dt,
-                   "lr": scheduler.get_last_lr()[0], "samples": int(counts[1]), "tokens": int(counts[2]),
+                   "lr": scheduler.get_last_lr()[0], "grad_norm": clip.last_norm, "samples": int(counts[1]), "tokens": int(counts[2]),
                    "label_tokens": int(counts[0]), "micro_batches": len(mbs)}
             if step % rc.train.log_every == 0 or step == rc.train.steps:
                 writer.write(rec)
