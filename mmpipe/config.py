@@ -278,17 +278,18 @@ def stages_to_bounds(stages: tuple[tuple[str, str], ...], layers: list[str]) -> 
     expect = 0
     for s, (a, b) in enumerate(bounds):
         if a != expect:
-            what = f"leaves {layers[expect]} .. {layers[a - 1]} uncovered" if a > expect else \
-                f"overlaps the previous stage at {layers[a]}"
+            gap = layers[expect] if a - expect == 1 else f"{layers[expect]} .. {layers[a - 1]}"
+            what = f"leaves {gap} uncovered" if a > expect else f"overlaps the previous stage at {layers[a]}"
             raise ValueError(
                 f"plan.stages: stage {s} starts at {layers[a]} and {what}; each stage must start "
                 f"right after the previous one ends, the first at {layers[0]} and the last ending at {layers[-1]}"
             )
         expect = b
     if expect != len(layers):
+        gap = layers[-1] if expect == len(layers) - 1 else f"{layers[expect]} .. {layers[-1]}"
         raise ValueError(
-            f"plan.stages: the last stage ends at {layers[expect - 1]}, leaving "
-            f"{layers[expect]} .. {layers[-1]} uncovered; end the last stage at {layers[-1]}"
+            f"plan.stages: the last stage ends at {layers[expect - 1]}, leaving {gap} uncovered; "
+            f"end the last stage at {layers[-1]}"
         )
     return bounds
 

@@ -1,0 +1,182 @@
+"""What one accelerator and its links cost: the single home of every cost constant.
+
+The cost model (`mmpipe.planner.cost`) reads nothing else: peak FLOP/s, the small-micro-batch
+efficiency curve, the fixed per-op overhead, link bandwidth and latency, and the memory rules of
+thumb of shared/spec/PLANNING.md section 6. Presets live in `conf/hardware/*.yaml`; a measured
+machine is the same dataclass with `kind_efficiency` / `kind_overhead_s` filled in by
+`mmpipe profile`.
+
+Efficiency curve: a layer kind running on a micro-batch whose stream holds `T` tokens reaches
+
+    efficiency(T) = max_efficiency * T / (T + half_tokens)
+
+of `peak_flops` (a saturating curve: half of `max_efficiency` at `half_tokens` tokens), and each
+layer pays `op_overhead_s` per pass on top. The planner's lower bound uses `max_efficiency`
+(the best a layer can do), never the dense peak alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+GB = 1e9
+"""Bytes in a gigabyte as the presets count them (decimal, like vendors do)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareSpec:
+    """One pipeline device and the link between neighbouring stages."""
+
+    name: str
+    """Preset name (`h100`, `a100`, `cpu`) or the profiled machine's name."""
+    peak_flops: float
+    """Dense bf16 peak of one device, FLOP/s."""
+    memory_gb: float
+    """Device memory, GB (1e9 bytes)."""
+    link_gbps: float
+    """Bandwidth between neighbouring pipeline stages, GB/s (gigaBYTES per second)."""
+    link_latency_s: float = 2e-5
+    """Fixed cost of one point-to-point transfer."""
+    max_efficiency: float = 0.65
+    """Fraction of peak a large micro-batch reaches (the top of the efficiency curve)."""
+    half_tokens: float = 384.0
+    """Tokens in a micro-batch's stream at which a layer reaches half of max_efficiency."""
+    op_overhead_s: float = 4e-5
+    """Fixed time of one layer's forward pass (kernel launches, hooks); backward pays it
+    again for each pass it makes."""
+    usable_fraction: float = 0.9
+    """Share of device memory the planner may fill."""
+    reserved_gb: float = 0.0
+    """Memory taken before training starts (context, communication buffers), GB."""
+    act_bytes_per_hidden: float = 34.0
+    """Activation bytes kept per token per transformer block, per unit of hidden width
+    (Korthikanti et al. 2022, flash attention)."""
+    recompute_bytes_per_hidden: float = 2.0
+    """Bytes kept per token per block under recomputation (the block input), per unit of
+    hidden width; one block's full activations come on top during its recompute."""
+    io_bytes_per_hidden: float = 4.0
+    """Bytes kept per token per non-block layer (embed, projector, norm), per unit of width."""
+    logits_bytes_per_vocab: float = 6.0
+    """Bytes the LM head keeps per token per vocabulary entry for the loss."""
+    trainable_param_bytes: float = 4.0
+    """Bytes per trainable parameter on every replica (bf16 weight + bf16 gradient)."""
+    sharded_param_bytes: float = 12.0
+    """Bytes per trainable parameter shared across data-parallel replicas (ZeRO-1: fp32
+    master weight and two Adam moments), divided by parallel.dp."""
+    frozen_param_bytes: float = 2.0
+    """Bytes per frozen parameter (bf16 weight only)."""
+    boundary_bytes_per_hidden: float = 2.0
+    """Bytes per token per unit of width of the hidden state crossing a stage boundary (bf16)."""
+    kind_efficiency: Mapping[str, float] = field(default_factory=dict)
+    """Measured max_efficiency per layer kind (`llm.block`, `vision.block`, `llm.head`, ...),
+    overriding max_efficiency for that kind; written by `mmpipe profile`."""
+    kind_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    """Measured per-pass overhead per layer kind, overriding op_overhead_s for that kind."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("hardware.name is empty; name the machine, e.g. h100")
+        for key in ("peak_flops", "memory_gb", "link_gbps", "max_efficiency", "half_tokens",
+                    "usable_fraction", "act_bytes_per_hidden", "logits_bytes_per_vocab"):
+            _check_positive(key, getattr(self, key))
+        for key in ("link_latency_s", "op_overhead_s", "reserved_gb", "recompute_bytes_per_hidden",
+                    "io_bytes_per_hidden", "trainable_param_bytes", "sharded_param_bytes",
+                    "frozen_param_bytes", "boundary_bytes_per_hidden"):
+            _check_nonneg(key, getattr(self, key))
+        if self.max_efficiency > 1:
+            raise ValueError(f"hardware.max_efficiency={self.max_efficiency} is above 1; "
+                             f"give a fraction of peak_flops, e.g. 0.65")
+        if self.usable_fraction > 1:
+            raise ValueError(f"hardware.usable_fraction={self.usable_fraction} is above 1; "
+                             f"give a fraction of memory_gb, e.g. 0.9")
+        for kind, eff in self.kind_efficiency.items():
+            if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
+                raise ValueError(f"hardware.kind_efficiency.{kind}={eff!r} must be in (0, 1]")
+        for kind, ovh in self.kind_overhead_s.items():
+            if not (isinstance(ovh, (int, float)) and ovh >= 0):
+                raise ValueError(f"hardware.kind_overhead_s.{kind}={ovh!r} must be >= 0")
+
+    @property
+    def usable_bytes(self) -> float:
+        """Bytes the planner may fill on one device."""
+        return self.memory_gb * GB * self.usable_fraction - self.reserved_gb * GB
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbps * GB
+
+    def efficiency_max(self, kind: str) -> float:
+        """Top of the efficiency curve for a layer kind such as `llm.block`."""
+        return float(self.kind_efficiency.get(kind, self.max_efficiency))
+
+    def overhead(self, kind: str) -> float:
+        """Per-pass fixed time of a layer kind."""
+        return float(self.kind_overhead_s.get(kind, self.op_overhead_s))
+
+    def param_bytes(self, *, trainable: bool, dp: int) -> float:
+        """Static bytes one parameter costs on its stage (ZeRO-1 over dp replicas)."""
+        if trainable:
+            return self.trainable_param_bytes + self.sharded_param_bytes / dp
+        return self.frozen_param_bytes
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Time to send `nbytes` to the neighbouring stage (0 when nothing is sent)."""
+        return self.link_latency_s + nbytes / self.link_bytes_per_s if nbytes > 0 else 0.0
+
+
+def hardware_from_dict(d: Mapping[str, Any]) -> HardwareSpec:
+    """Build a HardwareSpec from a plain mapping (a resolved `hardware` config group).
+
+    Unknown keys and values of the wrong type are errors naming `hardware.<key>`.
+    """
+    known = {f.name: f for f in fields(HardwareSpec)}
+    kwargs: dict[str, Any] = {}
+    for key, value in dict(d).items():
+        if key not in known:
+            raise ValueError(f"hardware.{key} is not a hardware setting; known: "
+                             f"{', '.join(sorted(known))}")
+        if key == "name":
+            kwargs[key] = str(value)
+        elif key in ("kind_efficiency", "kind_overhead_s"):
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                raise ValueError(f"hardware.{key}={value!r} must be a mapping such as "
+                                 f"{{llm.block: 0.6}}")
+            kwargs[key] = {str(k): _number(f"hardware.{key}.{k}", v) for k, v in value.items()}
+        else:
+            kwargs[key] = _number(f"hardware.{key}", value)
+    missing = [k for k in ("name", "peak_flops", "memory_gb", "link_gbps") if k not in kwargs]
+    if missing:
+        raise ValueError(f"hardware.{missing[0]} is missing; a hardware preset needs name, "
+                         f"peak_flops, memory_gb and link_gbps")
+    return HardwareSpec(**kwargs)
+
+
+def hardware_to_dict(hw: HardwareSpec) -> dict[str, Any]:
+    """The inverse of hardware_from_dict (what `mmpipe profile` writes as YAML)."""
+    out: dict[str, Any] = {}
+    for f in fields(HardwareSpec):
+        v = getattr(hw, f.name)
+        out[f.name] = dict(v) if isinstance(v, Mapping) else v
+    return out
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            return float(value)  # YAML may give "1e12" as a string
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}={value!r} is not a number") from None
+    return float(value)
+
+
+def _check_positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"hardware.{key}={value!r} must be > 0")
+
+
+def _check_nonneg(key: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"hardware.{key}={value!r} must be >= 0")

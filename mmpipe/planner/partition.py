@@ -1,0 +1,265 @@
+"""Stage partitioning: contiguous layer ranges per pipeline stage, and recompute per stage.
+
+- `parameters_partition`: DeepSpeed's `partition_method="parameters"` (what ds-default and
+  llava-grouped get): contiguous stages that minimise the largest parameter count.
+- `packed_ffd_partition`: Megatron/NeMo style: encoders with the first LLM chunk on stage 0,
+  LLM blocks split evenly over the stages.
+- `balanced_partition`: the data-aware one: minimise the bottleneck of per-stage time on a
+  sample of real micro-batches, each stage within memory (recompute switched on for a stage
+  only where it does not fit otherwise), then hill-climb the cuts on the simulated step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from mmpipe.planner.cost import CostModel, stage_costs, micro_batch_costs
+
+
+@dataclass(kw_only=True, slots=True)
+class StagePlan:
+    """Which layers each pipeline stage runs, and whether it recomputes activations."""
+
+    stages: list[tuple[int, int]]
+    """[start, end) indices into layer_names(model), one per stage, tiling all layers."""
+    recompute: list[bool] = field(default_factory=list)
+    """Activation recomputation per stage (default all off)."""
+
+    def __post_init__(self) -> None:
+        self.stages = [(int(a), int(b)) for a, b in self.stages]
+        if not self.recompute:
+            self.recompute = [False] * len(self.stages)
+        self.recompute = [bool(r) for r in self.recompute]
+        if len(self.recompute) != len(self.stages):
+            raise ValueError(f"recompute has {len(self.recompute)} entries for "
+                             f"{len(self.stages)} stages; give one per stage")
+        pos = 0
+        for s, (a, b) in enumerate(self.stages):
+            if a != pos or b <= a:
+                raise ValueError(f"stage {s} covers [{a}, {b}); stages must tile the layers "
+                                 f"contiguously from 0, each non-empty")
+            pos = b
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+
+def check_pp(pp: int, n_layers: int, model_name: str) -> None:
+    """parallel.pp must be between 1 and the number of layers."""
+    if pp < 1:
+        raise ValueError(f"parallel.pp={pp} must be >= 1")
+    if pp > n_layers:
+        raise ValueError(f"parallel.pp={pp} is larger than the {n_layers} layers of model "
+                         f"{model_name}; use parallel.pp <= {n_layers}")
+
+
+def stages_from_names(pairs: Sequence[tuple[str, str]], names: Sequence[str]) -> list[tuple[int, int]]:
+    """Turn plan.stages=[[first, last], ...] layer names into [start, end) ranges."""
+    index = {n: i for i, n in enumerate(names)}
+    out = []
+    for s, (first, last) in enumerate(pairs):
+        for n in (first, last):
+            if n not in index:
+                raise ValueError(f"plan.stages[{s}] names layer {n!r}, which the model does not "
+                                 f"have; layers run {names[0]} .. {names[-1]}")
+        out.append((index[first], index[last] + 1))
+    if not out or out[0][0] != 0 or out[-1][1] != len(names) or any(
+            out[i][1] != out[i + 1][0] for i in range(len(out) - 1)):
+        raise ValueError(f"plan.stages={[list(p) for p in pairs]} must cover every layer from "
+                         f"{names[0]} to {names[-1]} in order, each stage starting right after "
+                         f"the previous one")
+    return out
+
+
+def parameters_partition(params: Sequence[int], pp: int) -> list[tuple[int, int]]:
+    """DeepSpeed `parameters`: contiguous parts minimising the largest parameter count.
+
+    Binary search on the bottleneck; each part greedily takes layers while under it, as
+    DeepSpeed's `partition_balanced` does; every part keeps at least one layer.
+    """
+    w = np.asarray(params, dtype=float)
+    check_pp(pp, len(w), "(layers)")
+    lo, hi = float(w.max()), float(w.sum())
+    best = _greedy_cuts(w, pp, hi)
+    for _ in range(60):
+        if hi - lo <= max(1.0, 1e-9 * hi):
+            break
+        mid = (lo + hi) / 2
+        cuts = _greedy_cuts(w, pp, mid)
+        if cuts is None:
+            lo = mid
+        else:
+            hi, best = mid, cuts
+    assert best is not None
+    return best
+
+
+def _greedy_cuts(w: np.ndarray, pp: int, limit: float) -> list[tuple[int, int]] | None:
+    n = len(w)
+    out = []
+    a = 0
+    for s in range(pp):
+        left = pp - s - 1
+        b, load = a, 0.0
+        while b < n - left and (b == a or load + w[b] <= limit):
+            load += w[b]
+            b += 1
+        if load > limit:
+            return None
+        out.append((a, b))
+        a = b
+    return out if a == n else None
+
+
+def packed_ffd_partition(kinds: Sequence[str], pp: int) -> list[tuple[int, int]]:
+    """Encoders and the first LLM chunk on stage 0; LLM blocks split evenly over stages."""
+    n = len(kinds)
+    check_pp(pp, n, "(layers)")
+    blocks = [i for i, k in enumerate(kinds) if k == "llm.block"]
+    if pp == 1:
+        return [(0, n)]
+    if len(blocks) < pp:
+        return _even(n, pp)
+    per = np.array_split(np.array(blocks), pp)
+    cuts = [0] + [int(chunk[0]) for chunk in per[1:]] + [n]
+    return [(cuts[s], cuts[s + 1]) for s in range(pp)]
+
+
+def _even(n: int, pp: int) -> list[tuple[int, int]]:
+    bounds = np.linspace(0, n, pp + 1).round().astype(int)
+    return [(int(bounds[s]), int(bounds[s + 1])) for s in range(pp)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerLoads:
+    """Per-layer figures summed over a sample of micro-batches, for the range search."""
+
+    time: np.ndarray
+    """[L] forward + backward time over the sample, recompute off."""
+    recompute_time: np.ndarray
+    """[L] extra time with recompute on."""
+    act: np.ndarray
+    """[L] activation bytes of the largest micro-batch, recompute off."""
+    act_rc: np.ndarray
+    """[L] same with recompute on."""
+    transient: np.ndarray
+    """[L] a recomputed layer's full activations for the largest micro-batch."""
+    send: np.ndarray
+    """[L+1] transfer time (both directions) over the sample at the cut before layer c."""
+    static: np.ndarray
+    """[L] static bytes per layer."""
+
+
+def layer_loads(cost: CostModel, T: np.ndarray, S2: np.ndarray) -> LayerLoads:
+    """Cost each layer alone on micro-batches with stream figures T, S2 ([n_mb, K])."""
+    L = len(cost.layers)
+    single = [(i, i + 1) for i in range(L)]
+    off = micro_batch_costs(stage_costs(cost, single, [False] * L), T, S2)
+    on = micro_batch_costs(stage_costs(cost, single, [True] * L), T, S2)
+    big = int(np.argmax(off.act.sum(axis=0))) if T.shape[0] else 0
+    hw = cost.hardware
+    fb = cost.cut_fwd_bytes @ T.T  # [L+1, n_mb]
+    bb = cost.cut_bwd_bytes @ T.T
+    send = (np.where(fb > 0, hw.link_latency_s + fb / hw.link_bytes_per_s, 0.0).sum(axis=1)
+            + np.where(bb > 0, hw.link_latency_s + bb / hw.link_bytes_per_s, 0.0).sum(axis=1))
+    return LayerLoads(time=(off.fwd + off.bwd).sum(axis=1),
+                      recompute_time=(on.bwd - off.bwd).sum(axis=1),
+                      act=off.act[:, big], act_rc=on.act[:, big], transient=on.transient[:, big],
+                      send=send, static=np.array([cost.static_bytes(i, i + 1) for i in range(L)]))
+
+
+def balanced_partition(loads: LayerLoads, pp: int, usable: float, *,
+                       in_flight: Callable[[int], int] | None = None,
+                       allow_recompute: bool = True) -> StagePlan | None:
+    """Minimise the largest stage time (layer time + the sends at its cuts) with every stage in
+    memory; a stage recomputes only where it does not fit otherwise. None if nothing fits."""
+    L = len(loads.time)
+    check_pp(pp, L, "(layers)")
+    in_flight = in_flight or (lambda s: pp - s)
+    ct = np.concatenate([[0.0], np.cumsum(loads.time)])
+    cr = np.concatenate([[0.0], np.cumsum(loads.recompute_time)])
+    ca = np.concatenate([[0.0], np.cumsum(loads.act)])
+    crc = np.concatenate([[0.0], np.cumsum(loads.act_rc)])
+    cs = np.concatenate([[0.0], np.cumsum(loads.static)])
+
+    def stage(s: int, a: int, b: int) -> tuple[float, bool] | None:
+        base = ct[b] - ct[a] + (loads.send[a] if a > 0 else 0.0) + (loads.send[b] if b < L else 0.0)
+        static = cs[b] - cs[a]
+        k = in_flight(s)
+        if static + k * (ca[b] - ca[a]) <= usable:
+            return base, False
+        if allow_recompute:
+            tr = float(loads.transient[a:b].max()) if b > a else 0.0
+            if static + k * (crc[b] - crc[a]) + tr <= usable:
+                return base + cr[b] - cr[a], True
+        return None
+
+    def probe(limit: float) -> StagePlan | None:
+        out, rc, a = [], [], 0
+        for s in range(pp):
+            left = pp - s - 1
+            best = None
+            b = a + 1
+            while b <= L - left:
+                r = stage(s, a, b)
+                if r is None or r[0] > limit:
+                    if b == a + 1:
+                        return None
+                    break
+                best = (b, r[1])
+                b += 1
+            if best is None:
+                return None
+            out.append((a, best[0]))
+            rc.append(best[1])
+            a = best[0]
+        return StagePlan(stages=out, recompute=rc) if a == L else None
+
+    lo, hi = 0.0, float(ct[-1] + cr[-1] + loads.send.sum()) + 1.0
+    best = probe(hi)
+    if best is None:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        plan = probe(mid)
+        if plan is None:
+            lo = mid
+        else:
+            hi, best = mid, plan
+    return best
+
+
+def hill_climb(plan: StagePlan, score: Callable[[StagePlan], float], *, rounds: int = 3,
+               steps: Sequence[int] = (1, 2, 4)) -> tuple[StagePlan, float]:
+    """Move single cuts by a few layers (and toggle recompute) while the score improves."""
+    best, best_s = plan, score(plan)
+    for _ in range(rounds):
+        improved = False
+        for c in range(1, best.pp):
+            for d in steps:
+                for sign in (-1, 1):
+                    st = list(best.stages)
+                    a0, b0 = st[c - 1]
+                    a1, b1 = st[c]
+                    cut = b0 + sign * d
+                    if not a0 < cut < b1:
+                        continue
+                    st[c - 1], st[c] = (a0, cut), (cut, b1)
+                    cand = StagePlan(stages=st, recompute=list(best.recompute))
+                    s = score(cand)
+                    if s < best_s:
+                        best, best_s, improved = cand, s, True
+        for s_i in range(best.pp):
+            rc = list(best.recompute)
+            rc[s_i] = not rc[s_i]
+            cand = StagePlan(stages=list(best.stages), recompute=rc)
+            s = score(cand)
+            if s < best_s:
+                best, best_s, improved = cand, s, True
+        if not improved:
+            break
+    return best, best_s

@@ -1,0 +1,124 @@
+"""Human output of a plan: stage table, per-step prediction, baselines side by side, the
+schedule comparison, and a matplotlib timeline of one step (Agg backend, no display)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from mmpipe.planner.cost import SampleTable, StageCosts
+from mmpipe.planner.schedules import SCHEDULES
+from mmpipe.planner.step import Replicas, StepEval, mb_costs, simulate_replica
+
+GB = 1e9
+MODALITY_COLOURS = {"text": "#9e9e9e", "image": "#1f77b4", "audio": "#2ca02c",
+                    "image+audio": "#9467bd"}
+
+
+def stage_table(sc: StageCosts, evals: Sequence[StepEval]) -> str:
+    """Stage -> layers, recompute, busy share, bubble share and peak memory (mean over steps
+    of the slowest replica; memory: worst step)."""
+    names = sc.cost.names
+    P = sc.pp
+    busy = np.zeros(P)
+    bubble = np.zeros(P)
+    for e in evals:
+        r = e.replicas[e.slowest]
+        if r is None:
+            continue
+        busy += np.asarray(r.busy) / max(r.makespan, 1e-12)
+        bubble += np.asarray(r.bubble)
+    k = max(1, len(evals))
+    peak = np.max([e.peak_bytes for e in evals], axis=0) if evals else sc.static
+    usable = sc.cost.hardware.usable_bytes
+    lines = [f"{'stage':>5}  {'layers':<36} {'#':>3} {'recomp':>6} {'busy':>6} {'bubble':>6} "
+             f"{'static GB':>9} {'peak GB':>8}"]
+    for s, (a, b) in enumerate(sc.stages):
+        span = f"{names[a]} .. {names[b - 1]}"
+        flag = " OVER" if peak[s] > usable else ""
+        lines.append(f"{s:>5}  {span:<36} {b - a:>3} {'on' if sc.recompute[s] else 'off':>6} "
+                     f"{busy[s] / k:>6.1%} {bubble[s] / k:>6.1%} {sc.static[s] / GB:>9.1f} "
+                     f"{peak[s] / GB:>8.1f}{flag}")
+    lines.append(f"usable memory per device: {usable / GB:.1f} GB")
+    return "\n".join(lines)
+
+
+def steps_table(rows: Sequence[tuple[str, Sequence[float], str]], lower: Sequence[float]) -> str:
+    """Per-step predicted time of several policies side by side, with the lower bound."""
+    head = f"{'step':>4} {'lower bound':>11} " + " ".join(f"{name:>14}" for name, _, _ in rows)
+    out = [head]
+    n = len(lower)
+    for k in range(n):
+        cells = []
+        for _, times, _ in rows:
+            cells.append(f"{times[k]:>13.3f}s" if k < len(times) else f"{'-':>14}")
+        out.append(f"{k:>4} {lower[k]:>10.3f}s " + " ".join(cells))
+    means = " ".join(f"{np.mean(t) if len(t) else float('nan'):>13.3f}s" for _, t, _ in rows)
+    out.append(f"{'mean':>4} {np.mean(lower) if n else 0:>10.3f}s {means}")
+    out.append("settings: " + "; ".join(f"{name}: {setting}" for name, _, setting in rows))
+    return "\n".join(out)
+
+
+def schedule_comparison(sc: StageCosts, table: SampleTable, mbs: list[list[int]], *,
+                        packing: bool) -> str:
+    """Makespan, worst bubble and peak activation memory of each schedule on the same
+    micro-batches (one replica)."""
+    c = mb_costs(sc, table, mbs, packing=packing)
+    out = [f"{'schedule':<12} {'makespan':>9} {'bubble':>7} {'peak act GB':>11}"]
+    for name in SCHEDULES:
+        try:
+            r = simulate_replica(sc, c, schedule=name)
+        except ValueError as err:
+            out.append(f"{name:<12} n/a ({err})")
+            continue
+        out.append(f"{name:<12} {r.makespan:>8.3f}s {max(r.bubble):>7.1%} "
+                   f"{max(r.peak_act) / GB:>11.1f}")
+    return "\n".join(out)
+
+
+def plot_timeline(path: str, sc: StageCosts, table: SampleTable, replicas: Replicas, *,
+                  packing: bool, modality: Sequence[str], title: str = "") -> None:
+    """Draw the slowest replica's 1F1B timeline: stages as rows, forward (light) and backward
+    (dark) blocks coloured by the micro-batch's modality."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    times = []
+    for mbs in replicas:
+        times.append(simulate_replica(sc, mb_costs(sc, table, mbs, packing=packing)).makespan
+                     if mbs else 0.0)
+    r = int(np.argmax(times))
+    mbs = replicas[r]
+    res = simulate_replica(sc, mb_costs(sc, table, mbs, packing=packing), events=True)
+    kinds = [_mb_modality(mb, modality) for mb in mbs]
+    fig, ax = plt.subplots(figsize=(12, 0.6 * sc.pp + 1.6))
+    for e in res.events:
+        colour = MODALITY_COLOURS.get(kinds[e.mb], "#ff7f0e")
+        ax.barh(e.device, e.end - e.start, left=e.start, height=0.8, color=colour,
+                alpha=0.55 if e.op == "F" else 1.0, edgecolor="black", linewidth=0.3)
+        if e.end - e.start > res.makespan / 80:
+            ax.text((e.start + e.end) / 2, e.device, f"{e.op}{e.mb}", ha="center",
+                    va="center", fontsize=6)
+    ax.set_yticks(range(sc.pp))
+    ax.set_yticklabels([f"stage {s}" for s in range(sc.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (s)")
+    ax.set_title(title or f"replica {r}: {len(mbs)} micro-batches, {res.makespan:.3f} s")
+    used = sorted(set(kinds))
+    ax.legend(handles=[Patch(color=MODALITY_COLOURS.get(k, "#ff7f0e"), label=k) for k in used]
+              + [Patch(color="white", label="light: forward, dark: backward")],
+              loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _mb_modality(mb: list[int], modality: Sequence[str]) -> str:
+    kinds = {modality[i] for i in mb}
+    has_img = any("image" in k for k in kinds)
+    has_aud = any("audio" in k for k in kinds)
+    return "image+audio" if has_img and has_aud else "image" if has_img else \
+        "audio" if has_aud else "text"

@@ -1,0 +1,95 @@
+"""Judge a planned step: simulate every replica's micro-batches and check memory.
+
+The step time is the slowest replica's makespan; memory per stage is the static bytes plus
+the largest in-flight activation peak over replicas. Every policy (data-aware and baselines)
+is scored by this one function, so comparisons are like for like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from mmpipe.planner.cost import (MicroBatchCosts, SampleTable, StageCosts, mb_streams,
+                                 micro_batch_costs)
+from mmpipe.planner.schedules import make_schedule
+from mmpipe.planner.simulator import SimResult, chunk_values, simulate
+
+Replicas = list[list[list[int]]]
+"""Per replica, its micro-batches in execution order, each a list of sample indices."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepEval:
+    """The simulated outcome of one step."""
+
+    step_time: float
+    """Slowest replica's makespan, s."""
+    replicas: tuple[SimResult | None, ...]
+    """Per replica its simulation (None for a replica without samples)."""
+    peak_bytes: np.ndarray
+    """[P] static + largest in-flight activation peak over replicas."""
+    usable: float
+    """Bytes a device may fill."""
+    costs: tuple[MicroBatchCosts | None, ...]
+    """Per replica its micro-batch costs [P, m]."""
+
+    @property
+    def fits(self) -> bool:
+        return bool(np.all(self.peak_bytes <= self.usable * (1 + 1e-9)))
+
+    @property
+    def slowest(self) -> int:
+        times = [r.makespan if r else 0.0 for r in self.replicas]
+        return int(np.argmax(times))
+
+
+def mb_costs(sc: StageCosts, table: SampleTable, mbs: Sequence[Sequence[int]], *,
+             packing: bool) -> MicroBatchCosts:
+    T, S2 = mb_streams(table, mbs, packing=packing)
+    return micro_batch_costs(sc, T, S2)
+
+
+def simulate_replica(sc: StageCosts, c: MicroBatchCosts, *, schedule: str = "1f1b",
+                     events: bool = False) -> SimResult:
+    """Simulate one replica given its micro-batch costs [P, m] under a named schedule."""
+    P, m = c.fwd.shape
+    sch = make_schedule(schedule, P, m)
+    if sch.chunks == P:
+        return simulate(sch, fwd=c.fwd, bwd=c.bwd_in, wgrad=c.bwd_w, send_fwd=c.send_fwd,
+                        send_bwd=c.send_bwd, act=c.act, transient=c.transient, events=events)
+    # several chunks per device: each device's layers split evenly over its chunks; sends
+    # happen at every chunk boundary that changes device
+    V = sch.chunks
+    sf = np.stack([c.send_fwd[min(sch.device_of[v], P - 2)] if P > 1 else np.zeros(m)
+                   for v in range(V)])
+    sb = np.stack([c.send_bwd[max(sch.device_of[v], 1)] if P > 1 else np.zeros(m)
+                   for v in range(V)])
+    return simulate(sch, fwd=chunk_values(sch, c.fwd), bwd=chunk_values(sch, c.bwd_in),
+                    wgrad=chunk_values(sch, c.bwd_w), send_fwd=sf, send_bwd=sb,
+                    act=chunk_values(sch, c.act), transient=chunk_values(sch, c.transient),
+                    events=events)
+
+
+def evaluate_step(sc: StageCosts, table: SampleTable, replicas: Replicas, *, packing: bool,
+                  schedule: str = "1f1b", events: bool = False) -> StepEval:
+    """Simulate every replica of a step (sample indices are rows of `table`)."""
+    P = sc.pp
+    sims: list[SimResult | None] = []
+    costs: list[MicroBatchCosts | None] = []
+    peak_act = np.zeros(P)
+    for mbs in replicas:
+        if not mbs:
+            sims.append(None)
+            costs.append(None)
+            continue
+        c = mb_costs(sc, table, mbs, packing=packing)
+        r = simulate_replica(sc, c, schedule=schedule, events=events)
+        sims.append(r)
+        costs.append(c)
+        peak_act = np.maximum(peak_act, np.asarray(r.peak_act))
+    step_time = max((r.makespan for r in sims if r is not None), default=0.0)
+    return StepEval(step_time=step_time, replicas=tuple(sims), peak_bytes=sc.static + peak_act,
+                    usable=sc.cost.hardware.usable_bytes, costs=tuple(costs))

@@ -1,0 +1,154 @@
+"""Model assembly: layer names and order, placeholder merging, the text-only path, packing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from mmpipe.config import PROJECT_ROOT
+from mmpipe.model import carrier as C
+from mmpipe.model.layers import build_layer, build_layers, run_layers, token_loss
+from mmpipe.model.spec import is_trainable, layer_names, spec_from_dict
+from mmpipe.planner.features import audio_frames, audio_tokens, image_tokens, resize_image
+from mmpipe.runtime.batch import collate
+
+IMG, AUD = 5, 6
+
+
+def tiny():
+    return spec_from_dict(yaml.safe_load((PROJECT_ROOT / "conf/model/tiny.yaml").read_text()))
+
+
+class FakeSample:
+    def __init__(self, key, spec, rng, images=(), clips=(), text=12):
+        self.key, self.images, self.audio = key, [], []
+        ids, labels = [1, 3], [-100, -100]
+        for h, w in images:
+            rh, rw = resize_image(spec.vision, h, w)
+            self.images.append(rng.integers(0, 256, (rh, rw, 3), dtype=np.uint8))
+            n = image_tokens(spec.vision, h, w)
+            ids += [IMG] * n
+            labels += [-100] * n
+        for s in clips:
+            self.audio.append(rng.standard_normal((spec.audio.mel_bins, audio_frames(spec.audio, s))).astype(np.float32))
+            n = audio_tokens(spec.audio, s)
+            ids += [AUD] * n
+            labels += [-100] * n
+        words = [int(x) for x in rng.integers(10, 200, text)]
+        ids += [4] + words
+        labels += [-100] + words
+        self.input_ids, self.labels = ids, labels
+
+
+@pytest.fixture
+def spec():
+    return tiny()
+
+
+@pytest.fixture
+def layers(spec):
+    return build_layers(spec, seed=0, image_token=IMG, audio_token=AUD)
+
+
+def test_layer_names_follow_the_grammar_in_order(spec):
+    names = layer_names(spec)
+    assert names == (["vision.embed", "vision.block.0", "vision.block.1", "vision.proj",
+                      "audio.embed", "audio.block.0", "audio.block.1", "audio.proj",
+                      "llm.embed", "llm.block.0", "llm.block.1", "llm.block.2", "llm.block.3",
+                      "llm.norm", "llm.head"])
+
+
+def test_every_preset_lists_layers_without_building_weights():
+    for path in sorted((PROJECT_ROOT / "conf/model").glob("*.yaml")):
+        spec = spec_from_dict(yaml.safe_load(path.read_text()))
+        names = layer_names(spec)
+        assert names[-2:] == ["llm.norm", "llm.head"]
+        assert names.count("llm.embed") == 1
+        assert len([n for n in names if n.startswith("llm.block.")]) == spec.llm.blocks
+
+
+def test_spec_errors_name_the_key():
+    cfg = yaml.safe_load((PROJECT_ROOT / "conf/model/tiny.yaml").read_text())
+    cfg["vision"]["hiden"] = 3
+    with pytest.raises(ValueError, match=r"model\.vision\.hiden is not a setting"):
+        spec_from_dict(cfg)
+    cfg = yaml.safe_load((PROJECT_ROOT / "conf/model/tiny.yaml").read_text())
+    cfg["audio"]["proj"] = [64]
+    with pytest.raises(ValueError, match=r"model\.audio\.proj ends in 64 but model\.llm\.hidden=128"):
+        spec_from_dict(cfg)
+
+
+def test_trainable_prefixes():
+    assert is_trainable("vision.proj", ("vision.proj", "llm"))
+    assert not is_trainable("vision.block.0", ("vision.proj", "llm"))
+    assert is_trainable("llm.block.3", ("llm",))
+    assert is_trainable("audio.embed", ("all",))
+
+
+def test_a_layer_is_the_same_whoever_builds_it(spec, layers):
+    alone = build_layer(spec, "llm.block.2", seed=0, image_token=IMG, audio_token=AUD)
+    for k, v in alone.state_dict().items():
+        assert torch.equal(v, layers[11].state_dict()[k])
+    other_seed = build_layer(spec, "llm.block.2", seed=1, image_token=IMG, audio_token=AUD)
+    assert not torch.equal(other_seed.state_dict()["block.mlp.up_proj.weight"],
+                           alone.state_dict()["block.mlp.up_proj.weight"])
+
+
+def test_image_and_audio_embeddings_land_on_their_placeholders(spec, layers):
+    rng = np.random.default_rng(0)
+    s = FakeSample("a", spec, rng, images=[(40, 72)], clips=[0.9])
+    mb = collate([s], patch=spec.vision.patch, packed=True, pad_id=0)
+    x = mb.carrier
+    for layer in layers[:8]:  # encoders and projectors
+        x = layer(x)
+    img, aud = x[C.IMAGE], x[C.AUDIO]
+    assert img.shape == (image_tokens(spec.vision, 40, 72), spec.llm.hidden)
+    assert aud.shape == (audio_tokens(spec.audio, 0.9), spec.llm.hidden)
+    h = layers[8](x)[C.HIDDEN][0]
+    ids = torch.tensor(s.input_ids)
+    torch.testing.assert_close(h[ids == IMG], img)
+    torch.testing.assert_close(h[ids == AUD], aud)
+    text = (ids != IMG) & (ids != AUD)
+    torch.testing.assert_close(h[text], layers[8].embed.weight[ids[text]])
+
+
+def test_text_only_sample_runs_no_encoder_work(spec, layers):
+    rng = np.random.default_rng(1)
+    s = FakeSample("t", spec, rng, text=30)
+    mb = collate([s], patch=spec.vision.patch, packed=True, pad_id=0)
+    seen = []
+    for layer in layers[:8]:
+        layer.register_forward_hook(lambda m, i, o: seen.append(o[C.IMAGE].numel() + o[C.AUDIO].numel()))
+    full = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0])))
+    assert seen == [0] * 8  # every encoder layer saw empty input
+    llm_only = token_loss(run_layers(layers[8:], mb.carrier), (mb.targets, torch.tensor([1.0])))
+    assert float(full) == pytest.approx(float(llm_only), rel=1e-6)
+
+
+def test_packed_and_padded_micro_batches_give_equal_loss_and_grads(spec, layers):
+    rng = np.random.default_rng(2)
+    samples = [FakeSample("a", spec, rng, images=[(30, 30)], text=5),
+               FakeSample("b", spec, rng, clips=[1.7], text=40),
+               FakeSample("c", spec, rng, images=[(100, 20), (16, 16)], clips=[0.4], text=9)]
+    results = []
+    for packed in (True, False):
+        for l in layers:
+            l.zero_grad()
+        mb = collate(samples, patch=spec.vision.patch, packed=packed, pad_id=0)
+        loss = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0 / mb.label_tokens])))
+        loss.backward()
+        results.append((float(loss), [p.grad.clone() for l in layers for p in l.parameters()]))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_wire_format_roundtrips_frozen_floats():
+    t = torch.randn(3, 4)
+    wire = C.to_wire(t)
+    assert not wire.is_floating_point()
+    assert torch.equal(C.from_wire(wire, torch.float32), t)
+    g = torch.randn(2, requires_grad=True) * 1
+    assert C.to_wire(g) is g  # a float with a gradient travels as a float

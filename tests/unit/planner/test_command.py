@@ -1,0 +1,103 @@
+import json
+
+import numpy as np
+import pytest
+
+from mmpipe.model.spec import layer_names
+from mmpipe.planner.command import run_plan
+
+from .helpers import hardware, model
+
+
+def _trace(path, n, seed=0, audio=True):
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as fh:
+        for _ in range(n):
+            k = rng.integers(0, 3)
+            obj = {"text_tokens": int(rng.integers(5, 200))}
+            if k == 1:
+                obj["images"] = [[int(rng.integers(16, 128)), int(rng.integers(16, 128))]]
+            elif k == 2 and audio:
+                obj["audio_seconds"] = [float(rng.uniform(0.5, 8))]
+            fh.write(json.dumps(obj) + "\n")
+    return str(path)
+
+
+def _plan(tmp_path, **kw):
+    args = dict(model=model("tiny"), hardware=hardware("cpu"), pp=2, dp=2, global_batch=16,
+                micro_batches=2, trainable=("all",), policy="data-aware",
+                trace_path=_trace(tmp_path / "t.jsonl", 40), out=str(tmp_path / "plan.json"),
+                steps=None, plot=None)
+    args.update(kw)
+    return run_plan(**args)
+
+
+def test_plan_json_schema_tiny_cpu(tmp_path, capsys):
+    plan = _plan(tmp_path, plot=str(tmp_path / "tl.png"), compare_schedules=True)
+    on_disk = json.loads((tmp_path / "plan.json").read_text())
+    assert on_disk == plan
+    assert plan["version"] == 1 and plan["model"] == "tiny" and plan["schedule"] == "1f1b"
+    assert plan["layers"] == layer_names(model("tiny"))
+    st = plan["stages"]
+    assert len(st) == 2 and st[0][0] == 0 and st[-1][1] == len(plan["layers"]) and st[0][1] == st[1][0]
+    assert len(plan["recompute"]) == 2 and isinstance(plan["packing"], bool)
+    assert len(plan["steps"]) == 2  # 40 samples // 16: two full steps
+    for k, step in enumerate(plan["steps"]):
+        reps = step["replicas"]
+        assert len(reps) == 2
+        ids = sorted(i for rep in reps for mb in rep for i in mb)
+        assert ids == list(range(16 * k, 16 * (k + 1)))
+        assert all(mb for rep in reps for mb in rep)
+    assert len(plan["predicted"]["step_time_s"]) == 2
+    out = capsys.readouterr().out
+    assert "ds-default" in out and "llava-grouped" in out and "packed-ffd" in out and "bubble" in out
+    assert "zb-h1" in out and "v-min" in out
+    assert (tmp_path / "tl.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("policy", ["ds-default", "llava-grouped", "packed-ffd"])
+def test_baseline_policies_write_valid_plans(tmp_path, policy):
+    plan = _plan(tmp_path, policy=policy, steps=1)
+    assert len(plan["steps"]) == 1
+    ids = sorted(i for rep in plan["steps"][0]["replicas"] for mb in rep for i in mb)
+    assert ids == list(range(16))
+    assert plan["packing"] == (policy == "packed-ffd")
+
+
+def test_stage_override_is_used(tmp_path):
+    plan = _plan(tmp_path, stages=[("vision.embed", "llm.block.0"), ("llm.block.1", "llm.head")])
+    assert plan["stages"] == [[0, 10], [10, 15]]
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"plan.policy='fastest' is unknown"):
+        _plan(tmp_path, policy="fastest")
+    with pytest.raises(ValueError, match=r"parallel.pp=16 is larger than the 15 layers"):
+        _plan(tmp_path, pp=16)
+    with pytest.raises(ValueError, match=r"train.trainable=\[visoin\]"):
+        _plan(tmp_path, trainable=("visoin",))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text_tokens": 3}\n{"text_tokens": -1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl line 2"):
+        _plan(tmp_path, trace_path=str(bad))
+    with pytest.raises(ValueError, match=r"fewer than train.global_batch=16"):
+        _plan(tmp_path, trace_path=_trace(tmp_path / "short.jsonl", 5))
+
+
+def test_data_aware_not_slower_than_baselines_on_7b_slice(tmp_path):
+    trace = tmp_path / "mix.jsonl"
+    rng = np.random.default_rng(7)
+    with open(trace, "w") as fh:
+        for _ in range(128):
+            if rng.random() < 0.8:
+                fh.write(json.dumps({"text_tokens": int(rng.integers(10, 400)), "images": [[336, 336]]}) + "\n")
+            else:
+                fh.write(json.dumps({"text_tokens": int(rng.integers(500, 3000))}) + "\n")
+    plan = run_plan(model=model("llava-1.5-7b"), hardware=hardware("h100"), pp=4, dp=2, global_batch=64,
+                    micro_batches=4, trainable=("vision.proj", "llm"), policy="data-aware",
+                    trace_path=str(trace), out=None, steps=None, plot=None, quiet=True)
+    ours = np.mean(plan["predicted"]["step_time_s"])
+    assert plan["predicted"]["fits"]
+    for name, b in plan["predicted"]["baselines"].items():
+        assert ours <= np.mean(b["step_time_s"]), name
+    assert ours >= np.mean(plan["predicted"]["lower_bound_s"])

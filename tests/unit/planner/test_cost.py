@@ -1,0 +1,110 @@
+import numpy as np
+import pytest
+
+from mmpipe.planner.cost import (build_cost_model, mb_streams, micro_batch_costs, sample_table,
+                                 stage_costs, validate_trainable)
+from mmpipe.planner.features import SampleFeatures
+
+from .helpers import hardware, model
+
+
+def _text(n):
+    return SampleFeatures(image_positions=(), image_tokens=(), audio_positions=(), audio_tokens=(),
+                          text_tokens=n)
+
+
+def _layer(cost, name):
+    return next(l for l in cost.layers if l.name == name)
+
+
+def test_freeze_aware_backward_factors():
+    m, hw = model("qwen2-vl-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("vision.proj", "llm"), dp=2)
+    # frozen with nothing trainable upstream: no backward, no activations
+    assert _layer(c, "vision.block.5").bwd_factor == 0 and _layer(c, "vision.block.5").act_bytes == 0
+    assert _layer(c, "vision.proj").bwd_factor == 2 and _layer(c, "llm.block.3").bwd_factor == 2
+    c2 = build_cost_model(model=m, hardware=hw, trainable=("vision",), dp=1)
+    # frozen LLM that gradients must cross to reach the trainable vision tower: 1x, keeps acts
+    assert _layer(c2, "llm.block.3").bwd_factor == 1 and _layer(c2, "llm.block.3").act_bytes > 0
+    assert _layer(c2, "vision.block.0").bwd_factor == 2
+
+
+def test_llm_block_flops_and_activation_rule():
+    m, hw = model("llava-1.5-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("all",), dp=1)
+    blk = _layer(c, "llm.block.0")
+    assert blk.lin_flops == pytest.approx(2 * blk.params, rel=1e-3)  # 2 * params per token
+    assert blk.attn_flops == 2 * 4096  # causal: 2 s^2 h
+    assert _layer(c, "vision.block.0").attn_flops == 4 * 1024  # bidirectional: 4 s^2 h
+    assert blk.act_bytes == 34 * 4096 and blk.recompute_bytes == 2 * 4096
+    assert _layer(c, "llm.head").act_bytes == 6 * 32000
+
+
+def test_static_memory_zero1():
+    m, hw = model("llava-1.5-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("llm",), dp=4)
+    blk = _layer(c, "llm.block.0")
+    vb = _layer(c, "vision.block.0")
+    i = c.names.index("llm.block.0")
+    j = c.names.index("vision.block.0")
+    assert c.static_bytes(i, i + 1) == pytest.approx(blk.params * (4 + 12 / 4))
+    assert c.static_bytes(j, j + 1) == pytest.approx(vb.params * 2)
+
+
+def test_padding_costs_more_than_packing_and_attention_is_per_sample():
+    m, hw = model("llava-1.5-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("llm",), dp=1)
+    sc = stage_costs(c, [(0, len(c.layers))])
+    t = sample_table([_text(100), _text(1900)])
+    packed = micro_batch_costs(sc, *mb_streams(t, [[0, 1]], packing=True))
+    padded = micro_batch_costs(sc, *mb_streams(t, [[0, 1]], packing=False))
+    assert padded.fwd[0, 0] > packed.fwd[0, 0]
+    one = micro_batch_costs(sc, *mb_streams(t, [[1]], packing=True))
+    assert packed.fwd[0, 0] > one.fwd[0, 0]
+    equal = sample_table([_text(500), _text(500)])
+    a = micro_batch_costs(sc, *mb_streams(equal, [[0, 1]], packing=True))
+    b = micro_batch_costs(sc, *mb_streams(equal, [[0, 1]], packing=False))
+    assert a.fwd[0, 0] == pytest.approx(b.fwd[0, 0])
+
+
+def test_small_micro_batches_are_less_efficient():
+    m, hw = model("llava-1.5-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("llm",), dp=1)
+    sc = stage_costs(c, [(0, len(c.layers))])
+    t = sample_table([_text(64)] * 64)
+    one = micro_batch_costs(sc, *mb_streams(t, [[i] for i in range(64)], packing=True))
+    big = micro_batch_costs(sc, *mb_streams(t, [list(range(64))], packing=True))
+    assert one.fwd.sum() > 1.5 * big.fwd.sum()
+
+
+def test_recompute_trades_memory_for_time():
+    m, hw = model("llava-1.5-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("llm",), dp=1)
+    t = sample_table([_text(2000)])
+    T, S2 = mb_streams(t, [[0]], packing=True)
+    off = micro_batch_costs(stage_costs(c, [(30, 50)], [False]), T, S2)
+    on = micro_batch_costs(stage_costs(c, [(30, 50)], [True]), T, S2)
+    assert on.act[0, 0] < off.act[0, 0] / 5
+    assert on.bwd[0, 0] == pytest.approx(off.bwd[0, 0] + off.fwd[0, 0], rel=1e-6)
+    assert on.transient[0, 0] > 0 and off.transient[0, 0] == 0
+
+
+def test_boundary_bytes_are_the_hidden_state():
+    m, hw = model("llava-1.5-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("llm",), dp=1)
+    i = c.names.index("llm.block.10")
+    assert c.cut_fwd_bytes[i, 4] == 2 * 4096 and c.cut_bwd_bytes[i, 4] == 2 * 4096
+    j = c.names.index("vision.block.10")
+    assert c.cut_fwd_bytes[j, 0] == 2 * 1024 and c.cut_bwd_bytes[j, 0] == 0  # frozen tower
+
+
+def test_validate_trainable_error_text():
+    m = model("qwen2-vl-7b")
+    with pytest.raises(ValueError) as err:
+        validate_trainable(["visoin"], m)
+    msg = str(err.value)
+    assert "train.trainable=[visoin]" in msg and "qwen2-vl-7b" in msg
+    assert "use all, vision, vision.proj or llm" in msg
+    assert validate_trainable(["vision.proj", "llm"], m) == ("vision.proj", "llm")
+    with pytest.raises(ValueError, match="audio"):
+        validate_trainable(["audio"], m)

@@ -1,0 +1,100 @@
+"""Every config composes and validates; mistakes fail fast with the key, the value and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mmpipe.cli import CONF_DIR, load, main
+from mmpipe.config import PROJECT_ROOT, parse_stages, stages_to_bounds
+
+TRACE = str(PROJECT_ROOT / "tests/unit/trace_small.jsonl")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_trace():
+    p = Path(TRACE)
+    p.write_text('{"text_tokens": 30, "images": [[336, 336]]}\n' * 4)
+    yield
+    p.unlink()
+
+
+def _overrides_for(group: str, name: str) -> list[str]:
+    extra = {"trace": ["data.path=" + TRACE]}.get(name, [])
+    if group == "model" and name != "tiny":
+        extra = ["data=trace", "data.path=" + TRACE]
+    return [f"{group}={name}", *extra]
+
+
+@pytest.mark.parametrize("group", ["model", "data", "hardware"])
+def test_every_yaml_in_conf_composes_and_validates(group):
+    names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    assert names
+    for name in names:
+        rc = load(_overrides_for(group, name), job="test")
+        assert rc.parallel.pp >= 1
+
+
+def test_every_recipe_composes_and_validates():
+    for path in sorted((PROJECT_ROOT / "recipes").glob("*.yaml")):
+        header = path.read_text().splitlines()[0]
+        assert header.startswith("# mmpipe "), f"{path.name} must open with its launch command"
+        extra = ["data.path=" + TRACE] if "data: trace" in path.read_text() or "- override /data: trace" in path.read_text() else []
+        rc = load([f"recipes={path.stem}", *extra], job="test")
+        assert rc.model.name
+
+
+def test_unknown_key_names_the_key_and_the_nearest_real_one(capsys):
+    assert main(["train", "train.stpes=3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.stpes=3: no such config key; did you mean train.steps?" in err
+
+
+def test_process_count_must_match_pp_times_dp(capsys):
+    assert main(["train", "parallel.pp=2", "parallel.dp=2", "launcher.nproc=2"]) == 2
+    err = capsys.readouterr().err
+    assert "launcher.nproc=2 does not equal parallel.pp * parallel.dp = 2 * 2 = 4" in err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.pp=40"], "parallel.pp=40 exceeds the 15 layers of model tiny"),
+    (["train.global_batch=15", "parallel.dp=2", "parallel.pp=1"], "train.global_batch=15 is not divisible by parallel.dp=2"),
+    (["train.micro_batches=20"], "train.micro_batches=20 exceeds the 16 samples"),
+    (["plan.policy=fastest"], "plan.policy='fastest' is unknown"),
+    (["train.trainable=[visoin]"], "train.trainable entry 'visoin' is unknown"),
+    (["data.on_error=ignore"], "data.on_error='ignore' is unknown; use skip or raise"),
+    (["model.llm.heads=5"], "model.llm.hidden=128 is not divisible by model.llm.heads=5"),
+])
+def test_config_mistakes_fail_before_launch(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+LAYERS = ["vision.embed", "vision.block.0", "vision.proj", "llm.embed", "llm.block.0", "llm.block.1", "llm.head"]
+
+
+def test_stage_override_parses_both_syntaxes():
+    assert parse_stages([["vision.embed", "llm.embed"], ["llm.block.0", "llm.head"]]) == (
+        ("vision.embed", "llm.embed"), ("llm.block.0", "llm.head"))
+    assert parse_stages("vision.embed:llm.embed,llm.block.0:llm.head") == (
+        ("vision.embed", "llm.embed"), ("llm.block.0", "llm.head"))
+    assert stages_to_bounds(parse_stages("vision.embed:llm.embed,llm.block.0:llm.head"), LAYERS) == [(0, 4), (4, 7)]
+
+
+@pytest.mark.parametrize("stages, message", [
+    ("vision.embed:llm.embed,llm.block.1:llm.head", "stage 1 starts at llm.block.1 and leaves llm.block.0 uncovered"),
+    ("vision.embed:llm.embed,llm.embed:llm.head", "stage 1 starts at llm.embed and overlaps the previous stage"),
+    ("vision.embed:llm.embed,llm.block.0:llm.block.1", "leaving llm.head uncovered"),
+    ("vision.embed:llm.embd,llm.block.0:llm.head", "stage 0 names layer 'llm.embd', which the model does not have"),
+    ("llm.embed:vision.embed,llm.block.0:llm.head", "stage 0 [llm.embed,vision.embed] is empty or reversed"),
+])
+def test_stage_override_must_tile_the_layers(stages, message):
+    with pytest.raises(ValueError, match=None) as err:
+        stages_to_bounds(parse_stages(stages), LAYERS)
+    assert message in str(err.value)
+
+
+def test_stage_count_must_equal_pp(capsys):
+    assert main(["train", "parallel.pp=3", "plan.stages=[[vision.embed,llm.embed],[llm.block.0,llm.head]]"]) == 2
+    assert "plan.stages gives 2 stages but parallel.pp=3" in capsys.readouterr().err
