@@ -1,56 +1,59 @@
-"""Feeding the pipeline: a replica's samples, grouped into steps, cut into micro-batches.
+"""Feeding the pipeline: a replica's samples, grouped into steps, planned into micro-batches.
 
 The first and the last stage of a replica each run their own StepFeeder over the same shards
-with the same seed and the same (deterministic) policy, so they build identical micro-batches
-without talking to each other.
+with the same seed and the same deterministic planner, so they build identical micro-batches
+without talking to each other. Planning, decoding and collation run in a background thread,
+one step ahead of the step being trained, so they do not stall the pipeline.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
 from mmpipe.data.reader import Sample, iter_samples
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
+from mmpipe.planner.api import plan_step
+from mmpipe.planner.cost import build_cost_model
+from mmpipe.planner.features import features
+from mmpipe.planner.hardware import hardware_from_dict
+from mmpipe.planner.partition import StagePlan
 from mmpipe.runtime.batch import MicroBatch, collate
 
-
-def split_contiguous(n: int, parts: int) -> list[list[int]]:
-    """Stream order cut into `parts` consecutive groups of near-equal count."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
+PACKED_POLICIES = ("data-aware", "packed-ffd")
 
 
-def split_balanced(lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Longest-first greedy: each sample to the group with the fewest tokens so far."""
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        g = min(range(parts), key=lambda g: (load[g], len(groups[g]), g))
-        groups[g].append(i)
-        load[g] += lengths[i]
-    return [sorted(g) for g in groups]
+@dataclass(frozen=True, slots=True)
+class PlannedStep:
+    """One replica's step, ready to train."""
+
+    micro_batches: list[MicroBatch]
+    """In execution order."""
+    plan_seconds: float
+    """Time spent planning it (in the background thread)."""
+    feed_seconds: float
+    """Time spent reading, decoding and collating it (in the background thread)."""
 
 
 class StepFeeder:
-    """Yields, step after step, the micro-batches of one data-parallel replica."""
+    """Yields, step after step, the planned micro-batches of one data-parallel replica."""
 
     def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan,
-                 record: Path | None = None):
+                 record: Path | None = None, prefetch: int = 2):
         self.rc = rc
         self.tokenizer = tokenizer
-        self.stage_plan = stage_plan
         self.skips = SkipCounter()
         self.per_replica = rc.train.global_batch // rc.parallel.dp
-        self.steps_done = 0
+        self.packed = rc.plan.policy in PACKED_POLICIES
+        self.stage_plan = StagePlan(stages=list(stage_plan.stages), recompute=list(stage_plan.recompute))
+        self.cost = build_cost_model(model=rc.model, hardware=hardware_from_dict(rc.hardware),
+                                     trainable=rc.train.trainable, dp=rc.parallel.dp)
         self._record = record.open("w") if record else None
         self._samples = iter_samples(
             path=resolve_path(rc.data.path), tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank,
@@ -60,6 +63,19 @@ class StepFeeder:
         )
         v = rc.model.vision
         self.patch = v.patch if v is not None else 1
+        self.steps_made = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self._thread = threading.Thread(target=self._produce, name="mmpipe-feeder", daemon=True)
+        self._thread.start()
+
+    # -- background thread -------------------------------------------------------------
+
+    def _produce(self) -> None:
+        try:
+            for _ in range(self.rc.train.steps):
+                self._queue.put(self._make_step())
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread
+            self._queue.put(err)
 
     def _take(self) -> list[Sample]:
         out = []
@@ -68,24 +84,37 @@ class StepFeeder:
             if len(out) == self.per_replica:
                 return out
         raise RuntimeError(
-            f"data ran out after {self.steps_done} steps ({len(out)} samples left, {self.per_replica} needed "
+            f"data ran out after {self.steps_made} steps ({len(out)} samples left, {self.per_replica} needed "
             f"per replica per step); set data.epochs=null to repeat the shards, or lower train.steps"
         )
 
-    def next_step(self) -> list[MicroBatch]:
+    def _make_step(self) -> PlannedStep:
+        t0 = time.perf_counter()
         samples = self._take()
-        groups, packed = self.split(samples)
-        mbs = [collate([samples[i] for i in g], patch=self.patch, packed=packed, pad_id=self.tokenizer.pad_id)
-               for g in groups]
-        self.steps_done += 1
+        t1 = time.perf_counter()
+        groups = self.split(samples)
+        t2 = time.perf_counter()
+        mbs = [collate([samples[i] for i in g], patch=self.patch, packed=self.packed,
+                       pad_id=self.tokenizer.pad_id) for g in groups]
+        self.steps_made += 1
         if self._record:
-            self._record.write(json.dumps({"step": self.steps_done, "micro_batches": [list(m.keys) for m in mbs]}) + "\n")
+            self._record.write(json.dumps({"step": self.steps_made,
+                                           "micro_batches": [list(m.keys) for m in mbs]}) + "\n")
             self._record.flush()
-        return mbs
+        t3 = time.perf_counter()
+        return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t3 - t2))
 
-    def split(self, samples: list[Sample]) -> tuple[list[list[int]], bool]:
-        """Micro-batches (indices into `samples`, in execution order) and whether they are packed."""
-        m = self.rc.train.micro_batches
-        if self.rc.plan.policy == "ds-default":
-            return split_contiguous(len(samples), m), False
-        return split_balanced([s.llm_len for s in samples], m), True
+    def split(self, samples: list[Sample]) -> list[list[int]]:
+        """Micro-batches of one replica's step (indices into `samples`, in execution order)."""
+        feats = [features(self.rc.model, s.meta) for s in samples]
+        replicas = plan_step(policy=self.rc.plan.policy, features=feats, stage_plan=self.stage_plan,
+                             cost=self.cost, dp=1, micro_batches=self.rc.train.micro_batches)
+        return [list(mb) for mb in replicas[0]]
+
+    # -- training thread ---------------------------------------------------------------
+
+    def next_step(self) -> PlannedStep:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item

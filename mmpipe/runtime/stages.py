@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mmpipe.config import RunConfig
+from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
 from mmpipe.model.spec import ModelSpec, layer_names
+from mmpipe.planner.api import plan_stages
+from mmpipe.planner.features import SampleFeatures, features
+from mmpipe.planner.hardware import hardware_from_dict
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -19,7 +22,7 @@ class StageChoice:
     recompute: list[bool]
     """Activation recomputation per stage."""
     source: str
-    """`override` (plan.stages), `planner` or `parameters`."""
+    """`override` (plan.stages) or `planner (<policy>)`."""
 
 
 def layer_param_counts(spec: ModelSpec) -> list[int]:
@@ -62,13 +65,38 @@ def balance_by_parameters(counts: list[int], parts: int) -> list[tuple[int, int]
     return bounds[::-1]
 
 
+def workload_sample(rc: RunConfig, *, steps: int = 4) -> list[SampleFeatures]:
+    """Features of the first `steps` global steps, read from the shards' metadata only.
+
+    Every rank computes the same list (same shards, same order), so every rank derives the
+    same stage plan without talking to the others.
+    """
+    from mmpipe.data.reader import iter_meta
+
+    per_replica = rc.train.global_batch // rc.parallel.dp
+    out: list[SampleFeatures] = []
+    for r in range(rc.parallel.dp):
+        metas = iter_meta(path=resolve_path(rc.data.path), dp_rank=r, dp_size=rc.parallel.dp,
+                          seed=rc.train.seed, epochs=1, shuffle_buffer=rc.data.shuffle_buffer,
+                          root=PROJECT_ROOT, spec=rc.model)
+        for n, (_, meta) in enumerate(metas):
+            if n >= per_replica * steps:
+                break
+            out.append(features(rc.model, meta))
+    return out
+
+
 def choose_stages(rc: RunConfig) -> StageChoice:
-    """The override when given, else the planner's partition, else a parameter balance."""
+    """The user's override when given (it always wins), else the policy's partition, planned
+    on the first steps of the real data with the configured hardware's cost model."""
     pp = rc.parallel.pp
     if rc.stage_bounds is not None:
         return StageChoice(stages=rc.stage_bounds, recompute=[False] * pp, source="override")
-    return StageChoice(stages=balance_by_parameters(layer_param_counts(rc.model), pp),
-                       recompute=[False] * pp, source="parameters")
+    plan = plan_stages(model=rc.model, hardware=hardware_from_dict(rc.hardware), pp=pp, dp=rc.parallel.dp,
+                       trainable=rc.train.trainable, sample=workload_sample(rc),
+                       micro_batches=rc.train.micro_batches, policy=rc.plan.policy)
+    return StageChoice(stages=list(plan.stages), recompute=list(plan.recompute),
+                       source=f"planner ({rc.plan.policy})")
 
 
 def format_stage_table(rc: RunConfig, choice: StageChoice, names: list[str]) -> str:

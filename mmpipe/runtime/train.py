@@ -103,12 +103,14 @@ def train(rc: RunConfig) -> RunResult:
     t_start = time.perf_counter()
     for step in range(1, rc.train.steps + 1):
         t0 = time.perf_counter()
-        mbs: list[MicroBatch] = feeder.next_step() if feeder else []
+        planned = feeder.next_step() if feeder else None
+        mbs: list[MicroBatch] = planned.micro_batches if planned else []
+        _agree_on_micro_batches(engine, len(mbs), rc.parallel.dp)
         counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
                                sum(m.tokens for m in mbs)], dtype=torch.float64)
         if first or last:
             dist.all_reduce(counts, group=dp_group)  # whole-step figures, all replicas
-        scale = rc.train.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
+        scale = engine.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
         it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
         if step == 1 and rank == 0:
             print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
@@ -136,6 +138,18 @@ def train(rc: RunConfig) -> RunResult:
         _summary(rc, result, run_dir)
     dist.barrier()
     return result
+
+
+def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
+    """The planner may choose a different micro-batch count each step; the first stage tells
+    the rest of its pipeline (middle stages read no data), and DeepSpeed's schedule follows."""
+    m = torch.tensor([mine], dtype=torch.long)
+    dist.broadcast(m, src=engine.grid.stage_to_global(0), group=engine.grid.get_pipe_parallel_group())
+    count = int(m.item())
+    if engine.is_last_stage() and mine != count:
+        raise RuntimeError(f"first and last stage planned different steps ({count} vs {mine} micro-batches)")
+    if count != engine.micro_batches:
+        engine.set_train_batch_size(count * dp)
 
 
 def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module) -> None:
