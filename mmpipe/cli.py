@@ -99,6 +99,8 @@ COMMANDS: dict[str, Callable[[RunConfig], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The deepspeed launcher inserts --local_rank=N; ranks come from the environment instead.
+    argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
@@ -106,8 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"mmpipe: unknown command {cmd!r}; use one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
-    bad = [o for o in overrides if o.startswith("--local_rank") or o.startswith("--local-rank")]
-    overrides = [o for o in overrides if o not in bad]  # the deepspeed launcher's argument; ranks come from env
     try:
         rc = load(overrides, job=cmd)
     except Exception as err:  # noqa: BLE001

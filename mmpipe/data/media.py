@@ -148,15 +148,90 @@ def log_mel(x: np.ndarray, a: AudioSpec, seconds: float) -> np.ndarray:
     return ((logm + 4.0) / 4.0).numpy().astype(np.float32, copy=False)
 
 
-def decode_audio(data: bytes, a: AudioSpec) -> DecodedAudio:
-    """Decode WAV bytes to log-mel features by the audio rules (resampled to a.sample_rate).
+def decode_audio(data: bytes, a: AudioSpec, ext: str = "wav") -> DecodedAudio:
+    """Decode WAV (or FLAC) bytes to log-mel features by the audio rules (resampled to a.sample_rate).
 
     Raises:
         SampleError: reason `undecodable audio`.
     """
-    x, rate = read_wav(data)
+    x, rate = read_audio(data, ext)
     seconds = len(x) / rate
     if not math.isfinite(seconds) or seconds <= 0:
         raise SampleError(UNDECODABLE_AUDIO, f"clip duration {seconds} s")
     x = resample(x, rate, a.sample_rate)
     return DecodedAudio(features=log_mel(x, a, seconds), seconds=seconds)
+
+
+def soundfile_available() -> bool:
+    """Whether FLAC can be read and written (the optional `soundfile` package)."""
+    try:
+        import soundfile  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+FLAC_NEEDS_SOUNDFILE = "FLAC needs the soundfile package (pip install soundfile); or store the clips as WAV"
+
+
+def read_audio(data: bytes, ext: str = "wav") -> tuple[np.ndarray, int]:
+    """Mono float32 waveform and rate of a `wav` or `flac` member.
+
+    Raises:
+        SampleError: reason `undecodable audio`.
+    """
+    if ext == "wav":
+        return read_wav(data)
+    if ext != "flac":
+        raise SampleError(UNDECODABLE_AUDIO, f".{ext} clips are not supported; use WAV (or FLAC with soundfile)")
+    if not soundfile_available():
+        raise SampleError(UNDECODABLE_AUDIO, FLAC_NEEDS_SOUNDFILE)
+    import soundfile
+
+    try:
+        x, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as err:  # soundfile raises its own LibsndfileError
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable FLAC file ({err})") from None
+    if len(x) == 0 or rate <= 0:
+        raise SampleError(UNDECODABLE_AUDIO, "FLAC holds no samples")
+    return x.mean(axis=1).astype(np.float32), int(rate)
+
+
+def probe_image(data: bytes) -> tuple[int, int]:
+    """(height, width) from the image header, checking the file's structure without decoding pixels.
+
+    Raises:
+        SampleError: reason `undecodable image`.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+            img.verify()  # PNG: chunk CRCs; cheap, no pixel decoding
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as err:
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({err})") from None
+    if w <= 0 or h <= 0:
+        raise SampleError(UNDECODABLE_IMAGE, f"image has size {h}x{w}")
+    return h, w
+
+
+def probe_audio(data: bytes, ext: str = "wav") -> float:
+    """Clip duration in seconds from the header and the data length (no sample conversion).
+
+    Raises:
+        SampleError: reason `undecodable audio`.
+    """
+    if ext != "wav":
+        x, rate = read_audio(data, ext)
+        return len(x) / rate
+    try:
+        with wave.open(io.BytesIO(data), "rb") as wf:
+            channels, width, rate = wf.getnchannels(), wf.getsampwidth(), wf.getframerate()
+            raw = wf.readframes(wf.getnframes())
+    except (wave.Error, EOFError, OSError, ValueError) as err:
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a PCM WAV file ({err})") from None
+    if width not in (1, 2, 4):
+        raise SampleError(UNDECODABLE_AUDIO, f"{8 * width}-bit WAV is not supported; use 8, 16 or 32-bit PCM")
+    n = len(raw) // (width * channels) if channels > 0 else 0
+    if n == 0 or rate <= 0:
+        raise SampleError(UNDECODABLE_AUDIO, f"WAV holds no samples (rate {rate} Hz, {channels} channel(s))")
+    return n / rate

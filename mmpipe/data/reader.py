@@ -1,86 +1,76 @@
-"""Streaming reader of webdataset shards: decoded, templated samples for one data-parallel replica.
+"""Streaming reader of webdataset shards for one data-parallel replica and its loader workers.
 
-Shards (`data.path`, a brace list such as `data/shards/train-{000000..000007}.tar`) are split
-between replicas by `dp_rank` / `dp_size` (shard k goes to replica k % dp_size), never by
-the RANK environment variable: every pipeline stage of a replica runs its own reader and
-must see the same samples in the same order, so the order depends only on the arguments.
+Shards (`data.path`: a brace list of files such as `data/shards/train-{000000..000007}.tar`, or
+a `pipe:` command such as `pipe:cat data/shards/train-{000000..000007}.tar`, brace-expanded
+into one command per shard) are split between replicas by `dp_rank` / `dp_size` (shard k goes
+to replica k % dp_size) and then between a replica's loader workers (the replica's j-th shard
+to worker j % num_workers), never by the RANK environment variable: every pipeline stage of a
+replica runs its own reader and must see the same samples in the same order, so the order
+depends only on the arguments.
 
-Each sample's members are `KEY.json` (a LLaVA conversation plus `meta`), `KEY.0.png`,
-`KEY.1.png`, ... and `KEY.0.wav`, ... (see docs/data.md). A bad sample is skipped and counted
-by reason in `SampleStream.skips` (data.on_error=skip) or raised naming shard and key
-(data.on_error=raise).
+A reader yields Records (checked and templated, media undecoded: `records()`) or Samples
+(decoded: iterating the stream). Its position is a small JSON-able dict (`state_dict()`); a
+stream given that dict (`load_state_dict`) continues with exactly the samples that would have
+come next. Bad samples are counted by reason in `skips` (data.on_error=skip) or raised naming
+shard and key (data.on_error=raise). See docs/data.md.
 """
 
 from __future__ import annotations
 
-import json
+import copy
+import logging
 import random
-import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import braceexpand
-import numpy as np
-import webdataset as wds
 
-from mmpipe.data.media import decode_audio, decode_image
-from mmpipe.data.skips import (
-    BAD_JSON, CORRUPT_SHARD, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, MISSING_META,
-    NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG, SampleError, SkipCounter,
+from mmpipe.data.records import (
+    TOO_LONG_MODES, Record, Sample, decode_record, make_record, meta_record,
 )
-from mmpipe.data.template import count_placeholders, parse_conversation, template_sample
+from mmpipe.data.skips import CORRUPT_SHARD, SampleError, SkipCounter
+from mmpipe.data.tario import Shard, ShardError, read_shard, shard_name
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.features import SampleFeatures, SampleMeta, audio_frames, features, meta_from_json
+from mmpipe.planner.features import SampleMeta
 
+__all__ = [
+    "Record", "Sample", "SampleStream", "decode_record", "decode_sample", "iter_meta", "iter_samples",
+    "loader", "resolve_shards", "resolve_urls", "shards_for_rank", "shards_for_reader", "check_shards",
+]
+
+log = logging.getLogger(__name__)
 ON_ERROR = ("skip", "raise")
-IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
-AUDIO_EXTS = ("wav",)
-_MEDIA = re.compile(r"^(\d+)\.([a-z0-9]+)$")
-_FILE_NAME = re.compile(r"name='([^']+)'")
+STATE_VERSION = 1
 
 
-@dataclass(kw_only=True, slots=True)
-class Sample:
-    """One training sample as the model takes it."""
-
-    key: str
-    """Sample key inside its shard (member names are KEY.json, KEY.0.png, ...)."""
-    input_ids: list[int]
-    """Templated token ids, media placeholders expanded (length = features.llm_len)."""
-    labels: list[int]
-    """Same length: the id on answer tokens, -100 elsewhere (not shifted)."""
-    images: list[np.ndarray]
-    """uint8 [H, W, 3] per image, already resized by the vision rules."""
-    audio: list[np.ndarray]
-    """float32 [mel_bins, frames] log-mel features per clip."""
-    meta: SampleMeta
-    """What the planner sees: text tokens, original image sizes, clip durations."""
-    shard: str = ""
-    """File name of the shard it came from."""
-
-    @property
-    def modality(self) -> str:
-        """`image`, `audio`, `image+audio` or `text`."""
-        kinds = [k for k, v in (("image", self.images), ("audio", self.audio)) if v]
-        return "+".join(kinds) or "text"
-
-    @property
-    def llm_len(self) -> int:
-        return len(self.input_ids)
-
+# ---------------------------------------------------------------------------- shard lists
 
 def resolve_shards(path: str, *, root: Path | None = None) -> list[Path]:
-    """Expand a brace list of shard paths; relative ones resolve against cwd, then `root`.
+    """Expand a brace list of shard files; relative ones resolve against cwd, then `root`.
+
+    A `pipe:` path is expanded without any check (each entry is a command, wrapped in Path
+    only so that callers can count them; use resolve_urls to read).
 
     Raises:
         FileNotFoundError: when no file, or only some of the files, exist.
     """
+    return [Path(u) for u in resolve_urls(path, root=root)]
+
+
+def resolve_urls(path: str, *, root: Path | None = None) -> list[str]:
+    """Shard URLs of data.path: existing local files (checked) or `pipe:` commands."""
     if not path:
         raise ValueError("data.path is empty; give a brace list such as data/shards/train-{000000..000007}.tar")
+    if path.lstrip().startswith("pipe:"):
+        urls = list(braceexpand.braceexpand(path.strip()))
+        if any(not u[5:].strip() for u in urls):
+            raise ValueError(f"data.path={path!r}: a pipe: URL needs a command, e.g. pipe:cat shard-{{0..3}}.tar")
+        return urls
     names = list(braceexpand.braceexpand(path))
-    found: list[Path] = []
+    found: list[str] = []
     missing: list[str] = []
     for name in names:
         p = Path(name)
@@ -89,7 +79,7 @@ def resolve_shards(path: str, *, root: Path | None = None) -> list[Path]:
         if hit is None:
             missing.append(name)
         else:
-            found.append(hit)
+            found.append(str(hit))
     looked = f"cwd {Path.cwd()}" + (f" and root {root}" if root else "")
     if not found:
         raise FileNotFoundError(
@@ -105,33 +95,67 @@ def resolve_shards(path: str, *, root: Path | None = None) -> list[Path]:
     return found
 
 
-def shards_for_rank(shards: list[Path], *, dp_rank: int, dp_size: int) -> list[Path]:
+def shards_for_rank(shards: list[Any], *, dp_rank: int, dp_size: int) -> list[Any]:
     """The shards replica `dp_rank` of `dp_size` reads: every dp_size-th, starting at dp_rank."""
+    return shards_for_reader(shards, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def shards_for_reader(shards: list[Any], *, dp_rank: int, dp_size: int, worker_id: int = 0,
+                      num_workers: int = 1, key: str = "data.path") -> list[Any]:
+    """The shards of loader worker `worker_id` of replica `dp_rank`.
+
+    Replica r reads shards r, r + dp, r + 2dp, ...; its worker j the j-th, (j+W)-th, ... of
+    those. Every reader needs at least one shard: fewer shards than dp x workers is an error
+    (a reader without shards would hang its replica's pipeline).
+    """
     if dp_size < 1:
         raise ValueError(f"parallel.dp={dp_size} must be >= 1")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1} (parallel.dp={dp_size})")
-    if len(shards) < dp_size:
+    if num_workers < 1:
+        raise ValueError(f"data.num_workers={num_workers} must be >= 1")
+    if not 0 <= worker_id < num_workers:
+        raise ValueError(f"worker_id={worker_id} is outside 0..{num_workers - 1} (data.num_workers={num_workers})")
+    readers = dp_size * num_workers
+    if len(shards) < readers:
+        if num_workers == 1:
+            raise ValueError(
+                f"{key} has {len(shards)} shard(s) but parallel.dp={dp_size}; every replica needs "
+                f"at least one shard: lower parallel.dp to <= {len(shards)} or write more shards"
+            )
         raise ValueError(
-            f"data.path has {len(shards)} shard(s) but parallel.dp={dp_size}; every replica needs "
-            f"at least one shard: lower parallel.dp to <= {len(shards)} or write more shards"
+            f"{key} has {len(shards)} shard(s) but parallel.dp x data.num_workers = {dp_size} x {num_workers} "
+            f"= {readers} readers; every reader needs at least one shard: lower data.num_workers to "
+            f"<= {max(1, len(shards) // dp_size)} or write more shards"
         )
-    return shards[dp_rank::dp_size]
+    return shards[dp_rank::dp_size][worker_id::num_workers]
 
 
-def _check_options(on_error: str, shuffle_buffer: int, epochs: int | None) -> None:
+def check_shards(path: str, *, root: Path | None = None, dp_size: int = 1, num_workers: int = 1) -> list[str]:
+    """Preflight: the shard list resolves and gives every reader a shard. Returns the URLs."""
+    urls = resolve_urls(path, root=root)
+    shards_for_reader(urls, dp_rank=0, dp_size=dp_size, num_workers=num_workers)
+    return urls
+
+
+def _check_options(on_error: str, shuffle_buffer: int, epochs: int | None, too_long: str = "drop") -> None:
     if on_error not in ON_ERROR:
         raise ValueError(f"data.on_error={on_error!r} is unknown; use skip or raise")
     if shuffle_buffer < 0:
         raise ValueError(f"data.shuffle_buffer={shuffle_buffer} must be >= 0 (0: stream order)")
     if epochs is not None and epochs < 1:
         raise ValueError(f"data.epochs={epochs} must be >= 1, or null to repeat forever")
+    if too_long not in TOO_LONG_MODES:
+        raise ValueError(f"data.too_long={too_long!r} is unknown; use drop or truncate")
 
 
 def _shuffled(items: Iterable[Any], size: int, rng: random.Random) -> Iterator[Any]:
-    """A bounded-buffer shuffle (deterministic for the rng's seed)."""
+    """A bounded-buffer shuffle (deterministic for the rng's seed); errors pass straight through."""
     buf: list[Any] = []
     for item in items:
+        if isinstance(item, SampleError):
+            yield item
+            continue
         buf.append(item)
         if len(buf) >= size:
             i = rng.randrange(len(buf))
@@ -141,199 +165,159 @@ def _shuffled(items: Iterable[Any], size: int, rng: random.Random) -> Iterator[A
     yield from buf
 
 
-@dataclass(kw_only=True, slots=True)
-class _Source:
-    """Raw member dicts of one replica's shards, epoch after epoch."""
-
-    shards: list[Path]
-    """This replica's shard files, in stream order."""
-    seed: int
-    """With dp_rank and the epoch, seeds the shuffles."""
-    dp_rank: int
-    """The replica (only seeds the shuffles; `shards` is already its share)."""
-    epochs: int | None
-    """Passes; None repeats forever."""
-    shuffle_buffer: int
-    """0: stream order; N: shard order and an N-sample buffer shuffled."""
-    on_error: str
-    """skip or raise."""
-    skips: SkipCounter
-    """Where drops are counted."""
-    select: Callable[[str], bool] | None = None
-    """Member-name filter (iter_meta reads only .json members)."""
-    broken: set[str] = field(default_factory=set)
-    """Shards already counted as corrupt in the current epoch."""
-
-    def _handler(self, exn: Exception) -> bool:
-        """webdataset's hook for unreadable tar data; may fire twice for one broken shard."""
-        if isinstance(exn, SampleError):  # our own raise, passed through webdataset's handler
-            raise SampleError(exn.reason, exn.detail, shard=exn.shard, key=exn.key) from None
-        shard = next((a for a in exn.args if isinstance(a, str) and a.endswith(".tar")), "")
-        if not shard:
-            m = _FILE_NAME.search(str(exn.args[0]) if exn.args else "")
-            shard = m.group(1) if m else "?"
-        detail = str(exn.args[0]).split(" @ ")[0] if exn.args else repr(exn)
-        err = SampleError(CORRUPT_SHARD, f"{detail} (samples after this point are lost)",
-                          shard=Path(shard).name)
-        if self.on_error == "raise":
-            raise err from None
-        if err.shard not in self.broken:
-            self.broken.add(err.shard)
-            self.skips.add(err)
-        return True
-
-    def epoch(self, e: int) -> Iterator[dict[str, Any]]:
-        order = list(self.shards)
-        self.broken.clear()
-        rng = random.Random(f"{self.seed}:{e}:{self.dp_rank}")
-        if self.shuffle_buffer:
-            rng.shuffle(order)
-        pipe = wds.DataPipeline(
-            wds.SimpleShardList([str(p) for p in order]),
-            wds.tarfile_to_samples(handler=self._handler, select_files=self.select),
-        )
-        raw: Iterable[dict[str, Any]] = iter(pipe)
-        if self.shuffle_buffer:
-            raw = _shuffled(raw, self.shuffle_buffer, rng)
-        yield from raw
-
-    def loop(self, make: Callable[[dict[str, Any]], Any]) -> Iterator[Any]:
-        """Apply `make` to every raw sample; SampleErrors are counted or raised."""
-        e = 0
-        while self.epochs is None or e < self.epochs:
-            made = 0
-            for raw in self.epoch(e):
-                try:
-                    out = make(raw)
-                except SampleError as err:
-                    err = err.at(shard=Path(raw.get("__url__", "?")).name, key=raw.get("__key__", "?"))
-                    if self.on_error == "raise":
-                        raise err from None
-                    self.skips.add(err)
-                    continue
-                made += 1
-                yield out
-            if made == 0:
-                names = ", ".join(p.name for p in self.shards)
-                raise ValueError(f"no usable sample in shard(s) {names}: {self.skips.summary()}")
-            e += 1
+def _read(order: list[Shard], select: Callable[[str], bool] | None) -> Iterator[dict | SampleError]:
+    for shard in order:
+        try:
+            yield from read_shard(shard, select=select)
+        except ShardError as err:
+            yield SampleError(CORRUPT_SHARD, f"{err} (samples after this point are lost)", shard=shard.name)
 
 
-def _read_json(raw: dict[str, Any]) -> dict[str, Any]:
-    if "json" not in raw:
-        members = ", ".join(sorted(k for k in raw if not k.startswith("__"))) or "none"
-        raise SampleError(MISSING_JSON, f"no KEY.json member (members: {members})")
-    try:
-        obj = json.loads(raw["json"])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SampleError(BAD_JSON, f"KEY.json is not valid JSON ({err})") from None
-    if not isinstance(obj, dict):
-        raise SampleError(BAD_JSON, f"KEY.json must hold an object, got {type(obj).__name__}")
-    return obj
+# ---------------------------------------------------------------------------- readers
 
+class _Reader:
+    """Workers, positions and counting shared by SampleStream and Mixture.
 
-def _stored_meta(obj: dict[str, Any]) -> SampleMeta | None:
-    if "meta" not in obj:
-        return None
-    try:
-        return meta_from_json(obj["meta"], where="meta")
-    except ValueError as err:
-        raise SampleError(BAD_JSON, str(err)) from None
-
-
-def _media_members(raw: dict[str, Any], exts: tuple[str, ...], count: int, kind: str) -> list[bytes]:
-    """Members `0.ext .. count-1.ext` in order; a gap is `missing media`, extras a mismatch."""
-    by_index: dict[int, bytes] = {}
-    for name, value in raw.items():
-        m = _MEDIA.match(name)
-        if m and m.group(2) in exts:
-            by_index[int(m.group(1))] = value
-    for i in range(count):
-        if i not in by_index:
-            raise SampleError(MISSING_MEDIA, f"member KEY.{i}.{exts[0]} ({kind} {i} of {count}) is missing")
-    extra = sorted(i for i in by_index if i >= count)
-    if extra:
-        raise SampleError(
-            PLACEHOLDER_MISMATCH,
-            f"the text has {count} {kind} placeholder(s) but members up to KEY.{extra[-1]}.{exts[0]} exist",
-        )
-    return [by_index[i] for i in range(count)]
-
-
-def _check_counts(stored: SampleMeta | None, n_img: int, n_aud: int) -> None:
-    if stored is not None and (len(stored.images), len(stored.audio_seconds)) != (n_img, n_aud):
-        raise SampleError(
-            PLACEHOLDER_MISMATCH,
-            f"the text has {n_img} <image> and {n_aud} <audio> placeholders but meta lists "
-            f"{len(stored.images)} image(s) and {len(stored.audio_seconds)} clip(s)",
-        )
-
-
-def decode_sample(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec) -> Sample:
-    """Decode and template one raw webdataset sample (member suffix -> bytes).
-
-    Raises:
-        SampleError: any reason in mmpipe.data.skips; the caller adds shard and key.
+    Subclasses provide `_worker_items(w, start, make, select)` (the items of worker w from
+    cursor `start`, each with .worker, .cursor and .dropped set) and `_layout()`.
     """
-    obj = _read_json(raw)
-    turns = parse_conversation(obj.get("conversations"))
-    n_img, n_aud = count_placeholders(turns)
-    stored = _stored_meta(obj)
-    _check_counts(stored, n_img, n_aud)
-    if n_img and spec.vision is None:
-        raise SampleError(NO_ENCODER, f"the sample has {n_img} image(s) but model {spec.name} has no vision encoder")
-    if n_aud and spec.audio is None:
-        raise SampleError(NO_ENCODER, f"the sample has {n_aud} clip(s) but model {spec.name} has no audio encoder")
-    img_bytes = _media_members(raw, IMAGE_EXTS, n_img, "image")
-    aud_bytes = _media_members(raw, AUDIO_EXTS, n_aud, "audio")
-    images = [decode_image(b, spec.vision) for b in img_bytes] if spec.vision else []
-    clips = [decode_audio(b, spec.audio) for b in aud_bytes] if spec.audio else []
-    sized = SampleMeta(text_tokens=0, images=tuple(i.size for i in images),
-                       audio_seconds=tuple(c.seconds for c in clips))
-    templ = template_sample(turns, tok, spec, sized)
-    meta = SampleMeta(text_tokens=templ.text_tokens, images=sized.images, audio_seconds=sized.audio_seconds)
-    if stored is not None:
-        _check_meta(stored, meta, spec)
-    if len(templ.input_ids) > spec.llm.max_seq_len:
-        raise SampleError(
-            TOO_LONG, f"{len(templ.input_ids)} tokens > model.llm.max_seq_len={spec.llm.max_seq_len}"
-        )
-    return Sample(
-        key=str(raw.get("__key__", "")), input_ids=templ.input_ids, labels=templ.labels,
-        images=[i.pixels for i in images], audio=[c.features for c in clips], meta=meta,
-        shard=Path(str(raw.get("__url__", ""))).name,
-    )
+
+    __slots__ = ()
+
+    def _begin(self) -> None:
+        self._cursors = copy.deepcopy(self._start)
+        self._next_worker = self._start_next
+        self._consumed = self._start_consumed
+
+    def _iterate(self, make: Callable[[dict], Any], select: Callable[[str], bool] | None = None) -> Iterator[Any]:
+        self._begin()
+        if self.worker_id is not None:
+            workers = [self.worker_id]
+        else:
+            workers = list(range(self.num_workers))
+            if self.num_workers > 1:
+                from torch.utils.data import get_worker_info
+
+                info = get_worker_info()
+                if info is not None:
+                    if info.num_workers != self.num_workers:
+                        raise ValueError(
+                            f"the DataLoader has num_workers={info.num_workers} but the stream was made with "
+                            f"num_workers={self.num_workers} (data.num_workers); use the same value")
+                    workers = [info.id]
+        gens = {w: self._worker_items(w, self._start[w], make, select) for w in workers}
+        ring = list(workers)
+        i = ring.index(self._next_worker) if self._next_worker in ring else 0
+        while ring:
+            w = ring[i]
+            try:
+                item = next(gens[w])
+            except StopIteration:
+                ring.pop(i)
+                i = i % len(ring) if ring else 0
+                continue
+            i = (i + 1) % len(ring)
+            self.note(item)
+            self._next_worker = ring[i]
+            yield item
+
+    def note(self, item: Any) -> None:
+        """Account for an item handed to the trainer: its position and the drops before it.
+
+        Iterating a stream in-process calls this itself; call it only for items that came
+        through a torch DataLoader (`loader()` does).
+        """
+        for err in item.dropped:
+            self.skips.add(err)
+        self._cursors[item.worker] = item.cursor
+        self._next_worker = (item.worker + 1) % len(self._cursors)
+        self._consumed += 1
+
+    def records(self) -> Iterator[Record]:
+        """Checked, templated Records with media undecoded, in the stream order."""
+        return self._iterate(self._make_record)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self._iterate(self._make_sample)
+
+    def decode(self, rec: Record, *, media: bool = True) -> Sample | None:
+        """decode_record for this stream; an undecodable medium is counted (or raised) and
+        gives None."""
+        try:
+            return decode_record(rec, self.tokenizer, self.spec, media=media)
+        except SampleError as err:
+            if self.on_error == "raise":
+                raise
+            self.skips.add(err)
+            return None
+
+    def _make_record(self, raw: dict) -> Record:
+        return make_record(raw, self.tokenizer, self.spec, too_long=self.too_long)
+
+    def _make_sample(self, raw: dict) -> Sample:
+        return decode_record(make_record(raw, self.tokenizer, self.spec, too_long=self.too_long),
+                             self.tokenizer, self.spec)
+
+    @property
+    def consumed(self) -> int:
+        """Items handed out (noted) since the start of training, across resumes."""
+        return self._consumed
+
+    def state_dict(self) -> dict:
+        """The position after the last noted item, as plain JSON-able values."""
+        return {"version": STATE_VERSION, "layout": self._layout(), "workers": copy.deepcopy(self._cursors),
+                "next_worker": self._next_worker, "consumed": self._consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` at the next iteration: exactly when the layout (dp size and
+        rank, workers, seed, shuffle, shard list) is the same, else approximately (see
+        `resume_mode` and docs/data.md)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"reader state must be a dict with version {STATE_VERSION}, got {str(state)[:80]}")
+        saved, mine = state["layout"], self._layout()
+        if saved.get("dp_size") == mine["dp_size"] and saved.get("dp_rank") != mine["dp_rank"]:
+            raise ValueError(
+                f"reader state of replica {saved.get('dp_rank')} loaded into replica {mine['dp_rank']} "
+                f"(parallel.dp={mine['dp_size']} both times); restore each replica its own state")
+        self._start_consumed = int(state.get("consumed", 0))
+        if saved == mine:
+            self._start = copy.deepcopy(state["workers"])
+            self._start_next = int(state.get("next_worker", 0))
+            self.resume_mode = "exact"
+        else:
+            self._start = [self._approximate(state["workers"]) for _ in range(self.num_workers)]
+            self._start_next = 0
+            changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in mine.items() if saved.get(k) != v)
+            self.resume_mode = f"approximate ({changed})"
+            log.warning("data reader resumes approximately: %s; see docs/data.md", changed)
+        self._begin()
+
+    def _epoch_of(self, cursors: list) -> int:
+        return min((c["epoch"] for c in cursors if c), default=0)
 
 
-def _check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec) -> None:
-    """The stored meta must give the planner the counts the model will see."""
-    problems = []
-    if stored.text_tokens != true.text_tokens:
-        problems.append(f"text_tokens {stored.text_tokens} stored, {true.text_tokens} with this tokenizer")
-    if stored.images != true.images:
-        problems.append(f"images {list(stored.images)} stored, {list(true.images)} decoded")
-    if spec.audio is not None:
-        fs = [audio_frames(spec.audio, s) for s in stored.audio_seconds]
-        ft = [audio_frames(spec.audio, s) for s in true.audio_seconds]
-        if fs != ft:
-            problems.append(f"audio_seconds {list(stored.audio_seconds)} stored, {list(true.audio_seconds)} decoded")
-    if problems:
-        raise SampleError(META_MISMATCH, "; ".join(problems) + " (regenerate the shards or the meta)")
+def _no_usable(shards: list[Shard], errors: list[SampleError]) -> ValueError:
+    counter = SkipCounter()
+    for e in errors:
+        counter.add(e)
+    names = ", ".join(s.name for s in shards)
+    return ValueError(f"no usable sample in shard(s) {names}: {counter.summary()}")
 
 
 @dataclass(kw_only=True, slots=True)
-class SampleStream:
-    """The samples one data-parallel replica trains on, in a reproducible order.
+class SampleStream(_Reader):
+    """The samples one data-parallel replica (or one of its loader workers) trains on, in a
+    reproducible order.
 
-    Iterating twice with the same arguments gives the same sequence; drops are counted in
-    `skips` across all iterations.
+    Iterating twice gives the same sequence (from the start, or from a loaded state); drops
+    are counted in `skips` across all iterations.
     """
 
     path: str
-    """data.path: brace list of shard files."""
-    tokenizer: Tokenizer
-    """The tokenizer the shards' meta was counted with."""
-    spec: ModelSpec
+    """data.path: brace list of shard files, or a pipe: command brace list."""
+    tokenizer: Tokenizer | None = None
+    """The tokenizer the shards' meta was counted with (needed for records and samples)."""
+    spec: ModelSpec | None = None
     """The model (resize rules, audio features, max_seq_len)."""
     dp_rank: int = 0
     """This replica's index."""
@@ -342,31 +326,145 @@ class SampleStream:
     seed: int = 0
     """Seeds the shard order and buffer shuffle when shuffle_buffer > 0."""
     epochs: int | None = None
-    """Passes over the shards; None repeats forever."""
+    """Passes over the shards; None repeats forever (reshuffled each pass)."""
     shuffle_buffer: int = 0
     """0 keeps stream order; N shuffles shard order and samples within an N-sample buffer."""
     on_error: str = "skip"
     """skip (count in `skips`) or raise."""
+    too_long: str = "drop"
+    """Samples over model.llm.max_seq_len: drop, or truncate the answer tail."""
+    num_workers: int = 1
+    """Loader workers of this replica (data.num_workers); each reads its own shards."""
+    worker_id: int | None = None
+    """Read only this worker's share; None: the DataLoader worker we run in, or all workers
+    interleaved round-robin (the order a DataLoader with batch_size=None gives)."""
     root: Path | None = None
     """Second base for relative shard paths (e.g. the project root)."""
+    keep: Callable[[int, int], bool] | None = None
+    """Sample filter by (shard index in the full list, position in the shard): mixture limits."""
+    name: str = ""
+    """Source name in a mixture (set on every record)."""
+    key: str = "data.path"
+    """How errors name the path setting."""
     skips: SkipCounter = field(default_factory=SkipCounter)
     """Samples dropped so far, by reason."""
-    shards: list[Path] = field(default_factory=list, init=False)
-    """This replica's shard files."""
+    shards: list[Shard] = field(default_factory=list, init=False)
+    """This replica's shards."""
+    all_shards: list[Shard] = field(default_factory=list, init=False)
+    """The full, expanded shard list."""
+    resume_mode: str = field(default="start", init=False)
+    """start | exact | approximate (...): how the last load_state_dict resumed."""
+    _start: list = field(default_factory=list, init=False, repr=False)
+    _start_next: int = field(default=0, init=False, repr=False)
+    _start_consumed: int = field(default=0, init=False, repr=False)
+    _cursors: list = field(default_factory=list, init=False, repr=False)
+    _next_worker: int = field(default=0, init=False, repr=False)
+    _consumed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_options(self.on_error, self.shuffle_buffer, self.epochs)
-        all_shards = resolve_shards(self.path, root=self.root)
-        self.shards = shards_for_rank(all_shards, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        _check_options(self.on_error, self.shuffle_buffer, self.epochs, self.too_long)
+        self.all_shards = [Shard(u, i) for i, u in enumerate(resolve_urls(self.path, root=self.root))]
+        self.shards = shards_for_reader(self.all_shards, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                        num_workers=1, key=self.key)
+        for w in range(self.num_workers):  # validates the worker split too
+            shards_for_reader(self.all_shards, dp_rank=self.dp_rank, dp_size=self.dp_size, worker_id=w,
+                              num_workers=self.num_workers, key=self.key)
+        if self.worker_id is not None and not 0 <= self.worker_id < self.num_workers:
+            raise ValueError(f"worker_id={self.worker_id} is outside 0..{self.num_workers - 1}")
+        self._start = [None] * self.num_workers
+        self._begin()
 
-    def _source(self, select: Callable[[str], bool] | None = None) -> _Source:
-        return _Source(shards=self.shards, seed=self.seed, dp_rank=self.dp_rank, epochs=self.epochs,
-                       shuffle_buffer=self.shuffle_buffer, on_error=self.on_error, skips=self.skips,
-                       select=select)
+    def worker_shards(self, w: int) -> list[Shard]:
+        return self.shards[w::self.num_workers]
 
-    def __iter__(self) -> Iterator[Sample]:
-        tok, spec = self.tokenizer, self.spec
-        return self._source().loop(lambda raw: decode_sample(raw, tok, spec))
+    def _layout(self) -> dict:
+        urls = "\n".join(s.url for s in self.all_shards)
+        return {"kind": "stream", "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
+                "seed": self.seed, "shuffle_buffer": self.shuffle_buffer, "shards": len(self.all_shards),
+                "shard_crc": zlib.crc32(urls.encode())}
+
+    def _approximate(self, cursors: list) -> dict:
+        return {"epoch": self._epoch_of(cursors), "offset": 0}
+
+    def _rng(self, epoch: int, w: int) -> random.Random:
+        if self.num_workers == 1:
+            return random.Random(f"{self.seed}:{epoch}:{self.dp_rank}")
+        return random.Random(f"{self.seed}:{epoch}:{self.dp_rank}:{w}:{self.num_workers}")
+
+    def events(self, w: int, epoch: int, select: Callable[[str], bool] | None = None) -> Iterator[dict | SampleError]:
+        """Raw samples and corrupt-shard errors of worker w in one epoch (offsets count these)."""
+        order = list(self.worker_shards(w))
+        rng = self._rng(epoch, w)
+        if self.shuffle_buffer:
+            rng.shuffle(order)
+        evs: Iterable[dict | SampleError] = _read(order, select)
+        if self.keep is not None:
+            keep = self.keep
+            evs = (e for e in evs if isinstance(e, SampleError) or keep(e["__shard__"], e["__ordinal__"]))
+        if self.shuffle_buffer:
+            evs = _shuffled(evs, self.shuffle_buffer, rng)
+        return iter(evs)
+
+    def _worker_items(self, w: int, start: dict | None, make: Callable[[dict], Any],
+                      select: Callable[[str], bool] | None) -> Iterator[Any]:
+        epoch, skip = (int(start["epoch"]), int(start["offset"])) if start else (0, 0)
+        pending: list[SampleError] = []
+        while self.epochs is None or epoch < self.epochs:
+            made, resumed, errors = 0, skip > 0, []
+            for i, ev in enumerate(self.events(w, epoch, select)):
+                if i < skip:
+                    continue  # replayed to restore the position; counted before the interruption
+                if isinstance(ev, SampleError):
+                    err = ev
+                else:
+                    try:
+                        item = make(ev)
+                    except SampleError as e:
+                        err = e.at(shard=shard_name(ev["__url__"]), key=str(ev["__key__"]))
+                    else:
+                        made += 1
+                        item.worker, item.cursor, item.dropped = w, {"epoch": epoch, "offset": i + 1}, tuple(pending)
+                        if self.name:
+                            item.source = self.name
+                        pending = []
+                        yield item
+                        continue
+                if self.on_error == "raise":
+                    raise err from None
+                pending.append(err)
+                if len(errors) < 1000:
+                    errors.append(err)
+            if made == 0 and not resumed:
+                raise _no_usable(self.worker_shards(w), errors)
+            skip = 0
+            epoch += 1
+        for err in pending:  # drops after the last sample: nothing follows to carry them
+            self.skips.add(err)
+
+
+@dataclass(slots=True)
+class _MetaItem:
+    key: str
+    meta: SampleMeta
+    worker: int = 0
+    cursor: dict | None = None
+    dropped: tuple = ()
+    source: str = ""
+
+
+def _json_only(name: str) -> bool:
+    return name.endswith(".json")
+
+
+# ---------------------------------------------------------------------------- functions
+
+def decode_sample(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_long: str = "drop") -> Sample:
+    """Check, template and decode one raw webdataset sample (member suffix -> bytes).
+
+    Raises:
+        SampleError: any reason in mmpipe.data.skips; the caller adds shard and key.
+    """
+    return decode_record(make_record(raw, tok, spec, too_long=too_long), tok, spec)
 
 
 def iter_samples(
@@ -382,11 +480,15 @@ def iter_samples(
     on_error: str = "skip",
     root: Path | None = None,
     skips: SkipCounter | None = None,
+    too_long: str = "drop",
+    num_workers: int = 1,
+    worker_id: int | None = None,
 ) -> Iterator[Sample]:
     """Stream decoded samples of replica `dp_rank`; pass `skips` to read the drop counts."""
     stream = SampleStream(path=path, tokenizer=tokenizer, spec=spec, dp_rank=dp_rank, dp_size=dp_size,
                           seed=seed, epochs=epochs, shuffle_buffer=shuffle_buffer, on_error=on_error,
-                          root=root, skips=skips if skips is not None else SkipCounter())
+                          root=root, skips=skips if skips is not None else SkipCounter(), too_long=too_long,
+                          num_workers=num_workers, worker_id=worker_id)
     return iter(stream)
 
 
@@ -402,33 +504,64 @@ def iter_meta(
     root: Path | None = None,
     spec: ModelSpec | None = None,
     skips: SkipCounter | None = None,
+    too_long: str = "drop",
+    tokenizer: Tokenizer | None = None,
+    num_workers: int = 1,
+    worker_id: int | None = None,
 ) -> Iterator[tuple[str, SampleMeta]]:
-    """(key, SampleMeta) of each sample from the .json members only (no media decoded).
+    """(key, SampleMeta) of each sample from the .json members only (media bytes are skipped).
 
     Same order as iter_samples with the same arguments. Checks that need no media are
     applied (conversation, placeholder counts, too long when `spec` is given), so only
-    samples with broken media are yielded here yet dropped by iter_samples.
+    samples with broken media are yielded here yet dropped by iter_samples. With
+    too_long=truncate give `tokenizer` too: the meta is then the truncated one.
     """
-    _check_options(on_error, shuffle_buffer, epochs)
-    shards = shards_for_rank(resolve_shards(path, root=root), dp_rank=dp_rank, dp_size=dp_size)
-    source = _Source(shards=shards, seed=seed, dp_rank=dp_rank, epochs=epochs, shuffle_buffer=shuffle_buffer,
-                     on_error=on_error, skips=skips if skips is not None else SkipCounter(),
-                     select=lambda name: name.endswith(".json"))
+    if too_long == "truncate" and spec is not None and tokenizer is None:
+        raise ValueError("iter_meta(too_long='truncate') needs the tokenizer to find where to cut")
+    stream = SampleStream(path=path, spec=spec, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
+                          epochs=epochs, shuffle_buffer=shuffle_buffer, on_error=on_error, root=root,
+                          skips=skips if skips is not None else SkipCounter(), too_long=too_long,
+                          num_workers=num_workers, worker_id=worker_id)
 
-    def make(raw: dict[str, Any]) -> tuple[str, SampleMeta]:
-        obj = _read_json(raw)
-        turns = parse_conversation(obj.get("conversations"))
-        stored = _stored_meta(obj)
-        if stored is None:
-            raise SampleError(MISSING_META, "KEY.json has no 'meta' (text_tokens, images, audio_seconds)")
-        _check_counts(stored, *count_placeholders(turns))
-        if spec is not None:
-            try:
-                feats: SampleFeatures = features(spec, stored)
-            except ValueError as err:
-                raise SampleError(NO_ENCODER, str(err)) from None
-            if feats.llm_len > spec.llm.max_seq_len:
-                raise SampleError(TOO_LONG, f"{feats.llm_len} tokens > model.llm.max_seq_len={spec.llm.max_seq_len}")
-        return str(raw["__key__"]), stored
+    def make(raw: dict[str, Any]) -> _MetaItem:
+        return _MetaItem(str(raw["__key__"]), meta_record(raw, spec=spec, tok=tokenizer, too_long=too_long))
 
-    return source.loop(make)
+    return ((m.key, m.meta) for m in stream._iterate(make, _json_only))
+
+
+class _LoaderView:
+    """The stream as a torch IterableDataset (built lazily: torch is imported only here)."""
+
+    def __new__(cls, stream: _Reader, records: bool):
+        from torch.utils.data import IterableDataset
+
+        class View(IterableDataset):
+            def __iter__(self):
+                return stream.records() if records else iter(stream)
+
+        return View()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def loader(stream: _Reader, *, records: bool = False, prefetch_factor: int = 2) -> Iterator[Any]:
+    """Iterate `stream` through a torch DataLoader with `stream.num_workers` processes.
+
+    Each worker reads its own shards, so every sample is read once; items come round-robin
+    by worker, the same order as iterating the stream in-process. Positions and drops are
+    noted on `stream` here in the main process, so `stream.state_dict()` is the position of
+    the last item handed out (not of what the workers prefetched).
+    """
+    if stream.num_workers <= 1 or stream.worker_id is not None:
+        yield from (stream.records() if records else iter(stream))
+        return
+    from torch.utils.data import DataLoader
+
+    stream._begin()
+    dl = DataLoader(_LoaderView(stream, records), batch_size=None, num_workers=stream.num_workers,
+                    collate_fn=_identity, prefetch_factor=prefetch_factor)
+    for item in dl:
+        stream.note(item)
+        yield item

@@ -43,6 +43,11 @@ class SampleError(ValueError):
         self.key = key
         super().__init__(self._message())
 
+    def __reduce__(self):
+        # Crosses DataLoader worker processes inside Sample.dropped; the default would call
+        # SampleError(message) and fail.
+        return (_rebuild, (self.reason, self.detail, self.shard, self.key))
+
     def at(self, *, shard: str, key: str) -> "SampleError":
         """The same error, located in a shard and sample key."""
         return SampleError(self.reason, self.detail, shard=shard, key=key)
@@ -50,6 +55,10 @@ class SampleError(ValueError):
     def _message(self) -> str:
         where = " ".join(x for x in (self.shard, f"sample {self.key}" if self.key else "") if x)
         return f"{where + ': ' if where else ''}{self.reason}: {self.detail}"
+
+
+def _rebuild(reason: str, detail: str, shard: str, key: str) -> SampleError:
+    return SampleError(reason, detail, shard=shard, key=key)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,14 +7,20 @@ For one step it:
    alone is an error naming the sample and the limit;
 2. deals samples to replicas, largest first, each to the replica whose busiest stage stays
    lowest (a vector load: encoder and LLM stages are balanced at once, not tokens alone);
-3. per replica, tries micro-batch counts on a geometric grid refined around the best, and
-   for each packs the samples into that many micro-batches the same way (within memory:
-   `in_flight x activations + transient <= memory - static` on every stage);
-4. orders the micro-batches (a few candidate orders) and keeps whichever the 1F1B
-   simulator says is fastest; then a short local search moves single samples off the
-   bottleneck stage's heaviest micro-batch while the simulated makespan improves.
+3. per replica, searches the micro-batch count `m` on a geometric grid, packing the samples
+   into `m` micro-batches (largest first, each into the micro-batch whose busiest stage is
+   lowest relative to its share, within memory: `in_flight x activations + transient <=
+   memory - static` on every stage), judged by the 1F1B simulator;
+4. tries *ramped* size profiles: micro-batches small at both ends of the step and large in
+   the middle. Under 1F1B the warm-up waits on the first micro-batch's forward through the
+   pipeline and the cool-down on the last one's backward, so small edge micro-batches shrink
+   the bubble, while the large middle ones keep the per-op overhead and the small-batch
+   efficiency loss low;
+5. runs a local search that moves single samples between neighbouring micro-batches while the
+   simulated makespan drops.
 
-Everything is judged by the same simulator that scores the baselines.
+Everything is judged by the same simulator that scores the baselines (`makespan` is the exact
+makespan of `simulate` for 1F1B).
 """
 
 from __future__ import annotations
@@ -23,10 +29,15 @@ from typing import Sequence
 
 import numpy as np
 
-from mmpipe.planner.cost import MicroBatchCosts, SampleTable, StageCosts, sample_work
-from mmpipe.planner.step import Replicas, mb_costs, simulate_replica
+from mmpipe.planner.cost import (MicroBatchCosts, SampleTable, StageCosts, _features,
+                                 micro_batch_costs, sample_work)
+from mmpipe.planner.schedules import make_schedule
+from mmpipe.planner.simulator import makespan
+from mmpipe.planner.step import Replicas
 
 GB = 1e9
+RAMPS = (1.35, 1.8)
+"""Growth factors of the ramped size profiles tried (1 = equal micro-batches)."""
 
 
 def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp: int,
@@ -41,28 +52,30 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         dp: data-parallel replicas.
         micro_batches: the configured count (one of the candidates tried).
         labels: how to name each row in errors (e.g. `trace line 17`), indexed like `table`.
-        search: run the local search (off = greedy only).
+        search: try ramped profiles and run the local search (off = equal micro-batches only).
     Returns:
         per replica, its micro-batches in execution order, lists of rows of `table`.
     """
     rows = list(rows)
     if not rows:
         return [[] for _ in range(dp)]
-    work_all, act_all, tr_all = sample_work(sc, table)
-    work, act, tr = work_all[rows], act_all[rows], tr_all[rows]
+    sub = SampleTable(tokens=table.tokens[rows], squares=table.squares[rows],
+                      seqs=table.seqs[rows], longest=table.longest[rows])
+    work, act, tr = sample_work(sc, sub)
     budget = sc.cost.hardware.usable_bytes - sc.static
     _check_static(sc, budget)
     _check_alone(sc, rows, act + tr, budget, labels)
     per_replica = _deal(work, dp)
     out: Replicas = []
-    for r in range(dp):
-        local = per_replica[r]
+    for local in per_replica:
         if not local:
             out.append([])
             continue
-        mbs = _plan_replica(sc, table, [rows[i] for i in local], work[local], act[local],
-                            tr[local], budget, micro_batches, search)
-        out.append(mbs)
+        idx = np.asarray(local, dtype=np.int64)
+        planner = _ReplicaPlanner(sc, sub.tokens[idx], sub.squares[idx], work[idx], act[idx],
+                                  tr[idx], budget)
+        bins = planner.plan(micro_batches, search)
+        out.append([[rows[local[i]] for i in b] for b in bins])
     return out
 
 
@@ -100,120 +113,220 @@ def _check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.n
 def _deal(work: np.ndarray, dp: int) -> list[list[int]]:
     """Largest first, each sample to the replica whose busiest stage stays lowest."""
     n, P = work.shape
-    order = np.argsort(-work.sum(axis=1), kind="stable")
-    loads = np.zeros((dp, P))
     out: list[list[int]] = [[] for _ in range(dp)]
-    for i in order:
-        cand = (loads + work[i]).max(axis=1) + 1e-12 * loads.sum(axis=1)
-        r = int(np.argmin(cand))
-        loads[r] += work[i]
-        out[r].append(int(i))
+    if dp == 1:
+        out[0] = list(range(n))
+        return out
+    order = np.argsort(-work.sum(axis=1), kind="stable")
+    loads = [[0.0] * P for _ in range(dp)]
+    wl = work.tolist()
+    for i in order.tolist():
+        w = wl[i]
+        best_r, best_v = 0, np.inf
+        for r in range(dp):
+            ld = loads[r]
+            v = max(ld[s] + w[s] for s in range(P)) + 1e-12 * sum(ld)
+            if v < best_v:
+                best_r, best_v = r, v
+        ld = loads[best_r]
+        for s in range(P):
+            ld[s] += w[s]
+        out[best_r].append(i)
     return out
 
 
-def _pack(work: np.ndarray, mem: np.ndarray, budget: np.ndarray, m: int) -> tuple[list[list[int]], bool]:
-    """Largest first into m bins minimising the bin's busiest stage, within memory.
-    Returns the bins (local indices) and whether every bin respects the budget."""
-    n, P = work.shape
-    order = np.argsort(-work.sum(axis=1), kind="stable")
-    loads = np.zeros((m, P))
-    used = np.zeros((m, P))
-    bins: list[list[int]] = [[] for _ in range(m)]
-    counts = np.zeros(m)
-    ok = True
-    for i in order:
-        fits = np.all(used + mem[i] <= budget, axis=1)
-        cand = (loads + work[i]).max(axis=1)
-        if fits.any():
-            cand = np.where(fits, cand, np.inf)
-        else:
-            ok = False
-            cand = used.max(axis=1)
-        # empty bins first among equals keeps every bin non-empty when n >= m
-        j = int(np.argmin(cand + 1e-9 * counts))
-        counts[j] += 1
-        loads[j] += work[i]
-        used[j] += mem[i]
-        bins[j].append(int(i))
-    return [b for b in bins if b], ok
+def ramp_shares(m: int, ramp: float) -> np.ndarray:
+    """Relative sizes of m micro-batches in execution order: growing by `ramp` per micro-batch
+    from both ends towards a flat middle (1 = all equal); they sum to 1."""
+    j = np.arange(m)
+    if ramp <= 1.0 or m < 3:
+        w = np.ones(m)
+    else:
+        edge = np.minimum(j, m - 1 - j)
+        # the flat middle holds about half the micro-batches
+        w = ramp ** np.minimum(edge, max(1, m // 4))
+    return w / w.sum()
 
 
-def _orders(c_fwd: np.ndarray, c_tot: np.ndarray) -> list[np.ndarray]:
-    """Candidate execution orders of micro-batches (indices)."""
-    m = c_fwd.shape[1]
-    ident = np.arange(m)
-    total = c_tot.sum(axis=0)
-    asc = np.argsort(total, kind="stable")
-    # lightest at both ends, heaviest in the middle (short warm-up and cool-down)
-    ends = np.empty(m, dtype=int)
-    ends[: (m + 1) // 2] = asc[0::2]
-    ends[(m + 1) // 2:] = asc[1::2][::-1]
-    # light first-stage forward early, light last-stage backward late
-    warm = np.argsort(c_fwd[0] - c_tot[-1], kind="stable")
-    return [ident, asc, ends, warm]
+class _ReplicaPlanner:
+    """Packs one replica's samples into micro-batches and judges them with the simulator."""
 
+    def __init__(self, sc: StageCosts, tokens: np.ndarray, squares: np.ndarray,
+                 work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.ndarray) -> None:
+        self.sc = sc
+        self.hw = sc.cost.hardware
+        self.tokens, self.squares = tokens, squares
+        self.work, self.act, self.tr = work, act, tr
+        self.budget = budget
+        self.n, self.P = work.shape
+        self.order = np.argsort(-work.sum(axis=1), kind="stable")
+        self.fits_all_stages = True
+        self.cache: dict[tuple[int, float], tuple[float, bool, list[list[int]]]] = {}
+        # coefficient blocks for time of a micro-batch from its feature column
+        self.c_fwd = sc.fwd
+        self.c_bwd = sc.bwd_in + sc.recomp + sc.bwd_w
 
-def _plan_replica(sc: StageCosts, table: SampleTable, rows: list[int], work: np.ndarray,
-                  act: np.ndarray, tr: np.ndarray, budget: np.ndarray, m_hint: int,
-                  search: bool) -> list[list[int]]:
-    n = len(rows)
-    P = sc.pp
-    in_flight_base = np.array([P - s for s in range(P)], dtype=float)
-    cache: dict[int, tuple[float, bool, list[list[int]]]] = {}
+    # ---------------------------------------------------------------- costing
+    def _times(self, T: np.ndarray, S2: np.ndarray) -> tuple[np.ndarray, ...]:
+        X = _features(self.hw, T, S2)
+        hw = self.hw
+        bf = self.sc.xfer_fwd @ T.T
+        bb = self.sc.xfer_bwd @ T.T
+        lat, bps = hw.link_latency_s, hw.link_bytes_per_s
+        sf = np.where(bf > 0, lat + bf / bps, 0.0)
+        sb = np.where(bb > 0, lat + bb / bps, 0.0)
+        return self.c_fwd @ X, self.c_bwd @ X, sf, sb
 
-    def attempt(m: int) -> tuple[float, bool, list[list[int]]]:
-        m = max(1, min(n, m))
-        if m in cache:
-            return cache[m]
-        mem = act * np.minimum(in_flight_base, m)[None, :] + tr
-        bins, ok = _pack(work, mem, budget, m)
-        mbs = [[rows[i] for i in b] for b in bins]
-        c = mb_costs(sc, table, mbs, packing=True)
-        best_t, best_mbs = np.inf, mbs
-        for order in _orders(c.fwd, c.fwd + c.bwd):
-            sub = _take(c, order)
-            t = simulate_replica(sc, sub).makespan
-            if t < best_t:
-                best_t, best_mbs = t, [mbs[k] for k in order]
-        cache[m] = (best_t, ok, best_mbs)
-        return cache[m]
+    def _streams(self, bins: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+        idx = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        return (np.add.reduceat(self.tokens[idx], starts, axis=0),
+                np.add.reduceat(self.squares[idx], starts, axis=0))
 
-    def key(m: int) -> tuple[bool, float]:
-        t, ok, _ = attempt(m)
+    def simulate(self, bins: list[list[int]]) -> float:
+        T, S2 = self._streams(bins)
+        f, b, sf, sb = self._times(T, S2)
+        return makespan(make_schedule("1f1b", self.P, len(bins)), f, b, sf, sb)
+
+    # ---------------------------------------------------------------- packing
+    def pack(self, m: int, ramp: float) -> tuple[float, bool, list[list[int]]]:
+        """Largest first into m micro-batches with ramped target shares; simulated time."""
+        m = max(1, min(self.n, m))
+        key = (m, ramp)
+        if key in self.cache:
+            return self.cache[key]
+        share = ramp_shares(m, ramp)
+        inv = 1.0 / share
+        P = self.P
+        in_flight = np.minimum(np.arange(P, 0, -1), m).astype(float)
+        mem = self.act * in_flight[None, :] + self.tr
+        loads = np.zeros((m, P))
+        used = np.zeros((m, P))
+        bins: list[list[int]] = [[] for _ in range(m)]
+        ok = True
+        counts = np.zeros(m)
+        tight = bool(np.any(mem.sum(axis=0) > self.budget))  # memory can bind at all?
+        for i in self.order.tolist():
+            cand = (loads + self.work[i]).max(axis=1) * inv
+            if tight:
+                fits = np.all(used + mem[i] <= self.budget, axis=1)
+                if fits.any():
+                    cand = np.where(fits, cand, np.inf)
+                else:
+                    ok = False
+                    cand = used.max(axis=1)
+                used_i = mem[i]
+            # empty bins first among equals keeps every bin non-empty when n >= m
+            j = int(np.argmin(cand + 1e-9 * counts))
+            counts[j] += 1
+            loads[j] += self.work[i]
+            if tight:
+                used[j] += used_i
+            bins[j].append(i)
+        bins = [b for b in bins if b]
+        t = self.simulate(bins)
+        if ramp == 1.0:
+            # equal shares: also try heaviest in the middle, light ones at the ends
+            tot = loads[counts > 0].sum(axis=1)
+            asc = np.argsort(tot, kind="stable")
+            k = len(bins)
+            ends = np.empty(k, dtype=int)
+            ends[: (k + 1) // 2] = asc[0::2]
+            ends[(k + 1) // 2:] = asc[1::2][::-1]
+            alt = [bins[x] for x in ends]
+            ta = self.simulate(alt)
+            if ta < t:
+                t, bins = ta, alt
+        self.cache[key] = (t, ok, bins)
+        return self.cache[key]
+
+    def _best(self) -> tuple[int, float]:
+        return min(self.cache, key=lambda k: (not self.cache[k][1], self.cache[k][0]))
+
+    # ---------------------------------------------------------------- search
+    def plan(self, m_hint: int, search: bool) -> list[list[int]]:
+        n, P = self.n, self.P
+        grid = sorted({max(1, min(n, g)) for g in
+                       [m_hint] + [int(round(P * 2 ** (k / 2))) for k in range(-2, 40)]
+                       if g <= n} | {n})
+        # walk the grid upwards and stop once two points in a row are worse than the best:
+        # the makespan is close to unimodal in m (bubble vs per-op overhead)
+        worse = 0
+        for m in grid:
+            before = self._best() if self.cache else None
+            self.pack(m, 1.0)
+            if before is not None and self._rank((m, 1.0)) >= self._rank(before):
+                worse += 1
+                if worse >= 2 and m >= m_hint:
+                    break
+            else:
+                worse = 0
+        m0 = self._best()[0]
+        for m in {max(1, int(m0 / 1.2)), int(m0 * 1.2) + 1}:
+            self.pack(m, 1.0)
+        if search and n >= 3:
+            m0 = self._best()[0]
+            for ramp in RAMPS:
+                for f in (1.0, 1.25, 1.5):
+                    self.pack(int(round(m0 * f)), ramp)
+        t, ok, bins = self.cache[self._best()]
+        bins = [list(b) for b in bins]
+        if search and len(bins) > 1:
+            bins = self._local_search(bins, t)
+        return bins
+
+    def _rank(self, key: tuple[int, float]) -> tuple[bool, float]:
+        t, ok, _ = self.cache[key]
         return (not ok, t)
 
-    grid = sorted({max(1, min(n, g)) for g in [m_hint] + [int(round(P * 2 ** (k / 2)))
-                                                             for k in range(-2, 40)] if g <= n}
-                  | {n})
-    # walk the grid upwards (every other point) and stop once two points in a row are worse
-    # than the best: the makespan is close to unimodal in m (bubble vs per-op overhead), and
-    # the large counts are the expensive ones to try
-    worse = 0
-    for m in grid[::2] + [grid[-1]]:
-        before = min(cache, key=lambda k: (not cache[k][1], cache[k][0])) if cache else None
-        key(m)
-        if before is not None and key(m) >= key(before):
-            worse += 1
-            if worse >= 2 and m >= m_hint:
+    def _local_search(self, bins: list[list[int]], t0: float, rounds: int = 3) -> list[list[int]]:
+        """Move one sample at a time between neighbouring micro-batches (the lightest sample
+        of the giver), keeping a move when the simulated makespan drops and memory holds."""
+        P = self.P
+        m = len(bins)
+        in_flight = np.minimum(np.arange(P, 0, -1), m).astype(float)
+        mem = self.act * in_flight[None, :] + self.tr
+        tight = bool(np.any(mem.sum(axis=0) > self.budget))
+        T, S2 = self._streams(bins)
+        f, b, sf, sb = self._times(T, S2)
+        sched = make_schedule("1f1b", P, m)
+        used = np.array([mem[bn].sum(axis=0) for bn in bins]) if tight else None
+        wsum = self.work.sum(axis=1)
+        best = t0
+        for _ in range(rounds):
+            improved = False
+            for j in range(m):
+                for k in (j - 1, j + 1):
+                    if not 0 <= k < m or len(bins[j]) < 2:
+                        continue
+                    x = min(bins[j], key=lambda i: wsum[i])
+                    if tight and np.any(used[k] + mem[x] > self.budget):
+                        continue
+                    Tn = T[[j, k]].copy()
+                    Sn = S2[[j, k]].copy()
+                    Tn[0] -= self.tokens[x]
+                    Tn[1] += self.tokens[x]
+                    Sn[0] -= self.squares[x]
+                    Sn[1] += self.squares[x]
+                    fn, bn_, sfn, sbn = self._times(Tn, Sn)
+                    f2, b2, sf2, sb2 = f.copy(), b.copy(), sf.copy(), sb.copy()
+                    f2[:, [j, k]], b2[:, [j, k]] = fn, bn_
+                    sf2[:, [j, k]], sb2[:, [j, k]] = sfn, sbn
+                    t = makespan(sched, f2, b2, sf2, sb2)
+                    if t < best - 1e-12:
+                        best = t
+                        bins[j].remove(x)
+                        bins[k].append(x)
+                        T[[j, k]], S2[[j, k]] = Tn, Sn
+                        f, b, sf, sb = f2, b2, sf2, sb2
+                        if tight:
+                            used[j] -= mem[x]
+                            used[k] += mem[x]
+                        improved = True
+            if not improved:
                 break
-        else:
-            worse = 0
-    best_m = min(cache, key=lambda m: (not cache[m][1], cache[m][0]))
-    i = grid.index(best_m) if best_m in grid else 0
-    for j in (i - 1, i + 1):
-        if 0 <= j < len(grid):
-            key(grid[j])
-    best_m = min(cache, key=lambda m: (not cache[m][1], cache[m][0]))
-    # refine between the neighbours of the best grid point
-    lo = max(1, int(best_m / 1.3))
-    hi = min(n, int(best_m * 1.3) + 1)
-    for m in sorted({lo, (lo + best_m) // 2, (best_m + hi) // 2, hi}):
-        key(m)
-    best_m = min(cache, key=lambda m: (not cache[m][1], cache[m][0]))
-    t, ok, mbs = cache[best_m]
-    if search and len(mbs) > 1:
-        mbs = _local_search(sc, table, mbs, t, work, act, tr, budget, rows)
-    return mbs
+        return bins
 
 
 def _take(c: MicroBatchCosts, order: np.ndarray) -> MicroBatchCosts:
@@ -223,40 +336,4 @@ def _take(c: MicroBatchCosts, order: np.ndarray) -> MicroBatchCosts:
                            send_bwd=c.send_bwd[:, order])
 
 
-def _local_search(sc: StageCosts, table: SampleTable, mbs: list[list[int]], t0: float,
-                  work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.ndarray,
-                  rows: list[int], tries: int = 12) -> list[list[int]]:
-    """Move one sample from the heaviest micro-batch on the bottleneck stage to the lightest
-    one there, keeping the move when the simulated makespan drops."""
-    P = sc.pp
-    pos = {r: k for k, r in enumerate(rows)}
-    best, best_t = [list(mb) for mb in mbs], t0
-    m = len(best)
-    in_flight = np.minimum(np.array([P - s for s in range(P)], dtype=float), m)
-    for _ in range(tries):
-        c = mb_costs(sc, table, best, packing=True)
-        tot = c.fwd + c.bwd
-        s = int(np.argmax(tot.sum(axis=1)))
-        heavy = int(np.argmax(tot[s]))
-        light = int(np.argmin(tot[s]))
-        if heavy == light or len(best[heavy]) < 2:
-            break
-        gap = tot[s, heavy] - tot[s, light]
-        # the sample whose move best halves the gap on the bottleneck stage
-        cands = best[heavy]
-        w = np.array([work[pos[r], s] for r in cands])
-        k = int(np.argmin(np.abs(w - gap / 2)))
-        moved = cands[k]
-        new_mem = sum(act[pos[r]] * in_flight + tr[pos[r]] for r in best[light]) + \
-            act[pos[moved]] * in_flight + tr[pos[moved]]
-        if np.any(new_mem > budget):
-            break
-        trial = [list(mb) for mb in best]
-        trial[heavy].remove(moved)
-        trial[light].append(moved)
-        t = simulate_replica(sc, mb_costs(sc, table, trial, packing=True)).makespan
-        if t < best_t - 1e-12:
-            best, best_t = trial, t
-        else:
-            break
-    return best
+__all__ = ["balance_step", "ramp_shares", "micro_batch_costs"]

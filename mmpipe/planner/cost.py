@@ -295,19 +295,20 @@ def mb_streams(table: SampleTable, mbs: Sequence[Sequence[int]], *,
                packing: bool) -> tuple[np.ndarray, np.ndarray]:
     """Stream tokens and squared lengths [n_mb, K] of micro-batches (lists of row indices)."""
     n = len(mbs)
-    T = np.empty((n, len(STREAMS)))
-    S2 = np.empty_like(T)
-    for j, mb in enumerate(mbs):
-        idx = list(mb)
-        if packing:
-            T[j] = table.tokens[idx].sum(axis=0)
-            S2[j] = table.squares[idx].sum(axis=0)
-        else:
-            cnt = table.seqs[idx].sum(axis=0)
-            mx = table.longest[idx].max(axis=0)
-            T[j] = cnt * mx
-            S2[j] = cnt * mx * mx
-    return T, S2
+    K = len(STREAMS)
+    if n == 0:
+        return np.zeros((0, K)), np.zeros((0, K))
+    sizes = np.fromiter((len(mb) for mb in mbs), dtype=np.int64, count=n)
+    if np.any(sizes == 0):
+        raise ValueError("a micro-batch is empty; every micro-batch needs at least one sample")
+    idx = np.fromiter((i for mb in mbs for i in mb), dtype=np.int64, count=int(sizes.sum()))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    if packing:
+        return (np.add.reduceat(table.tokens[idx], starts, axis=0),
+                np.add.reduceat(table.squares[idx], starts, axis=0))
+    cnt = np.add.reduceat(table.seqs[idx], starts, axis=0)
+    mx = np.maximum.reduceat(table.longest[idx], starts, axis=0)
+    return cnt * mx, cnt * mx * mx
 
 
 # ---------------------------------------------------------------------------- stages
@@ -415,25 +416,44 @@ def stage_costs(cost: CostModel, stages: Sequence[tuple[int, int]],
                       transient=tr, xfer_fwd=xf, xfer_bwd=xb, static=static)
 
 
+def _kind_constants(hw: HardwareSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per kind: its stream index, 1 / (peak * max_efficiency), and its per-pass overhead."""
+    key = (hw.peak_flops, hw.max_efficiency, hw.op_overhead_s,
+           tuple(sorted(hw.kind_efficiency.items())), tuple(sorted(hw.kind_overhead_s.items())))
+    hit = _KIND_CONST.get(key)
+    if hit is None:
+        stream = np.array([_KIND_STREAM[k] for k in KINDS])
+        inv_top = np.array([1.0 / (hw.peak_flops * hw.efficiency_max(k)) for k in KINDS])
+        ovh = np.array([hw.overhead(k) for k in KINDS])
+        hit = _KIND_CONST[key] = (stream, inv_top, ovh)
+    return hit
+
+
+_KIND_CONST: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
 def _features(hw: HardwareSpec, T: np.ndarray, S2: np.ndarray, *,
               marginal: bool = False) -> np.ndarray:
     """[3G, n_mb] features: per kind (overhead, seconds per lin FLOP*T, per attn FLOP*S2).
 
     `marginal`: what a sample adds to a large micro-batch (top of the curve, no overhead)."""
-    n = T.shape[0]
-    X = np.zeros((3 * len(KINDS), n))
-    for g, kind in enumerate(KINDS):
-        t = T[:, _KIND_STREAM[kind]]
-        s2 = S2[:, _KIND_STREAM[kind]]
-        on = t > 0
-        safe = np.where(on, t, 1.0)
+    stream, inv_top, ovh = _kind_constants(hw)
+    t = T[:, stream]  # [n, G]
+    s2 = S2[:, stream]
+    on = t > 0
+    if marginal:
+        spf = np.broadcast_to(inv_top, t.shape)
+        o = np.zeros_like(t)
+    else:
         # seconds per FLOP at this stream size: 1 / (peak * eff_max * T / (T + half))
-        top = hw.peak_flops * hw.efficiency_max(kind)
-        spf = np.full_like(safe, 1.0 / top) if marginal else (safe + hw.half_tokens) / (safe * top)
-        X[3 * g] = np.where(on, 0.0 if marginal else hw.overhead(kind), 0.0)
-        X[3 * g + 1] = np.where(on, t * spf, 0.0)
-        X[3 * g + 2] = np.where(on, s2 * spf, 0.0)
-    return X
+        safe = np.where(on, t, 1.0)
+        spf = (safe + hw.half_tokens) / safe * inv_top
+        o = on * ovh
+    X = np.empty((T.shape[0], len(KINDS), 3))
+    X[:, :, 0] = o
+    X[:, :, 1] = np.where(on, t * spf, 0.0)
+    X[:, :, 2] = np.where(on, s2 * spf, 0.0)
+    return X.reshape(T.shape[0], 3 * len(KINDS)).T
 
 
 def micro_batch_costs(sc: StageCosts, T: np.ndarray, S2: np.ndarray) -> MicroBatchCosts:

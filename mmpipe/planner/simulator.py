@@ -94,69 +94,122 @@ def simulate(schedule: Schedule, *, fwd: np.ndarray, bwd: np.ndarray,
     if not split:
         bl = (bwd + wg).tolist()
     sfl, sbl = sf.tolist(), sb.tolist()
-    # arrival time of the inputs of F(v, j) and B(v, j)
-    f_end = [[-1.0] * m for _ in range(V)]
-    b_end = [[-1.0] * m for _ in range(V)]
+    f_end = [[0.0] * m for _ in range(V)]
+    b_end = [[0.0] * m for _ in range(V)]
     P = schedule.devices
     free = [0.0] * P
     busy = [0.0] * P
-    ptr = [0] * P
-    lists = schedule.actions
-    n_left = sum(len(a) for a in lists)
     evs: list[Event] = []
+    # one pass in a dependency-respecting order: every input of an action is final by then
+    for d, op, v, j in topological_order(schedule):
+        if op == 0:
+            ready = 0.0 if v == 0 else f_end[v - 1][j] + (sfl[v - 1][j] if dev[v - 1] != d else 0.0)
+            dur = fl[v][j]
+        elif op == 1:
+            ready = f_end[v][j] if v == V - 1 else \
+                b_end[v + 1][j] + (sbl[v + 1][j] if dev[v + 1] != d else 0.0)
+            dur = bl[v][j]
+        else:
+            ready = b_end[v][j]
+            dur = wl[v][j]
+        start = free[d] if free[d] > ready else ready
+        end = start + dur
+        free[d] = end
+        busy[d] += dur
+        if op == 0:
+            f_end[v][j] = end
+        elif op == 1:
+            b_end[v][j] = end
+        if events:
+            evs.append(Event(device=d, op="FBW"[op], mb=j, chunk=v, start=start, end=end))
+    makespan = max(free) if P else 0.0
+    peak = _peak_memory(schedule, mem, tr)
+    return SimResult(makespan=makespan, busy=tuple(busy),
+                     idle=tuple(makespan - b for b in busy), peak_act=peak, events=tuple(evs))
+
+
+def makespan(schedule: Schedule, fwd: np.ndarray, bwd: np.ndarray, send_fwd: np.ndarray,
+             send_bwd: np.ndarray) -> float:
+    """The makespan `simulate` would report, without busy times, memory or events (the
+    planner's inner loop calls this thousands of times). One chunk per device; `bwd` is the
+    whole backward (input and weight gradients)."""
+    if schedule.chunks != schedule.devices or schedule.split_backward:
+        return simulate(schedule, fwd=fwd, bwd=bwd, send_fwd=send_fwd, send_bwd=send_bwd).makespan
+    P = schedule.devices
+    fl, bl = fwd.tolist(), bwd.tolist()
+    sfl, sbl = send_fwd.tolist(), send_bwd.tolist()
+    m = schedule.micro_batches
+    f_end = [[0.0] * m for _ in range(P)]
+    b_end = [[0.0] * m for _ in range(P)]
+    free = [0.0] * P
+    last = P - 1
+    for d, op, _, j in topological_order(schedule):
+        if op == 0:
+            ready = f_end[d - 1][j] + sfl[d - 1][j] if d else 0.0
+            t = free[d]
+            end = (t if t > ready else ready) + fl[d][j]
+            f_end[d][j] = end
+        else:
+            ready = b_end[d + 1][j] + sbl[d + 1][j] if d < last else f_end[d][j]
+            t = free[d]
+            end = (t if t > ready else ready) + bl[d][j]
+            b_end[d][j] = end
+        free[d] = end
+    return max(free)
+
+
+_ORDERS: dict[tuple, tuple[Schedule, list[tuple[int, int, int, int]]]] = {}
+
+
+def topological_order(schedule: Schedule) -> list[tuple[int, int, int, int]]:
+    """Every action as (device, op 0/1/2 = F/B/W, chunk, micro-batch) in an order where each
+    action comes after its device predecessor and its data inputs. It depends on the schedule
+    only, not on times, so it is computed once per schedule and reused by every simulation.
+    Raises ValueError when the schedule deadlocks."""
+    key = (schedule.name, schedule.devices, schedule.micro_batches, schedule.device_of,
+           schedule.split_backward)
+    hit = _ORDERS.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    V, m = schedule.chunks, schedule.micro_batches
+    f_done = [[False] * m for _ in range(V)]
+    b_done = [[False] * m for _ in range(V)]
+    lists = schedule.actions
+    ptr = [0] * schedule.devices
+    out: list[tuple[int, int, int, int]] = []
+    n_left = sum(len(a) for a in lists)
     progress = True
     while n_left and progress:
         progress = False
-        for d in range(P):
-            seq = lists[d]
+        for d, seq in enumerate(lists):
             while ptr[d] < len(seq):
                 a = seq[ptr[d]]
                 v, j = a.chunk, a.mb
                 if a.op == "F":
-                    if v == 0:
-                        ready = 0.0
-                    else:
-                        prev = f_end[v - 1][j]
-                        if prev < 0:
-                            break
-                        ready = prev + (sfl[v - 1][j] if dev[v - 1] != d else 0.0)
-                    dur = fl[v][j]
-                elif a.op == "B":
-                    if f_end[v][j] < 0:
+                    if v > 0 and not f_done[v - 1][j]:
                         break
-                    if v == V - 1:
-                        ready = f_end[v][j]
-                    else:
-                        nxt = b_end[v + 1][j]
-                        if nxt < 0:
-                            break
-                        ready = nxt + (sbl[v + 1][j] if dev[v + 1] != d else 0.0)
-                    dur = bl[v][j]
+                    f_done[v][j] = True
+                    op = 0
+                elif a.op == "B":
+                    if not f_done[v][j] or (v < V - 1 and not b_done[v + 1][j]):
+                        break
+                    b_done[v][j] = True
+                    op = 1
                 else:
-                    if b_end[v][j] < 0:
+                    if not b_done[v][j]:
                         break
-                    ready = b_end[v][j]
-                    dur = wl[v][j]
-                start = max(free[d], ready)
-                end = start + dur
-                free[d] = end
-                busy[d] += dur
-                if a.op == "F":
-                    f_end[v][j] = end
-                elif a.op == "B":
-                    b_end[v][j] = end
-                if events:
-                    evs.append(Event(device=d, op=a.op, mb=j, chunk=v, start=start, end=end))
+                    op = 2
+                out.append((d, op, v, j))
                 ptr[d] += 1
                 n_left -= 1
                 progress = True
     if n_left:
         raise ValueError(f"schedule {schedule.name!r} deadlocks: an action waits for one that "
                          f"comes later on another device")
-    makespan = max(free) if P else 0.0
-    peak = _peak_memory(schedule, mem, tr)
-    return SimResult(makespan=makespan, busy=tuple(busy),
-                     idle=tuple(makespan - b for b in busy), peak_act=peak, events=tuple(evs))
+    if len(_ORDERS) > 512:
+        _ORDERS.clear()
+    _ORDERS[key] = (schedule, out)
+    return out
 
 
 def _peak_memory(schedule: Schedule, mem: np.ndarray, tr: np.ndarray) -> tuple[float, ...]:

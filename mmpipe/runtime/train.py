@@ -58,7 +58,8 @@ def train(rc: RunConfig) -> RunResult:
 
     _quiet_deepspeed()
     threads = int(os.environ.get("MMPIPE_THREADS", "0")) or max(
-        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+                                        or os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
     backend = os.environ.get("MMPIPE_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, verbose=False)

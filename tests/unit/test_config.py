@@ -38,11 +38,14 @@ def test_every_yaml_in_conf_composes_and_validates(group):
 
 def test_every_recipe_composes_and_validates():
     for path in sorted((PROJECT_ROOT / "recipes").glob("*.yaml")):
-        header = path.read_text().splitlines()[0]
-        assert header.startswith("# mmpipe "), f"{path.name} must open with its launch command"
+        head = path.read_text().splitlines()[:3]
+        assert head[0] == "# @package _global_", f"{path.name} must be a global package"
+        assert any(l.startswith("# mmpipe ") for l in head), f"{path.name} must give its launch command"
         extra = ["data.path=" + TRACE] if "data: trace" in path.read_text() or "- override /data: trace" in path.read_text() else []
         rc = load([f"recipes={path.stem}", *extra], job="test")
-        assert rc.model.name
+        for line in path.read_text().splitlines():  # the recipe's own settings took effect
+            if line.startswith("  pp:"):
+                assert rc.parallel.pp == int(line.split(":")[1])
 
 
 def test_unknown_key_names_the_key_and_the_nearest_real_one(capsys):

@@ -1,0 +1,268 @@
+"""Mixtures: several shard sets read as one stream, interleaved by weight.
+
+    data.sources:
+      - {name: synth, path: data/shards/train-{000000..000003}.tar, weight: 3}
+      - {name: small, path: data/shards/train-{000004..000007}.tar, weight: 1, limit: 100, limit_mode: random}
+
+Interleaving is smooth weighted round-robin (as nginx balances upstreams): every pick adds
+each active source's weight to its credit, takes the source with the most credit (ties: the
+earlier source) and subtracts the total weight from it. No randomness: with weights 3:1 the
+picks are a a b a | a a b a ..., and after n picks every source is within one pick of
+n * weight / total. A source that runs out (finite data.epochs) leaves the rotation.
+
+A `limit` keeps N samples of a source, counted over its whole shard list (not per replica):
+`first` the first N in shard order, `random` N drawn with the seed. Per-shard sample counts
+come from the shards' index.json when it lists them, else from the tar headers.
+`realised()` says how many samples each source has given so far (for the run log).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from mmpipe.data.reader import SampleStream, _check_options, _Reader
+from mmpipe.data.skips import SkipCounter
+from mmpipe.data.tario import Shard, count_samples
+from mmpipe.data.tokenizer import Tokenizer
+from mmpipe.model.spec import ModelSpec
+
+LIMIT_MODES = ("first", "random")
+_SOURCE_KEYS = ("name", "path", "weight", "limit", "limit_mode")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MixtureSource:
+    """One dataset of a mixture (an entry of data.sources)."""
+
+    name: str
+    """Label in logs and realised counts."""
+    path: str
+    """Shard brace list (or pipe: command list)."""
+    weight: float = 1.0
+    """Share of the picks, relative to the other sources."""
+    limit: int | None = None
+    """Keep only this many samples of the source (None: all)."""
+    limit_mode: str = "first"
+    """first: the first `limit` samples in shard order; random: `limit` samples drawn with the seed."""
+
+
+def mixture_from_dicts(sources: Sequence[Mapping[str, Any]]) -> list[MixtureSource]:
+    """Validate data.sources; every message names `data.sources[i].key` and the fix."""
+    if not isinstance(sources, Sequence) or isinstance(sources, str) or not sources:
+        raise ValueError("data.sources must be a non-empty list of {name, path, weight, limit, limit_mode}")
+    out: list[MixtureSource] = []
+    names: set[str] = set()
+    for i, src in enumerate(sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(src, Mapping):
+            raise ValueError(f"{where} must be a mapping with name, path and weight, got {src!r:.60}")
+        for k in src:
+            if k not in _SOURCE_KEYS:
+                raise ValueError(f"{where}.{k} is not a setting; known: {', '.join(_SOURCE_KEYS)}")
+        name = src.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.name={name!r} must be a non-empty string")
+        if name in names:
+            raise ValueError(f"{where}.name={name!r} is used twice; give every source its own name")
+        names.add(name)
+        path = src.get("path")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"{where}.path={path!r} must be a shard brace list such as data/x-{{0..3}}.tar")
+        weight = src.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"{where}.weight={weight!r} must be a positive number")
+        limit = src.get("limit")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"{where}.limit={limit!r} must be a positive integer or null (all samples)")
+        mode = src.get("limit_mode", "first")
+        if mode not in LIMIT_MODES:
+            raise ValueError(f"{where}.limit_mode={mode!r} is unknown; use first or random")
+        out.append(MixtureSource(name=name, path=path, weight=float(weight), limit=limit, limit_mode=mode))
+    return out
+
+
+def shard_sizes(shards: Sequence[Shard]) -> list[int]:
+    """Samples per shard: from an index.json next to local shards when it lists them all, else
+    counted from the tar headers."""
+    local = [Path(s.url) for s in shards if not s.url.startswith("pipe:")]
+    if len(local) == len(shards) and local:
+        listed: dict[str, int] = {}
+        for idx in {p.parent / "index.json" for p in local}:
+            if idx.is_file():
+                try:
+                    for entry in json.loads(idx.read_text()).get("shards", []):
+                        listed[str(idx.parent / entry["file"])] = int(entry["samples"])
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    pass
+        if all(str(p) in listed for p in local):
+            return [listed[str(p)] for p in local]
+    return [count_samples(s) for s in shards]
+
+
+@dataclass(frozen=True, slots=True)
+class _Limit:
+    """Keeps (shard index, ordinal) pairs: a picklable filter for SampleStream.keep."""
+
+    first: tuple[int, ...] | None
+    """Mode first: samples kept in each shard (a prefix of it)."""
+    chosen: frozenset[tuple[int, int]] | None
+    """Mode random: the kept pairs."""
+
+    def __call__(self, shard: int, ordinal: int) -> bool:
+        if self.first is not None:
+            return ordinal < self.first[shard]
+        return (shard, ordinal) in self.chosen  # type: ignore[operator]
+
+
+def make_limit(sizes: Sequence[int], limit: int, mode: str, seed: int, name: str) -> _Limit:
+    """The filter keeping `limit` of the samples (global order: shard by shard)."""
+    total = sum(sizes)
+    if mode == "first":
+        left, first = limit, []
+        for n in sizes:
+            first.append(min(n, max(left, 0)))
+            left -= n
+        return _Limit(tuple(first), None)
+    picks = sorted(random.Random(f"limit:{seed}:{name}").sample(range(total), min(limit, total)))
+    chosen, shard, base = set(), 0, 0
+    for g in picks:
+        while g >= base + sizes[shard]:
+            base += sizes[shard]
+            shard += 1
+        chosen.add((shard, g - base))
+    return _Limit(None, frozenset(chosen))
+
+
+@dataclass(kw_only=True, slots=True)
+class Mixture(_Reader):
+    """Records or samples of several sources for one replica, interleaved by weight.
+
+    Same interface as SampleStream: iterate for Samples, `records()`, `decode()`,
+    `state_dict()` / `load_state_dict()`, `skips`; plus `realised()`.
+    """
+
+    sources: list[MixtureSource]
+    """The datasets (from mixture_from_dicts)."""
+    tokenizer: Tokenizer | None = None
+    """Shared by all sources."""
+    spec: ModelSpec | None = None
+    """The model."""
+    dp_rank: int = 0
+    """This replica."""
+    dp_size: int = 1
+    """parallel.dp."""
+    seed: int = 0
+    """Seeds shuffles and random limits."""
+    epochs: int | None = None
+    """Passes over each source; None: every source repeats forever."""
+    shuffle_buffer: int = 0
+    """Per source, as in SampleStream."""
+    on_error: str = "skip"
+    """skip or raise."""
+    too_long: str = "drop"
+    """drop or truncate."""
+    num_workers: int = 1
+    """Loader workers; each reads its share of every source."""
+    worker_id: int | None = None
+    """As in SampleStream."""
+    root: Path | None = None
+    """Second base for relative paths."""
+    skips: SkipCounter = field(default_factory=SkipCounter)
+    """Drops of all sources together."""
+    streams: list[SampleStream] = field(default_factory=list, init=False)
+    """One stream per source."""
+    sizes: list[int] = field(default_factory=list, init=False)
+    """Samples each source offers in one pass (after its limit, all replicas together)."""
+    resume_mode: str = field(default="start", init=False)
+    """start | exact | approximate (...)."""
+    _start: list = field(default_factory=list, init=False, repr=False)
+    _start_next: int = field(default=0, init=False, repr=False)
+    _start_consumed: int = field(default=0, init=False, repr=False)
+    _cursors: list = field(default_factory=list, init=False, repr=False)
+    _next_worker: int = field(default=0, init=False, repr=False)
+    _consumed: int = field(default=0, init=False, repr=False)
+    _realised_base: list = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_options(self.on_error, self.shuffle_buffer, self.epochs, self.too_long)
+        if not self.sources:
+            raise ValueError("data.sources is empty")
+        for i, src in enumerate(self.sources):
+            s = SampleStream(path=src.path, tokenizer=self.tokenizer, spec=self.spec, dp_rank=self.dp_rank,
+                             dp_size=self.dp_size, seed=self.seed, epochs=self.epochs,
+                             shuffle_buffer=self.shuffle_buffer, on_error=self.on_error, too_long=self.too_long,
+                             num_workers=self.num_workers, worker_id=self.worker_id, root=self.root,
+                             name=src.name, key=f"data.sources[{i}].path", skips=self.skips)
+            sizes = shard_sizes(s.all_shards) if src.limit is not None else []
+            if src.limit is not None:
+                s.keep = make_limit(sizes, src.limit, src.limit_mode, self.seed, src.name)
+                self.sizes.append(min(src.limit, sum(sizes)))
+            else:
+                self.sizes.append(-1)
+            self.streams.append(s)
+        self._start = [None] * self.num_workers
+        self._realised_base = [0] * len(self.sources)
+        self._begin()
+
+    def _layout(self) -> dict:
+        return {"kind": "mixture", "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
+                "seed": self.seed, "shuffle_buffer": self.shuffle_buffer,
+                "sources": [[s.name, s.weight, s.limit, s.limit_mode, st._layout()["shard_crc"]]
+                            for s, st in zip(self.sources, self.streams)]}
+
+    def _approximate(self, cursors: list) -> dict:
+        n = len(self.sources)
+        starts = []
+        for i in range(n):
+            epochs = [c["sources"][i]["epoch"] for c in cursors
+                      if c and len(c.get("sources", ())) == n and c["sources"][i]]
+            starts.append({"epoch": min(epochs, default=0), "offset": 0})
+        return {"sources": starts, "credit": [0.0] * n, "active": [True] * n, "realised": [0] * n}
+
+    def load_state_dict(self, state: dict) -> None:
+        _Reader.load_state_dict(self, state)
+        if self.resume_mode != "exact":  # keep the counts for the log
+            totals = [0] * len(self.sources)
+            for c in state["workers"]:
+                if c and len(c["realised"]) == len(totals):
+                    totals = [a + b for a, b in zip(totals, c["realised"])]
+            self._realised_base = totals
+
+    def realised(self) -> dict[str, int]:
+        """Samples handed out so far per source name (all workers of this replica)."""
+        counts = list(self._realised_base)
+        for c in self._cursors:
+            if c:
+                counts = [a + b for a, b in zip(counts, c["realised"])]
+        return {s.name: n for s, n in zip(self.sources, counts)}
+
+    def _worker_items(self, w: int, start: dict | None, make: Callable[[dict], Any],
+                      select: Callable[[str], bool] | None) -> Iterator[Any]:
+        n = len(self.sources)
+        weights = [s.weight for s in self.sources]
+        src_cursors = list(start["sources"]) if start else [None] * n
+        credit = list(start["credit"]) if start else [0.0] * n
+        active = list(start["active"]) if start else [True] * n
+        realised = list(start["realised"]) if start else [0] * n
+        gens = [st._worker_items(w, src_cursors[i], make, select) for i, st in enumerate(self.streams)]
+        while any(active):
+            total = sum(wt for wt, a in zip(weights, active) if a)
+            for i in range(n):
+                if active[i]:
+                    credit[i] += weights[i]
+            pick = max((i for i in range(n) if active[i]), key=lambda i: (credit[i], -i))
+            credit[pick] -= total
+            try:
+                item = next(gens[pick])
+            except StopIteration:
+                active[pick] = False
+                continue
+            realised[pick] += 1
+            src_cursors[pick] = item.cursor
+            item.cursor = {"sources": list(src_cursors), "credit": list(credit), "active": list(active),
+                           "realised": list(realised)}
+            yield item

@@ -1,0 +1,316 @@
+"""One sample in two steps: a Record (checked, templated, media undecoded) and a Sample (decoded).
+
+The runtime plans a step from Records (their `meta` gives every sequence length the planner
+needs), then each stage decodes what it needs: the first stage the media (`media=True`), the
+last stage only `input_ids` and `labels` (`media=False`, no image or audio is touched).
+
+Everything that can be checked without decoding pixels or waveforms is checked when the
+Record is made — JSON, conversation, placeholder counts, media members present, image and WAV
+headers (sizes and durations against the stored meta), text tokens against the tokenizer,
+length — so both stages agree on which samples exist. Only pixel data that is corrupt behind
+a valid header is found at decode time, on the first stage alone (see docs/data.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mmpipe.data.media import decode_audio, decode_image, probe_audio, probe_image
+from mmpipe.data.tario import shard_name
+from mmpipe.data.skips import (
+    BAD_JSON, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG,
+    SampleError,
+)
+from mmpipe.data.template import IGNORE, Templated, Turn, count_placeholders, parse_conversation, template_sample
+from mmpipe.data.tokenizer import Tokenizer
+from mmpipe.model.spec import ModelSpec
+from mmpipe.planner.features import SampleMeta, audio_frames, meta_from_json, resize_image
+
+TOO_LONG_MODES = ("drop", "truncate")
+IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
+AUDIO_EXTS = ("wav", "flac")
+_MEDIA = re.compile(r"^(\d+)\.([a-z0-9]+)$")
+
+
+@dataclass(kw_only=True, slots=True)
+class Sample:
+    """One training sample as the model takes it."""
+
+    key: str
+    """Sample key inside its shard (member names are KEY.json, KEY.0.png, ...)."""
+    input_ids: list[int]
+    """Templated token ids, media placeholders expanded (length = features.llm_len)."""
+    labels: list[int]
+    """Same length: the id on answer tokens, -100 elsewhere (not shifted)."""
+    images: list[np.ndarray]
+    """uint8 [H, W, 3] per image, already resized by the vision rules (empty if not decoded)."""
+    audio: list[np.ndarray]
+    """float32 [mel_bins, frames] log-mel features per clip (empty if not decoded)."""
+    meta: SampleMeta
+    """What the planner sees: text tokens, original image sizes, clip durations."""
+    shard: str = ""
+    """File name of the shard it came from."""
+    source: str = ""
+    """Mixture source name ('' outside a mixture)."""
+    media: bool = True
+    """False when decoded with media=False: images and audio are left empty."""
+    worker: int = 0
+    """Loader worker that read it."""
+    cursor: dict | None = None
+    """Reader position after this sample (SampleStream.note uses it)."""
+    dropped: tuple[SampleError, ...] = ()
+    """Samples the reader dropped just before this one (counted by SampleStream.note)."""
+
+    @property
+    def modality(self) -> str:
+        """`image`, `audio`, `image+audio` or `text` (from meta, so also with media=False)."""
+        kinds = [k for k, v in (("image", self.meta.images), ("audio", self.meta.audio_seconds)) if v]
+        return "+".join(kinds) or "text"
+
+    @property
+    def llm_len(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(kw_only=True, slots=True)
+class Record:
+    """A checked, templated sample whose media are still bytes."""
+
+    key: str
+    """Sample key inside its shard."""
+    shard: str
+    """File name of its shard."""
+    meta: SampleMeta
+    """Sizes the planner needs (text_tokens after any truncation: llm_len = features().llm_len)."""
+    raw: dict[str, Any]
+    """The tar members (suffix -> bytes) plus `__key__`, `__url__`, `__shard__`, `__ordinal__`."""
+    input_ids: list[int] = field(default_factory=list)
+    """Templated ids, placeholders expanded from meta."""
+    labels: list[int] = field(default_factory=list)
+    """Labels aligned with input_ids."""
+    truncated: int = 0
+    """Answer tokens cut by data.too_long=truncate."""
+    source: str = ""
+    """Mixture source name."""
+    worker: int = 0
+    """Loader worker that read it."""
+    cursor: dict | None = None
+    """Reader position after this record."""
+    dropped: tuple[SampleError, ...] = ()
+    """Samples dropped just before this one."""
+
+    @property
+    def llm_len(self) -> int:
+        return len(self.input_ids)
+
+
+def read_json(raw: dict[str, Any]) -> dict[str, Any]:
+    if "json" not in raw:
+        members = ", ".join(sorted(k for k in raw if not k.startswith("__"))) or "none"
+        raise SampleError(MISSING_JSON, f"no KEY.json member (members: {members})")
+    try:
+        obj = json.loads(raw["json"])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SampleError(BAD_JSON, f"KEY.json is not valid JSON ({err})") from None
+    if not isinstance(obj, dict):
+        raise SampleError(BAD_JSON, f"KEY.json must hold an object, got {type(obj).__name__}")
+    return obj
+
+
+def stored_meta(obj: dict[str, Any]) -> SampleMeta | None:
+    if "meta" not in obj:
+        return None
+    try:
+        return meta_from_json(obj["meta"], where="meta")
+    except ValueError as err:
+        raise SampleError(BAD_JSON, str(err)) from None
+
+
+def check_counts(stored: SampleMeta | None, n_img: int, n_aud: int) -> None:
+    if stored is not None and (len(stored.images), len(stored.audio_seconds)) != (n_img, n_aud):
+        raise SampleError(
+            PLACEHOLDER_MISMATCH,
+            f"the text has {n_img} <image> and {n_aud} <audio> placeholders but meta lists "
+            f"{len(stored.images)} image(s) and {len(stored.audio_seconds)} clip(s)",
+        )
+
+
+def check_encoders(spec: ModelSpec, n_img: int, n_aud: int) -> None:
+    if n_img and spec.vision is None:
+        raise SampleError(NO_ENCODER, f"the sample has {n_img} image(s) but model {spec.name} has no vision encoder")
+    if n_aud and spec.audio is None:
+        raise SampleError(NO_ENCODER, f"the sample has {n_aud} clip(s) but model {spec.name} has no audio encoder")
+
+
+def media_members(raw: dict[str, Any], exts: tuple[str, ...], count: int, kind: str) -> list[tuple[str, bytes]]:
+    """(ext, bytes) of members `0.ext .. count-1.ext`; a gap is `missing media`, extras a mismatch."""
+    by_index: dict[int, tuple[str, bytes]] = {}
+    for name, value in raw.items():
+        m = _MEDIA.match(name)
+        if m and m.group(2) in exts:
+            by_index[int(m.group(1))] = (m.group(2), value)
+    for i in range(count):
+        if i not in by_index:
+            raise SampleError(MISSING_MEDIA, f"member KEY.{i}.{exts[0]} ({kind} {i} of {count}) is missing")
+    extra = sorted(i for i in by_index if i >= count)
+    if extra:
+        raise SampleError(
+            PLACEHOLDER_MISMATCH,
+            f"the text has {count} {kind} placeholder(s) but members up to KEY.{extra[-1]}.{exts[0]} exist",
+        )
+    return [by_index[i] for i in range(count)]
+
+
+def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec) -> None:
+    """The stored meta must give the planner the counts the model will see."""
+    problems = []
+    if stored.text_tokens != true.text_tokens:
+        problems.append(f"text_tokens {stored.text_tokens} stored, {true.text_tokens} with this tokenizer")
+    if stored.images != true.images:
+        problems.append(f"images {list(stored.images)} stored, {list(true.images)} decoded")
+    if spec.audio is not None:
+        fs = [audio_frames(spec.audio, s) for s in stored.audio_seconds]
+        ft = [audio_frames(spec.audio, s) for s in true.audio_seconds]
+        if fs != ft:
+            problems.append(f"audio_seconds {list(stored.audio_seconds)} stored, {list(true.audio_seconds)} decoded")
+    if problems:
+        raise SampleError(META_MISMATCH, "; ".join(problems) + " (regenerate the shards or the meta)")
+
+
+def fit_length(t: Templated, tok: Tokenizer, spec: ModelSpec, too_long: str) -> tuple[list[int], list[int], int]:
+    """(input_ids, labels, tokens cut) within model.llm.max_seq_len.
+
+    `truncate` cuts the tail (answer text, or whole later turns) as long as every media token
+    and at least one answer token stay; otherwise, and always with `drop`, the sample is
+    `too long`.
+    """
+    limit, n = spec.llm.max_seq_len, len(t.input_ids)
+    if n <= limit:
+        return t.input_ids, t.labels, 0
+    if too_long == "drop":
+        raise SampleError(TOO_LONG, f"{n} tokens > model.llm.max_seq_len={limit} (data.too_long=drop)")
+    media_ids = (tok.image_id, tok.audio_id)
+    last_media = max((i for i, x in enumerate(t.input_ids) if x in media_ids), default=-1)
+    first_answer = next((i for i, y in enumerate(t.labels) if y != IGNORE), n)
+    if last_media >= limit or first_answer >= limit:
+        need = max(last_media, first_answer) + 2
+        raise SampleError(
+            TOO_LONG, f"{n} tokens > model.llm.max_seq_len={limit}, and prompt plus media alone need {need}; "
+            f"truncating would cut them (dropped)")
+    return t.input_ids[:limit], t.labels[:limit], n - limit
+
+
+def _turns(obj: dict[str, Any]) -> list[Turn]:
+    return parse_conversation(obj.get("conversations"))
+
+
+def make_record(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_long: str = "drop") -> Record:
+    """Check and template one raw sample without decoding its media.
+
+    Raises:
+        SampleError: any reason in mmpipe.data.skips that needs no pixels; the caller adds
+            shard and key.
+    """
+    obj = read_json(raw)
+    turns = _turns(obj)
+    n_img, n_aud = count_placeholders(turns)
+    stored = stored_meta(obj)
+    check_counts(stored, n_img, n_aud)
+    check_encoders(spec, n_img, n_aud)
+    imgs = media_members(raw, IMAGE_EXTS, n_img, "image")
+    clips = media_members(raw, AUDIO_EXTS, n_aud, "audio")
+    sized = SampleMeta(text_tokens=0, images=tuple(probe_image(b) for _, b in imgs),
+                       audio_seconds=tuple(probe_audio(b, ext) for ext, b in clips))
+    templ = template_sample(turns, tok, spec, sized)
+    meta = dataclasses.replace(sized, text_tokens=templ.text_tokens)
+    if stored is not None:
+        check_meta(stored, meta, spec)
+        meta = dataclasses.replace(stored, text_tokens=templ.text_tokens)
+    ids, labels, cut = fit_length(templ, tok, spec, too_long)
+    if cut:
+        meta = dataclasses.replace(meta, text_tokens=meta.text_tokens - cut)
+    return Record(key=str(raw.get("__key__", "")), shard=shard_name(str(raw.get("__url__", ""))), meta=meta, raw=raw, input_ids=ids, labels=labels, truncated=cut)
+
+
+def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Tokenizer | None,
+                too_long: str = "drop") -> SampleMeta:
+    """SampleMeta of a sample from its .json member alone (iter_meta's checks).
+
+    Raises:
+        SampleError: the checks that need no media; `too long` when `spec` is given.
+    """
+    from mmpipe.data.skips import MISSING_META
+    from mmpipe.planner.features import features
+
+    obj = read_json(raw)
+    turns = _turns(obj)
+    stored = stored_meta(obj)
+    if stored is None:
+        raise SampleError(MISSING_META, "KEY.json has no 'meta' (text_tokens, images, audio_seconds)")
+    n_img, n_aud = count_placeholders(turns)
+    check_counts(stored, n_img, n_aud)
+    if spec is None:
+        return stored
+    try:
+        llm_len = features(spec, stored).llm_len
+    except ValueError as err:
+        raise SampleError(NO_ENCODER, str(err)) from None
+    if llm_len <= spec.llm.max_seq_len:
+        return stored
+    if too_long == "drop" or tok is None:
+        raise SampleError(TOO_LONG, f"{llm_len} tokens > model.llm.max_seq_len={spec.llm.max_seq_len}")
+    _, _, cut = fit_length(template_sample(turns, tok, spec, stored), tok, spec, too_long)
+    return dataclasses.replace(stored, text_tokens=stored.text_tokens - cut)
+
+
+def blank_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Zero images and features of the planned shapes (decode_record(..., blank=True))."""
+    v, a = spec.vision, spec.audio
+    images = [np.zeros((*resize_image(v, h, w), 3), np.uint8) for h, w in meta.images] if v else []
+    audio = [np.zeros((a.mel_bins, audio_frames(a, s)), np.float32) for s in meta.audio_seconds] if a else []
+    return images, audio
+
+
+def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: bool = True,
+                  blank: bool = False) -> Sample:
+    """The Sample of a Record; with media=False no image or clip is decoded.
+
+    input_ids and labels are the Record's (templated from meta when it was made), so both
+    modes give the same ids. `tokenizer` templates Records built by hand (empty input_ids).
+    With `blank=True` an image or clip that fails to decode becomes zeros of its planned
+    shape instead of an error (the error is then returned in `dropped` for counting), which
+    keeps the first and the last stage in step.
+
+    Raises:
+        SampleError: `undecodable image` / `undecodable audio`, located at shard and key.
+    """
+    ids, labels = rec.input_ids, rec.labels
+    if not ids:
+        obj = read_json(rec.raw)
+        templ = template_sample(_turns(obj), tokenizer, spec, rec.meta)
+        ids, labels = templ.input_ids, templ.labels
+    images: list[np.ndarray] = []
+    audio: list[np.ndarray] = []
+    dropped = rec.dropped
+    if media and (rec.meta.images or rec.meta.audio_seconds):
+        try:
+            n_img, n_aud = len(rec.meta.images), len(rec.meta.audio_seconds)
+            for _, b in media_members(rec.raw, IMAGE_EXTS, n_img, "image"):
+                images.append(decode_image(b, spec.vision).pixels)
+            for ext, b in media_members(rec.raw, AUDIO_EXTS, n_aud, "audio"):
+                audio.append(decode_audio(b, spec.audio, ext).features)
+        except SampleError as err:
+            err = err.at(shard=rec.shard, key=rec.key)
+            if not blank:
+                raise err from None
+            images, audio = blank_media(rec.meta, spec)
+            dropped = dropped + (err,)
+    return Sample(key=rec.key, input_ids=ids, labels=labels, images=images, audio=audio, meta=rec.meta,
+                  shard=rec.shard, source=rec.source, media=media, worker=rec.worker, cursor=rec.cursor,
+                  dropped=dropped)

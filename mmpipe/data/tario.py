@@ -1,0 +1,284 @@
+"""Streaming tar reading for webdataset shards: local files and `pipe:` commands.
+
+A small tar parser of our own (USTAR, GNU long names, pax `path`) rather than Python's
+`tarfile` in stream mode, for three reasons: it tells a clean end of archive from garbage or
+a cut in the middle of a shard (tarfile takes a garbage header for the end), it can skip the
+bytes of members nobody asked for (metadata-only reading seeks past the media), and it lets a
+`pipe:` command's exit status be checked once its output is read.
+
+Members are grouped into samples as webdataset does: `dir/KEY.suffix` has key `dir/KEY`
+(everything before the first dot of the file name) and suffix `suffix` (lower-cased);
+consecutive members with the same key form one sample.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Callable, Iterator
+
+BLOCK = 512
+_ZERO = bytes(BLOCK)
+_KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]+)$")
+_SIGPIPE = (-13, 141)
+"""Exit statuses of a command killed by SIGPIPE because we stopped reading."""
+
+
+class ShardError(Exception):
+    """A shard that cannot be read to its end (the reader counts it as `corrupt shard`)."""
+
+    def __init__(self, detail: str, *, member: str = "") -> None:
+        super().__init__(detail)
+        self.member = member
+        """The member being read when the data ended ('' inside a header)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One shard of the full, expanded shard list."""
+
+    url: str
+    """A local path or `pipe:COMMAND` (whose stdout is the tar)."""
+    index: int
+    """Position in the full shard list (limits and resume refer to it)."""
+
+    @property
+    def name(self) -> str:
+        """Short name for logs: the file name, or for a command the last `*.tar*` word in it."""
+        if not self.url.startswith("pipe:"):
+            return Path(self.url).name
+        try:
+            words = shlex.split(self.url[5:])
+        except ValueError:
+            words = self.url[5:].split()
+        tars = [w for w in words if ".tar" in w]
+        return Path(tars[-1]).name if tars else self.url[:48]
+
+
+def shard_name(url: str) -> str:
+    """Short name of a shard URL for logs (see Shard.name)."""
+    return Shard(url, 0).name
+
+
+def _number(field: bytes) -> int:
+    """A tar numeric field: octal text, or base-256 when the high bit of byte 0 is set."""
+    if field[:1] and field[0] & 0x80:
+        return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    return int(text, 8) if text else 0
+
+
+def _cstr(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _read(f: IO[bytes], n: int) -> bytes:
+    """Up to n bytes (fewer only at end of stream); pipes may return short reads."""
+    chunks, got = [], 0
+    while got < n:
+        b = f.read(n - got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _skip(f: IO[bytes], n: int, seekable: bool) -> None:
+    if seekable:
+        f.seek(n, os.SEEK_CUR)
+    else:
+        while n > 0:
+            b = f.read(min(n, 1 << 20))
+            if not b:
+                break
+            n -= len(b)
+
+
+def _pax_path(data: bytes) -> str | None:
+    path = None
+    pos = 0
+    while pos < len(data):
+        sp = data.find(b" ", pos)
+        if sp < 0:
+            break
+        try:
+            length = int(data[pos:sp])
+        except ValueError:
+            break
+        rec = data[sp + 1:pos + length - 1]
+        k, _, v = rec.partition(b"=")
+        if k == b"path":
+            path = v.decode("utf-8", "replace")
+        pos += max(length, 1)
+    return path
+
+
+def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
+                 seekable: bool = False) -> Iterator[tuple[str, bytes | None]]:
+    """(name, data) of each regular file in a tar stream; data is None when `select` says no.
+
+    Raises:
+        ShardError: the stream ends inside a header or a member, lacks the end-of-archive
+            block, or a header's checksum is wrong (garbage in the middle of the shard).
+    """
+    at = 0
+    long_name: str | None = None
+    while True:
+        hdr = _read(f, BLOCK)
+        if not hdr:
+            if at == 0:
+                raise ShardError("unexpected end of data: the shard is empty")
+            raise ShardError(f"unexpected end of data at byte {at}: no end-of-archive block (truncated?)")
+        if len(hdr) < BLOCK:
+            raise ShardError(f"unexpected end of data in the header at byte {at}")
+        if hdr == _ZERO:
+            return
+        try:
+            stored = _number(hdr[148:156])
+            size = _number(hdr[124:136])
+        except ValueError:
+            stored, size = -1, 0
+        if stored != sum(hdr[:148]) + 8 * 32 + sum(hdr[156:]):
+            raise ShardError(f"not a tar header at byte {at} (bad checksum): garbage in the shard")
+        kind = hdr[156:157]
+        name = _cstr(hdr[0:100])
+        if hdr[257:262] == b"ustar":
+            prefix = _cstr(hdr[345:500])
+            if prefix:
+                name = f"{prefix}/{name}"
+        at += BLOCK
+        padded = -(-size // BLOCK) * BLOCK
+        if kind in (b"L", b"x"):
+            data = _read(f, padded)
+            if len(data) < padded:
+                raise ShardError(f"unexpected end of data in a long-name header at byte {at}")
+            long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "replace") if kind == b"L" \
+                else _pax_path(data[:size])
+        elif kind in (b"0", b"\0", b"7"):
+            name = long_name or name
+            long_name = None
+            if select is None or select(name):
+                data = _read(f, padded)
+                if len(data) < size:
+                    raise ShardError(f"unexpected end of data in member {name} at byte {at}", member=name)
+                yield name, data[:size]
+            else:
+                _skip(f, padded, seekable)
+                yield name, None
+        else:  # directories, links, global pax headers: nothing a sample needs
+            long_name = None
+            _skip(f, padded, seekable)
+        at += padded
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """(key, lower-case suffix) of a member name, or None for names webdataset ignores."""
+    m = _KEY.match(name)
+    return (m.group(1), m.group(2).lower()) if m else None
+
+
+def iter_groups(members: Iterator[tuple[str, bytes | None]]) -> Iterator[dict]:
+    """Samples: consecutive members with the same key, as {"__key__", suffix: bytes, ...}.
+
+    Unselected members still mark a sample (so metadata-only reading counts the same samples
+    as full reading) but carry no data. A sample cut by a ShardError is not yielded.
+    """
+    cur: dict | None = None
+    try:
+        for name, data in members:
+            parts = split_name(name)
+            if parts is None:
+                continue
+            key, suffix = parts
+            if cur is None or cur["__key__"] != key:
+                if cur is not None:
+                    yield cur
+                cur = {"__key__": key}
+            if data is not None:
+                cur[suffix] = data
+    except ShardError as err:
+        # The cut member belongs to the next sample: the current one is complete.
+        parts = split_name(err.member) if err.member else None
+        if cur is not None and parts is not None and parts[0] != cur["__key__"]:
+            yield cur
+        raise
+    if cur is not None:
+        yield cur
+
+
+@contextmanager
+def open_shard(url: str) -> Iterator[tuple[IO[bytes], bool, Callable[[], None]]]:
+    """(stream, seekable, finish) for a local path or a `pipe:` command.
+
+    `finish()` is called after a complete read: for a command it reads what is left and
+    raises ShardError on a non-zero exit status. A ShardError inside the block is re-raised
+    naming the command's status and stderr when the command failed.
+    """
+    if not url.startswith("pipe:"):
+        try:
+            fh = open(url, "rb", buffering=1 << 20)
+        except OSError as err:
+            raise ShardError(f"cannot open: {err.strerror or err}") from None
+        with fh:
+            yield fh, True, lambda: None
+        return
+    cmd = url[5:].strip()
+    with tempfile.TemporaryFile() as err_file:
+        proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.PIPE, stderr=err_file, bufsize=1 << 20)
+        assert proc.stdout is not None
+
+        def failure(status: int) -> ShardError:
+            err_file.seek(0)
+            tail = err_file.read()[-400:].decode("utf-8", "replace").strip().replace("\n", " | ")
+            return ShardError(f"command {cmd!r} exited with status {status}" + (f": {tail}" if tail else ""))
+
+        def finish() -> None:
+            _skip(proc.stdout, 1 << 62, False)  # the tar's end padding; a writer must not get SIGPIPE
+            status = proc.wait()
+            if status != 0:
+                raise failure(status)
+
+        try:
+            yield proc.stdout, False, finish
+        except ShardError:
+            proc.stdout.close()
+            try:
+                status = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = None
+            if status not in (None, 0, *_SIGPIPE):
+                raise failure(status) from None
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+
+
+def read_shard(shard: Shard, *, select: Callable[[str], bool] | None = None) -> Iterator[dict]:
+    """The samples of one shard, each with `__key__`, `__url__`, `__shard__` (index) and
+    `__ordinal__` (position in the shard).
+
+    Raises:
+        ShardError: after yielding the samples before the damage.
+    """
+    with open_shard(shard.url) as (f, seekable, finish):
+        for ordinal, sample in enumerate(iter_groups(iter_members(f, select=select, seekable=seekable))):
+            sample["__url__"] = shard.url
+            sample["__shard__"] = shard.index
+            sample["__ordinal__"] = ordinal
+            yield sample
+        finish()
+
+
+def count_samples(shard: Shard) -> int:
+    """Samples in a shard, from the headers alone (member data is skipped, not read)."""
+    return sum(1 for _ in read_shard(shard, select=lambda name: False))

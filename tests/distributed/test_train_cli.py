@@ -1,0 +1,67 @@
+"""`mmpipe train` as a user runs it: real processes, DeepSpeed pipeline, shipped shards."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from mmpipe.cli import load
+from mmpipe.model.spec import layer_names
+
+pytestmark = pytest.mark.distributed
+
+
+def test_default_run_learns_and_reports(run_mmpipe):
+    run = run_mmpipe("train")  # the README's main job: defaults, 60 steps, pp=2
+    assert run.code == 0, run.out[-3000:]
+    m = run.metrics()
+    assert [r["step"] for r in m] == list(range(1, 61))
+    for key in ("step", "loss", "samples_per_s", "tokens_per_s", "step_time"):
+        assert all(key in r for r in m)
+    first = sum(r["loss"] for r in m[:5]) / 5
+    last = sum(r["loss"] for r in m[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert re.search(r"done: 60 steps in [\d.]+s \| loss [\d.]+ -> [\d.]+", run.out)
+    assert "skipped 0 samples" in run.out
+    assert "tokens per step:" in run.out
+    assert (run.run_dir / "checkpoints" / "step60").is_dir()
+
+
+def test_stage_override_moves_layers(run_mmpipe):
+    stages = "plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]"
+    run = run_mmpipe("train", stages, "train.steps=2")
+    assert run.code == 0, run.out[-3000:]
+    assert "stages from override" in run.out
+    names = layer_names(load([], job="test").model)
+    split = names.index("llm.embed")
+    held = {d["stage"]: d["layers"] for d in run.stage_files()}
+    assert held == {0: names[:split], 1: names[split:]}
+    # The printed table says the same as what each rank holds.
+    assert re.search(r"0\s+vision\.embed \.\. audio\.proj\s+8\s", run.out)
+    assert re.search(r"1\s+llm\.embed \.\. llm\.head\s+7\s", run.out)
+
+
+def test_two_stages_by_two_replicas_split_the_data(run_mmpipe):
+    run = run_mmpipe("train", "parallel.dp=2", "train.steps=3", "train.record_samples=true")
+    assert run.code == 0, run.out[-3000:]
+    files = run.stage_files()
+    assert sorted((d["stage"], d["dp_rank"]) for d in files) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    by_replica = {}
+    for d in files:
+        fed = run.samples(d["rank"])
+        keys = [k for step in fed for mb in step["micro_batches"] for k in mb]
+        by_replica.setdefault(d["dp_rank"], []).append(keys)
+    for replica, (a, b) in by_replica.items():
+        assert a == b, f"first and last stage of replica {replica} fed different samples"
+    assert not set(by_replica[0][0]) & set(by_replica[1][0])
+    assert len(by_replica[0][0]) == len(by_replica[1][0]) == 3 * 8
+    assert all(r["samples"] == 16 for r in run.metrics())
+
+
+def test_config_error_launches_nothing(run_mmpipe):
+    run = run_mmpipe("train", "parallel.dp=2", "launcher.nproc=2")
+    assert run.code == 2
+    assert "launcher.nproc=2 does not equal parallel.pp * parallel.dp = 2 * 2 = 4" in run.out
+    assert not run.run_dir.exists()
