@@ -20,10 +20,11 @@ from mmpipe.data.reader import Sample, iter_samples
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.planner.api import plan_step
-from mmpipe.planner.cost import build_cost_model
-from mmpipe.planner.features import features
+from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
+from mmpipe.planner.features import SampleFeatures, features
 from mmpipe.planner.hardware import hardware_from_dict
 from mmpipe.planner.partition import StagePlan
+from mmpipe.planner.step import evaluate_step
 from mmpipe.runtime.batch import MicroBatch, collate
 
 PACKED_POLICIES = ("data-aware", "packed-ffd")
@@ -39,6 +40,10 @@ class PlannedStep:
     """Time spent planning it (in the background thread)."""
     feed_seconds: float
     """Time spent reading, decoding and collating it (in the background thread)."""
+    predicted_s: float
+    """The planner's predicted step time of these micro-batches (this replica)."""
+    predicted_busy: tuple[float, ...]
+    """The planner's predicted compute time of each stage (this replica)."""
 
 
 class StepFeeder:
@@ -54,6 +59,7 @@ class StepFeeder:
         self.stage_plan = StagePlan(stages=list(stage_plan.stages), recompute=list(stage_plan.recompute))
         self.cost = build_cost_model(model=rc.model, hardware=hardware_from_dict(rc.hardware),
                                      trainable=rc.train.trainable, dp=rc.parallel.dp)
+        self.stage_costs = stage_costs(self.cost, self.stage_plan.stages, self.stage_plan.recompute)
         self._record = record.open("w") if record else None
         self._samples = iter_samples(
             path=resolve_path(rc.data.path), tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank,
@@ -92,8 +98,12 @@ class StepFeeder:
         t0 = time.perf_counter()
         samples = self._take()
         t1 = time.perf_counter()
-        groups = self.split(samples)
+        feats = [features(self.rc.model, s.meta) for s in samples]
+        groups = self.split(feats)
         t2 = time.perf_counter()
+        predicted = evaluate_step(self.stage_costs, sample_table(feats), [groups], packing=self.packed)
+        sim = predicted.replicas[0]
+        t3 = time.perf_counter()
         mbs = [collate([samples[i] for i in g], patch=self.patch, packed=self.packed,
                        pad_id=self.tokenizer.pad_id) for g in groups]
         self.steps_made += 1
@@ -101,12 +111,12 @@ class StepFeeder:
             self._record.write(json.dumps({"step": self.steps_made,
                                            "micro_batches": [list(m.keys) for m in mbs]}) + "\n")
             self._record.flush()
-        t3 = time.perf_counter()
-        return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t3 - t2))
+        t4 = time.perf_counter()
+        return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
+                           predicted_s=predicted.step_time, predicted_busy=tuple(sim.busy) if sim else ())
 
-    def split(self, samples: list[Sample]) -> list[list[int]]:
-        """Micro-batches of one replica's step (indices into `samples`, in execution order)."""
-        feats = [features(self.rc.model, s.meta) for s in samples]
+    def split(self, feats: list[SampleFeatures]) -> list[list[int]]:
+        """Micro-batches of one replica's step (indices into its samples, in execution order)."""
         replicas = plan_step(policy=self.rc.plan.policy, features=feats, stage_plan=self.stage_plan,
                              cost=self.cost, dp=1, micro_batches=self.rc.train.micro_batches)
         return [list(mb) for mb in replicas[0]]

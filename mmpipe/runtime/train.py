@@ -21,6 +21,7 @@ from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
                                      lr_lambda, make_optimizer)
 from mmpipe.runtime.stages import choose_stages, format_stage_table
+from mmpipe.runtime.telemetry import StageTimer, gather_stage_times, per_stage
 
 log = logging.getLogger("mmpipe")
 
@@ -101,6 +102,9 @@ def train(rc: RunConfig) -> RunResult:
     bar = ProgressBar(rc.train.steps) if rank == 0 else None
 
     result = RunResult()
+    timer = StageTimer(engine)
+    world = dist.get_world_size()
+    stage_of_rank = _stage_of_every_rank(engine.stage_id, world)
     t_start = time.perf_counter()
     for step in range(1, rc.train.steps + 1):
         t0 = time.perf_counter()
@@ -109,23 +113,36 @@ def train(rc: RunConfig) -> RunResult:
         _agree_on_micro_batches(engine, len(mbs), rc.parallel.dp)
         counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
                                sum(m.tokens for m in mbs)], dtype=torch.float64)
+        predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64)
         if first or last:
             dist.all_reduce(counts, group=dp_group)  # whole-step figures, all replicas
+            dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=dp_group)  # slowest replica
         scale = engine.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
         it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
         if step == 1 and rank == 0:
             print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
                   f"{int(counts[1])} samples (first step)", flush=True)
+        t1 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=it))
+        t2 = time.perf_counter()
+        stages = per_stage(gather_stage_times(timer.take(), world=world), stage_of_rank, rc.parallel.pp)
         dt = time.perf_counter() - t0
         result.losses.append(loss)
         result.samples += int(counts[1])
         result.tokens += int(counts[2])
         if rank == 0:
+            busy = [st["fwd"] + st["bwd"] for st in stages]
+            pred = float(predicted)
             rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
                    "tokens_per_s": counts[2].item() / dt, "step_time": dt,
-                   "lr": scheduler.get_last_lr()[0], "grad_norm": clip.last_norm, "samples": int(counts[1]), "tokens": int(counts[2]),
-                   "label_tokens": int(counts[0]), "micro_batches": len(mbs)}
+                   "lr": scheduler.get_last_lr()[0], "grad_norm": clip.last_norm, "samples": int(counts[1]),
+                   "tokens": int(counts[2]), "label_tokens": int(counts[0]), "micro_batches": len(mbs),
+                   "engine_time": t2 - t1, "stage_busy_s": busy,
+                   "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
+                   "bubble": 1.0 - sum(busy) / (len(busy) * (t2 - t1)),
+                   "predicted_step_time": pred, "predicted_busy_s": list(planned.predicted_busy),
+                   "prediction_error": (t2 - t1) / pred - 1.0 if pred > 0 else None,
+                   "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds}
             if step % rc.train.log_every == 0 or step == rc.train.steps:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
@@ -139,6 +156,13 @@ def train(rc: RunConfig) -> RunResult:
         _summary(rc, result, run_dir)
     dist.barrier()
     return result
+
+
+def _stage_of_every_rank(stage: int, world: int) -> list[int]:
+    mine = torch.tensor([stage], dtype=torch.long)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [int(t) for t in out]
 
 
 def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
