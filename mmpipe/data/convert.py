@@ -37,7 +37,7 @@ import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
@@ -47,7 +47,7 @@ from mmpipe.data.skips import (
     BAD_CONVERSATION, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError,
     SkipCounter,
 )
-from mmpipe.data.template import GPT, HUMAN, count_placeholders, parse_conversation, text_tokens
+from mmpipe.data.template import HUMAN, count_placeholders, parse_conversation, text_tokens
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.features import SampleMeta, features

@@ -410,7 +410,7 @@ class SampleStream(_Reader):
         epoch, skip = (int(start["epoch"]), int(start["offset"])) if start else (0, 0)
         pending: list[SampleError] = []
         while self.epochs is None or epoch < self.epochs:
-            made, resumed, errors = 0, skip > 0, []
+            made, resumed, errors, i = 0, skip > 0, [], -1
             for i, ev in enumerate(self.events(w, epoch, select)):
                 if i < skip:
                     continue  # replayed to restore the position; counted before the interruption
@@ -434,6 +434,8 @@ class SampleStream(_Reader):
                 pending.append(err)
                 if len(errors) < 1000:
                     errors.append(err)
+            if i < 0 and self.keep is not None and not resumed:
+                return  # a mixture limit left this reader nothing of this source
             if made == 0 and not resumed:
                 raise _no_usable(self.worker_shards(w), errors)
             skip = 0

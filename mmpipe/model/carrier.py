@@ -57,14 +57,6 @@ def pack(slots: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(to_wire(t) for t in slots)
 
 
-def segment_mask(seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, L, L] mask letting positions attend only within their own segment."""
-    allowed = seg[:, None] == seg[None, :]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=seg.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
 def causal_segment_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive [B, 1, T, T] block-diagonal causal mask; padding attends to itself only."""
     b, t = segment_ids.shape
@@ -75,8 +67,3 @@ def causal_segment_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.
     mask = torch.zeros((b, t, t), dtype=dtype, device=segment_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
-
-
-def repeat_ids(lengths: torch.Tensor) -> torch.Tensor:
-    """[3, 2] -> [0, 0, 0, 1, 1]: the owner of each position of concatenated items."""
-    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)

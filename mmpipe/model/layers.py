@@ -20,9 +20,11 @@ from transformers.models.whisper.configuration_whisper import WhisperConfig
 from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
 
 from mmpipe.model import carrier as C
+from mmpipe.model.attention import NAME as SEGMENT_ATTENTION
+from mmpipe.model.attention import Segments, run_lengths, segments
 from mmpipe.model.spec import AudioSpec, LLMSpec, ModelSpec, VisionSpec, layer_names
 
-_ATTN = "sdpa"
+_ATTN = SEGMENT_ATTENTION
 
 
 class PipeLayer(nn.Module):
@@ -96,8 +98,8 @@ class VisionBlock(PipeLayer):
             slots[C.IMAGE] = h
             return
         grid = slots[C.IMAGE_GRID]
-        seg = C.repeat_ids(grid[:, 0] * grid[:, 1])
-        slots[C.IMAGE] = self.block(h, C.segment_mask(seg, h.dtype))
+        with segments(Segments(lengths=tuple((grid[:, 0] * grid[:, 1]).tolist()), causal=False)):
+            slots[C.IMAGE] = self.block(h, None)
 
 
 class VisionProj(PipeLayer):
@@ -182,7 +184,8 @@ class AudioBlock(PipeLayer):
             slots[C.AUDIO] = h
             return
         positions = -(-slots[C.AUDIO_FRAMES] // self.stride)
-        slots[C.AUDIO] = self.block(h, C.segment_mask(C.repeat_ids(positions), h.dtype))
+        with segments(Segments(lengths=tuple(positions.tolist()), causal=False)):
+            slots[C.AUDIO] = self.block(h, None)
 
 
 class AudioProj(PipeLayer):
@@ -264,10 +267,14 @@ class LLMBlock(PipeLayer):
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.HIDDEN], self.dtype)
-        pos = slots[C.POSITION_IDS]
-        mask = C.causal_segment_mask(slots[C.SEGMENT_IDS], h.dtype)
-        out = self.block(h, attention_mask=mask, position_ids=pos,
-                         position_embeddings=self.rotary(h, pos))
+        pos, seg_ids = slots[C.POSITION_IDS], slots[C.SEGMENT_IDS]
+        if seg_ids.shape[0] == 1:  # packed: attention per sample
+            seg = Segments(lengths=run_lengths(seg_ids[0]), causal=True)
+        else:  # padded rows: dense mask, padding paid for
+            seg = Segments(lengths=None, causal=True, mask=C.causal_segment_mask(seg_ids, h.dtype))
+        with segments(seg):
+            out = self.block(h, attention_mask=None, position_ids=pos,
+                             position_embeddings=self.rotary(h, pos))
         slots[C.HIDDEN] = out[0] if isinstance(out, tuple) else out
 
 

@@ -86,18 +86,42 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
                       pp: int, dp: int, micro_batches: int,
                       labels: Sequence[str] | None = None) -> StagePlan:
     """Partition on real micro-batches: balance the sample steps on a provisional partition,
-    range-search the bottleneck on those micro-batches, re-balance, and hill-climb the cuts
-    and recompute flags on the simulated step time of the same micro-batches."""
+    range-search the bottleneck on those micro-batches, hill-climb the cuts and recompute flags
+    on the simulated step time of the same micro-batches, and keep whichever candidate is
+    fastest once its own micro-batches are re-planned (the best micro-batch count and sizes
+    depend on the partition). A last hill climb moves single cuts by one layer, each candidate
+    judged with its re-planned micro-batches."""
     L = len(cost.layers)
     check_pp(pp, L, cost.model.name)
     hw = cost.hardware
+    replanned: dict[tuple, float] = {}
+
+    def replan(p: StagePlan) -> float:
+        key = (tuple(p.stages), tuple(p.recompute))
+        if key not in replanned:
+            s = stage_costs(cost, p.stages, p.recompute)
+            total = 0.0
+            try:
+                for rows in steps:
+                    rep = balance_step(s, table, rows, dp=dp, micro_batches=micro_batches,
+                                       labels=labels)
+                    ev = evaluate_step(s, table, rep, packing=True)
+                    if not ev.fits:
+                        total = np.inf
+                        break
+                    total += ev.step_time
+            except ValueError:  # a stage or a sample does not fit under this partition
+                total = np.inf
+            replanned[key] = total
+        return replanned[key]
+
     plan = StagePlan(stages=parameters_partition([l.params for l in cost.layers], pp),
                      recompute=[True] * pp)
-    best_plan, best_t = plan, np.inf
-    for _ in range(2):
+    best_plan, best_t = plan, replan(plan)
+    for _ in range(3):
         sc = stage_costs(cost, plan.stages, plan.recompute)
         reps = [balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
-                             labels=labels, search=False) for rows in steps]
+                             labels=labels) for rows in steps]
         mbs = [mb for rep in reps for r in rep for mb in r]
         T, S2 = mb_streams(table, mbs, packing=True)
         loads = layer_loads(cost, T, S2)
@@ -114,12 +138,14 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
             return total
 
         for start in (cand, plan):
-            p, t = hill_climb(start, score)
+            p, _ = hill_climb(start, score)
+            t = replan(p)
             if t < best_t:
                 best_plan, best_t = p, t
         if best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
             break
         plan = best_plan
+    best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,))
     return best_plan
 
 

@@ -25,6 +25,7 @@ makespan of `simulate` for 1F1B).
 
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -135,6 +136,66 @@ def _deal(work: np.ndarray, dp: int) -> list[list[int]]:
     return out
 
 
+def _lpt(order: list[int], work: list[list[float]], mem: np.ndarray, budget: np.ndarray,
+         inv_share: list[float], probe: int = 4) -> tuple[list[list[int]], bool]:
+    """Largest first, each sample into the bin whose busiest stage, relative to the bin's
+    target share, stays lowest; bins over the memory budget are skipped. Only the `probe`
+    bins with the lowest relative busiest stage are examined per sample (a heap), so a pack
+    costs O(n log m) rather than O(n m).
+
+    Returns the bins (in target order, possibly some empty) and whether memory held."""
+    m = len(inv_share)
+    P = len(work[0]) if work else 0
+    loads = [[0.0] * P for _ in range(m)]
+    bins: list[list[int]] = [[] for _ in range(m)]
+    heap = [(0.0, j) for j in range(m)]  # (relative busiest stage, bin); empty bins first
+    # memory is tracked only when all samples together could break it on some stage
+    tight = bool(np.any(mem.sum(axis=0) > budget))
+    used = [[0.0] * P for _ in range(m)]
+    ml = mem.tolist() if tight else []
+    bl = budget.tolist()
+    ok = True
+    for i in order:
+        w = work[i]
+        cands = [heapq.heappop(heap) for _ in range(min(probe, len(heap)))]
+        best_k, best_v = -1, float("inf")
+        for k, (_, j) in enumerate(cands):
+            if tight and any(used[j][s] + ml[i][s] > bl[s] for s in range(P)):
+                continue
+            ld = loads[j]
+            v = max(ld[s] + w[s] for s in range(P)) * inv_share[j]
+            if v < best_v:
+                best_k, best_v = k, v
+        if best_k < 0:
+            for c in cands:
+                heapq.heappush(heap, c)
+            ua = np.asarray(used)
+            fits = np.all(ua + mem[i] <= budget, axis=1)
+            if fits.any():
+                lv = np.array([max(l) for l in loads]) * np.asarray(inv_share)
+                j = int(np.argmin(np.where(fits, lv, np.inf)))
+            else:
+                ok = False
+                j = int(np.argmin(ua.max(axis=1)))
+            heap = [c for c in heap if c[1] != j]
+            heapq.heapify(heap)
+            cands = [(0.0, j)]
+            best_k = 0
+        j = cands[best_k][1]
+        ld = loads[j]
+        for s in range(P):
+            ld[s] += w[s]
+        bins[j].append(i)
+        if tight:
+            u, mi = used[j], ml[i]
+            for s in range(P):
+                u[s] += mi[s]
+        cands[best_k] = (max(ld) * inv_share[j], j)
+        for c in cands:
+            heapq.heappush(heap, c)
+    return bins, ok
+
+
 def ramp_shares(m: int, ramp: float) -> np.ndarray:
     """Relative sizes of m micro-batches in execution order: growing by `ramp` per micro-batch
     from both ends towards a flat middle (1 = all equal); they sum to 1."""
@@ -201,29 +262,9 @@ class _ReplicaPlanner:
         P = self.P
         in_flight = np.minimum(np.arange(P, 0, -1), m).astype(float)
         mem = self.act * in_flight[None, :] + self.tr
-        loads = np.zeros((m, P))
-        used = np.zeros((m, P))
-        bins: list[list[int]] = [[] for _ in range(m)]
-        ok = True
-        counts = np.zeros(m)
-        tight = bool(np.any(mem.sum(axis=0) > self.budget))  # memory can bind at all?
-        for i in self.order.tolist():
-            cand = (loads + self.work[i]).max(axis=1) * inv
-            if tight:
-                fits = np.all(used + mem[i] <= self.budget, axis=1)
-                if fits.any():
-                    cand = np.where(fits, cand, np.inf)
-                else:
-                    ok = False
-                    cand = used.max(axis=1)
-                used_i = mem[i]
-            # empty bins first among equals keeps every bin non-empty when n >= m
-            j = int(np.argmin(cand + 1e-9 * counts))
-            counts[j] += 1
-            loads[j] += self.work[i]
-            if tight:
-                used[j] += used_i
-            bins[j].append(i)
+        bins, ok = _lpt(self.order.tolist(), self.work.tolist(), mem, self.budget, inv.tolist())
+        loads = np.array([self.work[bn].sum(axis=0) if bn else np.zeros(P) for bn in bins])
+        counts = np.array([len(bn) for bn in bins])
         bins = [b for b in bins if b]
         t = self.simulate(bins)
         if ramp == 1.0:
@@ -245,42 +286,65 @@ class _ReplicaPlanner:
         return min(self.cache, key=lambda k: (not self.cache[k][1], self.cache[k][0]))
 
     # ---------------------------------------------------------------- search
+    def fluid(self, m: int, ramp: float) -> float:
+        """Simulated makespan if the replica's streams split exactly by the target shares (no
+        packing): a cheap stand-in that ranks micro-batch counts and profiles."""
+        share = ramp_shares(m, ramp)[:, None]
+        P = self.P
+        in_flight = np.minimum(np.arange(P, 0, -1), m)
+        need = share.max() * (self.act.sum(axis=0) * in_flight + self.tr.sum(axis=0))
+        if np.any(need > 0.95 * self.budget):
+            return np.inf  # the largest micro-batch would not fit in memory
+        T = share * self.tokens.sum(axis=0)[None, :]
+        S2 = share * self.squares.sum(axis=0)[None, :]
+        f, b, sf, sb = self._times(T, S2)
+        return makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb)
+
     def plan(self, m_hint: int, search: bool) -> list[list[int]]:
-        n, P = self.n, self.P
-        grid = sorted({max(1, min(n, g)) for g in
-                       [m_hint] + [int(round(P * 2 ** (k / 2))) for k in range(-2, 40)]
-                       if g <= n} | {n})
-        # walk the grid upwards and stop once two points in a row are worse than the best:
-        # the makespan is close to unimodal in m (bubble vs per-op overhead)
-        worse = 0
-        for m in grid:
-            before = self._best() if self.cache else None
-            self.pack(m, 1.0)
-            if before is not None and self._rank((m, 1.0)) >= self._rank(before):
-                worse += 1
-                if worse >= 2 and m >= m_hint:
+        n = self.n
+        grid = sorted({int(round(x)) for x in np.geomspace(1, n, max(2, int(np.log(n) / 0.12)))}
+                      | {max(1, min(n, m_hint)), n})
+        ramps = (1.0,) + (RAMPS if search and n >= 3 else ())
+        scored = []
+        for ramp in ramps:
+            ts = []
+            for m in grid:
+                ts.append(self.fluid(m, ramp))
+                # unimodal in m (bubble against per-op overhead): stop well past the minimum
+                if len(ts) > 4 and min(ts[-3:]) > 1.02 * min(ts):
                     break
-            else:
-                worse = 0
-        m0 = self._best()[0]
-        for m in {max(1, int(m0 / 1.2)), int(m0 * 1.2) + 1}:
-            self.pack(m, 1.0)
-        if search and n >= 3:
-            m0 = self._best()[0]
-            for ramp in RAMPS:
-                for f in (1.0, 1.25, 1.5):
-                    self.pack(int(round(m0 * f)), ramp)
+            k = int(np.argmin(ts))
+            scored.append((ts[k], grid[k], ramp))
+            if ramp != 1.0 and k + 1 < len(grid):
+                # a ramp wants a few more micro-batches: its edges are small
+                scored.append((ts[k + 1], grid[k + 1], ramp))
+        scored.sort()
+        for _, m, ramp in scored[:4 if search else 2]:
+            self.pack(m, ramp)
+        m_best = self._best()[0]
+        while not self.cache[self._best()][1] and m_best < n:
+            m_best = min(n, 2 * m_best)  # memory binds: more, smaller micro-batches
+            self.pack(m_best, 1.0)
         t, ok, bins = self.cache[self._best()]
         bins = [list(b) for b in bins]
         if search and len(bins) > 1:
             bins = self._local_search(bins, t)
         return bins
 
+    @staticmethod
+    def _positions(m: int, edge: int = 8) -> list[int]:
+        """Micro-batches the local search moves samples out of: the warm-up and cool-down
+        ends, where a sample moved changes the bubble; a bounded count keeps the search
+        linear in the number of micro-batches."""
+        if m <= 2 * edge:
+            return list(range(m))
+        return list(range(edge)) + list(range(m - edge, m))
+
     def _rank(self, key: tuple[int, float]) -> tuple[bool, float]:
         t, ok, _ = self.cache[key]
         return (not ok, t)
 
-    def _local_search(self, bins: list[list[int]], t0: float, rounds: int = 3) -> list[list[int]]:
+    def _local_search(self, bins: list[list[int]], t0: float, rounds: int = 2) -> list[list[int]]:
         """Move one sample at a time between neighbouring micro-batches (the lightest sample
         of the giver), keeping a move when the simulated makespan drops and memory holds."""
         P = self.P
@@ -296,7 +360,7 @@ class _ReplicaPlanner:
         best = t0
         for _ in range(rounds):
             improved = False
-            for j in range(m):
+            for j in self._positions(m):
                 for k in (j - 1, j + 1):
                     if not 0 <= k < m or len(bins[j]) < 2:
                         continue
