@@ -6,7 +6,8 @@ Part 1: every public workload x each model preset it fits, pp=4 dp=2 global_batc
 micro_batches=8: mean simulated step time of the data-aware plan, of each tuned baseline,
 the lower bound (total compute at the top of the efficiency curve / (pp*dp)) and the ratio.
 Part 2: time of planning one step (balance_step, partition fixed) for N=256..4096 samples
-on one core.
+on one core. Times are medians of repeated runs (3 per step, 5 per N); run it under
+`taskset -c 1` on a shared machine.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _time_steps(m, hw, tr, trace, plan) -> float:
     times = []
     for k in range(len(feats) // 256):
         rows = range(k * 256, (k + 1) * 256)
-        times.append(min(_once(sc, table, rows) for _ in range(2)))
+        times.append(float(np.median([_once(sc, table, rows) for _ in range(3)])))
     return 1e3 * float(np.mean(times))
 
 
@@ -104,7 +105,7 @@ def scaling(hw, wl: Path) -> None:
     for n in (256, 512, 1024, 2048, 4096):
         feats = (base * (n // len(base) + 1))[:n]
         table = sample_table(feats)
-        best = min(_once(sc, table, range(n)) for _ in range(3))
+        best = float(np.median([_once(sc, table, range(n)) for _ in range(5)]))
         print(f"{n:>6} {best * 1e3:>8.1f} {best * 1e3 * 256 / n:>19.1f}", flush=True)
 
 

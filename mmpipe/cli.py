@@ -20,6 +20,7 @@ commands:
   train      train the configured model through DeepSpeed pipeline stages
   plan       plan a workload trace (stages, micro-batches) and compare with baselines
   simulate   compare pipeline schedules on the planned micro-batches of a trace
+  profile    measure the model's layers on this machine; write conf/hardware/measured-<model>.yaml
 
 examples:
   mmpipe train                                  # tiny model, shipped data, pp=2
@@ -74,15 +75,15 @@ def cmd_train(rc: RunConfig) -> int:
 
 
 def cmd_plan(rc: RunConfig, *, compare_schedules: bool = False) -> int:
+    from mmpipe.config import hardware_spec
     from mmpipe.planner.command import run_plan
-    from mmpipe.planner.hardware import hardware_from_dict
 
     if rc.data.kind != "trace":
         raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace; "
                          f"use data=trace data.path=FILE.jsonl")
     from mmpipe.config import resolve_path
 
-    run_plan(model=rc.model, hardware=hardware_from_dict(rc.hardware), pp=rc.parallel.pp,
+    run_plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.pp,
              dp=rc.parallel.dp, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
              trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=resolve_path(rc.data.path),
              out=rc.plan.out, steps=rc.plan.steps, plot=rc.plan.plot, stages=list(rc.plan.stages or []) or None,
@@ -90,7 +91,15 @@ def cmd_plan(rc: RunConfig, *, compare_schedules: bool = False) -> int:
     return 0
 
 
+def cmd_profile(rc: RunConfig) -> int:
+    from mmpipe.runtime.profile import run_profile
+
+    run_profile(rc, out=rc.profile.out, repeats=rc.profile.repeats)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[RunConfig], int]] = {
+    "profile": cmd_profile,
     "train": cmd_train,
     "plan": cmd_plan,
     "simulate": lambda rc: cmd_plan(rc, compare_schedules=True),

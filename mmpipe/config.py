@@ -55,6 +55,8 @@ class TrainConfig:
     """adamw | sgd."""
     save_every: int = 0
     """DeepSpeed checkpoint every N steps (0: only at the end)."""
+    resume: str | None = None
+    """Continue from a checkpoint: its folder (…/checkpoints/step<N>) or a run directory (its latest)."""
     log_every: int = 1
     """Metrics line every N steps."""
     record_samples: bool = False
@@ -98,8 +100,22 @@ class DataConfig:
     """Sample shuffle buffer (0: stream order)."""
     epochs: int | None = None
     """Passes over the shards (None: forever)."""
+    too_long: str = "drop"
+    """A sample longer than model.llm.max_seq_len: drop (counted) | truncate (the answer's tail)."""
+    num_workers: int = 1
+    """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
+    sources: tuple[Mapping[str, Any], ...] | None = None
+    """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see conf/data/mixture.yaml)."""
 
     def __post_init__(self) -> None:
+        if self.too_long not in ("drop", "truncate"):
+            raise ValueError(f"data.too_long={self.too_long!r} is unknown; use drop or truncate")
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"data.num_workers={self.num_workers!r} must be a positive integer")
+        if self.sources is not None:
+            from mmpipe.data.mixture import mixture_from_dicts
+
+            mixture_from_dicts(list(self.sources))
         if self.kind not in ("shards", "trace"):
             raise ValueError(f"data.kind={self.kind!r} is unknown; use shards or trace")
         if not self.path or self.path == "???":
@@ -147,6 +163,18 @@ class LauncherConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileConfig:
+    out: str | None = None
+    """Where `mmpipe profile` writes the machine description (default conf/hardware/measured-<model>.yaml)."""
+    repeats: int = 5
+    """Timed repetitions per layer and shape (the median is kept)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"profile.repeats={self.repeats!r} must be a positive integer")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """One whole run, validated."""
 
@@ -156,6 +184,7 @@ class RunConfig:
     data: DataConfig
     plan: PlanConfig
     launcher: LauncherConfig
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     hardware: Mapping[str, Any] = field(default_factory=dict)
     """Raw hardware group (typed by the planner)."""
     run_dir: str = "."
@@ -186,8 +215,9 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
     """Validate a resolved config mapping (what Hydra composed) into a RunConfig."""
     cfg = dict(cfg)
     for key in cfg:
-        if key not in ("model", "parallel", "train", "data", "plan", "launcher", "hardware", "hydra"):
-            raise ValueError(f"{key} is not a config group; known: model, parallel, train, data, plan, launcher, hardware")
+        if key not in ("model", "parallel", "train", "data", "plan", "launcher", "profile", "hardware", "hydra"):
+            raise ValueError(f"{key} is not a config group; known: model, parallel, train, data, plan, launcher, "
+                             f"profile, hardware")
     train = dict(cfg.get("train") or {})
     if "trainable" in train:
         t = train["trainable"]
@@ -202,6 +232,7 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         data=_section(DataConfig, "data", cfg.get("data")),
         plan=_section(PlanConfig, "plan", plan),
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
+        profile=_section(ProfileConfig, "profile", cfg.get("profile")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
     )
@@ -240,6 +271,21 @@ def check_run(rc: RunConfig) -> None:
             f"give one [first,last] pair per stage or set parallel.pp={len(rc.plan.stages)}"
         )
     rc.stage_bounds  # validates names and tiling
+    hardware_spec(rc)
+
+
+def hardware_spec(rc: RunConfig):
+    """The typed hardware description; a measured one must belong to the configured model."""
+    from mmpipe.planner.hardware import hardware_from_dict
+
+    hw = dict(rc.hardware)
+    measured_for = hw.pop("measured_for", None)
+    if measured_for is not None and measured_for != rc.model.name:
+        raise ValueError(
+            f"hardware={hw.get('name', '?')} was measured for model {measured_for}, not model {rc.model.name}; "
+            f"run `mmpipe profile model={rc.model.name}` and use the file it writes"
+        )
+    return hardware_from_dict(hw)
 
 
 def parse_stages(value: Any) -> tuple[tuple[str, str], ...]:

@@ -1,5 +1,6 @@
-"""The data layer: synthetic shards, tokenizer, chat template, media decoding and the shard reader.
+"""The data layer: shards, tokenizer, chat template, media decoding, the reader and converters.
 
-Import the submodules directly (`mmpipe.data.reader`, `mmpipe.data.tokenizer`, ...); see
-docs/data.md.
+Import the submodules directly: `reader` (SampleStream, iter_samples, iter_meta, loader),
+`records` (Record, Sample, decode_record), `mixture`, `convert`, `commands`, `tario` (tar and
+pipe: reading), `synth`, `tokenizer`, `template`, `media`, `skips`; see docs/data.md.
 """

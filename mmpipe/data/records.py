@@ -24,13 +24,13 @@ import numpy as np
 from mmpipe.data.media import decode_audio, decode_image, probe_audio, probe_image
 from mmpipe.data.tario import shard_name
 from mmpipe.data.skips import (
-    BAD_JSON, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG,
+    BAD_JSON, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, MISSING_META, NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG,
     SampleError,
 )
 from mmpipe.data.template import IGNORE, Templated, Turn, count_placeholders, parse_conversation, template_sample
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.features import SampleMeta, audio_frames, meta_from_json, resize_image
+from mmpipe.planner.features import SampleMeta, audio_frames, features, meta_from_json, resize_image
 
 TOO_LONG_MODES = ("drop", "truncate")
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
@@ -245,9 +245,6 @@ def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Tokenizer |
     Raises:
         SampleError: the checks that need no media; `too long` when `spec` is given.
     """
-    from mmpipe.data.skips import MISSING_META
-    from mmpipe.planner.features import features
-
     obj = read_json(raw)
     turns = _turns(obj)
     stored = stored_meta(obj)

@@ -118,10 +118,11 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
     plan = StagePlan(stages=parameters_partition([l.params for l in cost.layers], pp),
                      recompute=[True] * pp)
     best_plan, best_t = plan, replan(plan)
-    for _ in range(3):
+    for it in range(3):
         sc = stage_costs(cost, plan.stages, plan.recompute)
+        # equal micro-batches on the first round, the policy's own (ramped) ones after
         reps = [balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
-                             labels=labels) for rows in steps]
+                             labels=labels, search=it > 0) for rows in steps]
         mbs = [mb for rep in reps for r in rep for mb in r]
         T, S2 = mb_streams(table, mbs, packing=True)
         loads = layer_loads(cost, T, S2)
@@ -142,7 +143,7 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
             t = replan(p)
             if t < best_t:
                 best_plan, best_t = p, t
-        if best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
+        if it > 0 and best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
             break
         plan = best_plan
     best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,))

@@ -7,17 +7,20 @@ For one step it:
    alone is an error naming the sample and the limit;
 2. deals samples to replicas, largest first, each to the replica whose busiest stage stays
    lowest (a vector load: encoder and LLM stages are balanced at once, not tokens alone);
-3. per replica, searches the micro-batch count `m` on a geometric grid, packing the samples
-   into `m` micro-batches (largest first, each into the micro-batch whose busiest stage is
-   lowest relative to its share, within memory: `in_flight x activations + transient <=
-   memory - static` on every stage), judged by the 1F1B simulator;
-4. tries *ramped* size profiles: micro-batches small at both ends of the step and large in
-   the middle. Under 1F1B the warm-up waits on the first micro-batch's forward through the
-   pipeline and the cool-down on the last one's backward, so small edge micro-batches shrink
-   the bubble, while the large middle ones keep the per-op overhead and the small-batch
-   efficiency loss low;
-5. runs a local search that moves single samples between neighbouring micro-batches while the
-   simulated makespan drops.
+3. per replica, ranks micro-batch counts `m` (a geometric grid) and size profiles with a
+   *fluid* simulation: the replica's streams split exactly by each micro-batch's target
+   share, costed and run through the 1F1B simulator (no packing, microseconds each; a
+   profile whose largest micro-batch cannot fit in memory is skipped). Profiles: equal
+   sizes and *ramped* ones, small at both ends of the step and large in the middle. Under
+   1F1B the warm-up waits on the first micro-batches' forwards through the pipeline and the
+   cool-down on the last ones' backwards, so small edge micro-batches shrink the bubble while
+   the large middle ones keep the per-op overhead and the small-batch efficiency loss low.
+   The best ramp is then reshaped freely near the ends (coordinate descent on the shares);
+4. packs the best few candidates for real (largest first, each sample into the micro-batch
+   whose busiest stage is lowest relative to its share, within memory: `in_flight x
+   activations + transient <= memory - static` on every stage) and simulates them;
+5. runs a local search that moves single samples between neighbouring micro-batches near
+   both ends while the simulated makespan drops.
 
 Everything is judged by the same simulator that scores the baselines (`makespan` is the exact
 makespan of `simulate` for 1F1B).
@@ -30,8 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mmpipe.planner.cost import (MicroBatchCosts, SampleTable, StageCosts, _features,
-                                 micro_batch_costs, sample_work)
+from mmpipe.planner.cost import SampleTable, StageCosts, _features, sample_work
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import makespan
 from mmpipe.planner.step import Replicas
@@ -251,13 +253,16 @@ class _ReplicaPlanner:
         return makespan(make_schedule("1f1b", self.P, len(bins)), f, b, sf, sb)
 
     # ---------------------------------------------------------------- packing
-    def pack(self, m: int, ramp: float) -> tuple[float, bool, list[list[int]]]:
-        """Largest first into m micro-batches with ramped target shares; simulated time."""
+    def pack(self, m: int, ramp: float,
+             share: np.ndarray | None = None) -> tuple[float, bool, list[list[int]]]:
+        """Largest first into m micro-batches with ramped target shares (or the given ones);
+        simulated time."""
         m = max(1, min(self.n, m))
         key = (m, ramp)
         if key in self.cache:
             return self.cache[key]
-        share = ramp_shares(m, ramp)
+        if share is None or len(share) != m:
+            share = ramp_shares(m, ramp)
         inv = 1.0 / share
         P = self.P
         in_flight = np.minimum(np.arange(P, 0, -1), m).astype(float)
@@ -286,10 +291,10 @@ class _ReplicaPlanner:
         return min(self.cache, key=lambda k: (not self.cache[k][1], self.cache[k][0]))
 
     # ---------------------------------------------------------------- search
-    def fluid(self, m: int, ramp: float) -> float:
+    def fluid(self, m: int, ramp: float, share: np.ndarray | None = None) -> float:
         """Simulated makespan if the replica's streams split exactly by the target shares (no
         packing): a cheap stand-in that ranks micro-batch counts and profiles."""
-        share = ramp_shares(m, ramp)[:, None]
+        share = (ramp_shares(m, ramp) if share is None else share)[:, None]
         P = self.P
         in_flight = np.minimum(np.arange(P, 0, -1), m)
         need = share.max() * (self.act.sum(axis=0) * in_flight + self.tr.sum(axis=0))
@@ -321,6 +326,11 @@ class _ReplicaPlanner:
         scored.sort()
         for _, m, ramp in scored[:4 if search else 2]:
             self.pack(m, ramp)
+        if search and scored[0][1] >= 3:
+            # shape the sizes freely around the best profile, still on the fluid model
+            _, m, ramp = scored[0]
+            share = self._shape(m, ramp)
+            self.pack(m, -1.0, share)
         m_best = self._best()[0]
         while not self.cache[self._best()][1] and m_best < n:
             m_best = min(n, 2 * m_best)  # memory binds: more, smaller micro-batches
@@ -330,6 +340,26 @@ class _ReplicaPlanner:
         if search and len(bins) > 1:
             bins = self._local_search(bins, t)
         return bins
+
+    def _shape(self, m: int, ramp: float, sweeps: int = 2) -> np.ndarray:
+        """Coordinate descent on the micro-batch shares under the fluid model: scale one
+        micro-batch near either end (where the bubble is decided) up or down while the
+        simulated makespan drops."""
+        share = ramp_shares(m, ramp)
+        best = self.fluid(m, ramp, share)
+        for _ in range(sweeps):
+            improved = False
+            for j in self._positions(m, edge=4):
+                for f in (0.6, 1.4):
+                    trial = share.copy()
+                    trial[j] *= f
+                    trial /= trial.sum()
+                    t = self.fluid(m, ramp, trial)
+                    if t < best - 1e-12:
+                        share, best, improved = trial, t, True
+            if not improved:
+                break
+        return share
 
     @staticmethod
     def _positions(m: int, edge: int = 8) -> list[int]:
@@ -344,7 +374,7 @@ class _ReplicaPlanner:
         t, ok, _ = self.cache[key]
         return (not ok, t)
 
-    def _local_search(self, bins: list[list[int]], t0: float, rounds: int = 2) -> list[list[int]]:
+    def _local_search(self, bins: list[list[int]], t0: float, rounds: int = 3) -> list[list[int]]:
         """Move one sample at a time between neighbouring micro-batches (the lightest sample
         of the giver), keeping a move when the simulated makespan drops and memory holds."""
         P = self.P
@@ -362,23 +392,24 @@ class _ReplicaPlanner:
             improved = False
             for j in self._positions(m):
                 for k in (j - 1, j + 1):
-                    if not 0 <= k < m or len(bins[j]) < 2:
-                        continue
-                    x = min(bins[j], key=lambda i: wsum[i])
-                    if tight and np.any(used[k] + mem[x] > self.budget):
-                        continue
-                    Tn = T[[j, k]].copy()
-                    Sn = S2[[j, k]].copy()
-                    Tn[0] -= self.tokens[x]
-                    Tn[1] += self.tokens[x]
-                    Sn[0] -= self.squares[x]
-                    Sn[1] += self.squares[x]
-                    fn, bn_, sfn, sbn = self._times(Tn, Sn)
-                    f2, b2, sf2, sb2 = f.copy(), b.copy(), sf.copy(), sb.copy()
-                    f2[:, [j, k]], b2[:, [j, k]] = fn, bn_
-                    sf2[:, [j, k]], sb2[:, [j, k]] = sfn, sbn
-                    t = makespan(sched, f2, b2, sf2, sb2)
-                    if t < best - 1e-12:
+                    # repeat a move that helped: a ramp edge often wants several samples out
+                    while 0 <= k < m and len(bins[j]) >= 2:
+                        x = min(bins[j], key=lambda i: wsum[i])
+                        if tight and np.any(used[k] + mem[x] > self.budget):
+                            break
+                        Tn = T[[j, k]].copy()
+                        Sn = S2[[j, k]].copy()
+                        Tn[0] -= self.tokens[x]
+                        Tn[1] += self.tokens[x]
+                        Sn[0] -= self.squares[x]
+                        Sn[1] += self.squares[x]
+                        fn, bn_, sfn, sbn = self._times(Tn, Sn)
+                        f2, b2, sf2, sb2 = f.copy(), b.copy(), sf.copy(), sb.copy()
+                        f2[:, [j, k]], b2[:, [j, k]] = fn, bn_
+                        sf2[:, [j, k]], sb2[:, [j, k]] = sfn, sbn
+                        t = makespan(sched, f2, b2, sf2, sb2)
+                        if t >= best - 1e-12:
+                            break
                         best = t
                         bins[j].remove(x)
                         bins[k].append(x)
@@ -391,13 +422,3 @@ class _ReplicaPlanner:
             if not improved:
                 break
         return bins
-
-
-def _take(c: MicroBatchCosts, order: np.ndarray) -> MicroBatchCosts:
-    return MicroBatchCosts(fwd=c.fwd[:, order], bwd_in=c.bwd_in[:, order],
-                           bwd_w=c.bwd_w[:, order], act=c.act[:, order],
-                           transient=c.transient[:, order], send_fwd=c.send_fwd[:, order],
-                           send_bwd=c.send_bwd[:, order])
-
-
-__all__ = ["balance_step", "ramp_shares", "micro_batch_costs"]

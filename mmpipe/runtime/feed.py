@@ -15,14 +15,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
-from mmpipe.data.reader import Sample, iter_samples
+from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec, resolve_path
+from mmpipe.data.mixture import Mixture, mixture_from_dicts
+from mmpipe.data.reader import Record, SampleStream, loader
+from mmpipe.data.records import decode_record
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.planner.api import plan_step
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
 from mmpipe.planner.features import SampleFeatures, features
-from mmpipe.planner.hardware import hardware_from_dict
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.step import evaluate_step
 from mmpipe.runtime.batch import MicroBatch, collate
@@ -44,29 +45,44 @@ class PlannedStep:
     """The planner's predicted step time of these micro-batches (this replica)."""
     predicted_busy: tuple[float, ...]
     """The planner's predicted compute time of each stage (this replica)."""
+    reader_state: dict
+    """The reader's position after this step's samples (saved with a checkpoint)."""
+
+
+def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: SkipCounter):
+    """The replica's reader: one shard list, or a weighted mixture of several."""
+    d = rc.data
+    common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=rc.parallel.dp,
+                  seed=rc.train.seed, epochs=d.epochs, shuffle_buffer=d.shuffle_buffer, on_error=d.on_error,
+                  too_long=d.too_long, num_workers=d.num_workers, root=PROJECT_ROOT, skips=skips)
+    if d.sources:
+        sources = [dict(s, path=resolve_path(s["path"])) for s in d.sources]
+        return Mixture(sources=mixture_from_dicts(sources), **common)
+    return SampleStream(path=resolve_path(d.path), **common)
 
 
 class StepFeeder:
     """Yields, step after step, the planned micro-batches of one data-parallel replica."""
 
-    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan,
-                 record: Path | None = None, prefetch: int = 2):
+    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan, media: bool = True,
+                 record: Path | None = None, prefetch: int = 2, reader_state: dict | None = None,
+                 steps: int | None = None):
         self.rc = rc
         self.tokenizer = tokenizer
         self.skips = SkipCounter()
         self.per_replica = rc.train.global_batch // rc.parallel.dp
         self.packed = rc.plan.policy in PACKED_POLICIES
         self.stage_plan = StagePlan(stages=list(stage_plan.stages), recompute=list(stage_plan.recompute))
-        self.cost = build_cost_model(model=rc.model, hardware=hardware_from_dict(rc.hardware),
+        self.cost = build_cost_model(model=rc.model, hardware=hardware_spec(rc),
                                      trainable=rc.train.trainable, dp=rc.parallel.dp)
         self.stage_costs = stage_costs(self.cost, self.stage_plan.stages, self.stage_plan.recompute)
         self._record = record.open("w") if record else None
-        self._samples = iter_samples(
-            path=resolve_path(rc.data.path), tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank,
-            dp_size=rc.parallel.dp, seed=rc.train.seed, epochs=rc.data.epochs,
-            shuffle_buffer=rc.data.shuffle_buffer, on_error=rc.data.on_error, root=PROJECT_ROOT,
-            skips=self.skips,
-        )
+        self.media = media
+        self.steps = rc.train.steps if steps is None else steps
+        self.stream = make_stream(rc, tokenizer=tokenizer, dp_rank=dp_rank, skips=self.skips)
+        if reader_state is not None:
+            self.stream.load_state_dict(reader_state)
+        self._records = loader(self.stream, records=True)
         v = rc.model.vision
         self.patch = v.patch if v is not None else 1
         self.steps_made = 0
@@ -78,15 +94,15 @@ class StepFeeder:
 
     def _produce(self) -> None:
         try:
-            for _ in range(self.rc.train.steps):
+            for _ in range(self.steps):
                 self._queue.put(self._make_step())
         except BaseException as err:  # noqa: BLE001 - handed to the training thread
             self._queue.put(err)
 
-    def _take(self) -> list[Sample]:
+    def _take(self) -> list[Record]:
         out = []
-        for s in self._samples:
-            out.append(s)
+        for r in self._records:
+            out.append(r)
             if len(out) == self.per_replica:
                 return out
         raise RuntimeError(
@@ -96,14 +112,16 @@ class StepFeeder:
 
     def _make_step(self) -> PlannedStep:
         t0 = time.perf_counter()
-        samples = self._take()
+        records = self._take()
+        state = self.stream.state_dict()
         t1 = time.perf_counter()
-        feats = [features(self.rc.model, s.meta) for s in samples]
+        feats = [features(self.rc.model, r.meta) for r in records]
         groups = self.split(feats)
         t2 = time.perf_counter()
         predicted = evaluate_step(self.stage_costs, sample_table(feats), [groups], packing=self.packed)
         sim = predicted.replicas[0]
         t3 = time.perf_counter()
+        samples = [self._decode(r) for r in records]
         mbs = [collate([samples[i] for i in g], patch=self.patch, packed=self.packed,
                        pad_id=self.tokenizer.pad_id) for g in groups]
         self.steps_made += 1
@@ -113,7 +131,20 @@ class StepFeeder:
             self._record.flush()
         t4 = time.perf_counter()
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
-                           predicted_s=predicted.step_time, predicted_busy=tuple(sim.busy) if sim else ())
+                           predicted_s=predicted.step_time, predicted_busy=tuple(sim.busy) if sim else (),
+                           reader_state=state)
+
+    def _decode(self, rec: Record):
+        """The first stage decodes media; the last stage needs only ids and labels. Media that
+        fail behind a valid header become zeros of the planned shape (and are counted), so
+        both stages keep the same samples in the same micro-batches."""
+        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True)
+        if self.media:
+            for err in sample.dropped[len(rec.dropped):]:  # new here; earlier drops are counted
+                if self.rc.data.on_error == "raise":
+                    raise err
+                self.skips.add(err)
+        return sample
 
     def split(self, feats: list[SampleFeatures]) -> list[list[int]]:
         """Micro-batches of one replica's step (indices into its samples, in execution order)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Mapping
 
 import yaml
 
@@ -12,15 +13,16 @@ from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
 
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
-    from mmpipe.data.reader import resolve_shards, shards_for_rank
+    from mmpipe.data.reader import check_shards
     from mmpipe.data.tokenizer import check_vocab, load_tokenizer
 
     if rc.data.kind != "shards":
         raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe train reads webdataset shards; use data=synthetic "
                          f"or a data config with kind: shards")
-    shards = resolve_shards(resolve_path(rc.data.path), root=PROJECT_ROOT)
-    for r in range(rc.parallel.dp):
-        shards_for_rank(shards, dp_rank=r, dp_size=rc.parallel.dp)
+    paths = [s["path"] for s in rc.data.sources] if rc.data.sources else [rc.data.path]
+    for path in paths:
+        check_shards(resolve_path(path), root=PROJECT_ROOT, dp_size=rc.parallel.dp,
+                     num_workers=rc.data.num_workers)
     tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
     check_vocab(tok, rc.model.llm.vocab)
 
@@ -32,7 +34,7 @@ def to_plain(rc: RunConfig) -> dict:
             return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
         if isinstance(x, (list, tuple)):
             return [plain(v) for v in x]
-        if isinstance(x, dict):
+        if isinstance(x, Mapping):
             return {k: plain(v) for k, v in x.items()}
         return x
 

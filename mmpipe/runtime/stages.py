@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
+from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec, resolve_path
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.api import plan_stages
 from mmpipe.planner.features import SampleFeatures, features
-from mmpipe.planner.hardware import hardware_from_dict
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,7 +91,7 @@ def choose_stages(rc: RunConfig) -> StageChoice:
     pp = rc.parallel.pp
     if rc.stage_bounds is not None:
         return StageChoice(stages=rc.stage_bounds, recompute=[False] * pp, source="override")
-    plan = plan_stages(model=rc.model, hardware=hardware_from_dict(rc.hardware), pp=pp, dp=rc.parallel.dp,
+    plan = plan_stages(model=rc.model, hardware=hardware_spec(rc), pp=pp, dp=rc.parallel.dp,
                        trainable=rc.train.trainable, sample=workload_sample(rc),
                        micro_batches=rc.train.micro_batches, policy=rc.plan.policy)
     return StageChoice(stages=list(plan.stages), recompute=list(plan.recompute),

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
+from mmpipe.config import RunConfig, resolve_path
 from mmpipe.model.spec import layer_names
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.feed import StepFeeder
@@ -40,6 +40,8 @@ class RunResult:
     """Wall time of the steps (after start-up)."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Samples dropped, by reason, all replicas."""
+    mixture: dict[str, int] = field(default_factory=dict)
+    """Samples drawn from each source of a mixture, all replicas."""
 
 
 def _quiet_deepspeed() -> None:
@@ -91,10 +93,12 @@ def train(rc: RunConfig) -> RunResult:
     first, last = engine.is_first_stage(), engine.is_last_stage()
     dp_rank, dp_group = engine.grid.data_parallel_id, engine.grid.get_data_parallel_group()
     _write_stage_file(run_dir, rank, engine.stage_id, dp_rank, module)
+    start, reader_state = _resume(engine, rc, dp_rank) if rc.train.resume else (0, None)
 
     feeder = None
     if first or last:
-        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=dp_rank, stage_plan=stage_plan,
+        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=dp_rank, stage_plan=stage_plan, media=first,
+                            reader_state=reader_state, steps=rc.train.steps - start,
                             record=(run_dir / f"samples_rank{rank}.jsonl") if rc.train.record_samples else None)
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     if rank == 0:
@@ -106,7 +110,8 @@ def train(rc: RunConfig) -> RunResult:
     world = dist.get_world_size()
     stage_of_rank = _stage_of_every_rank(engine.stage_id, world)
     t_start = time.perf_counter()
-    for step in range(1, rc.train.steps + 1):
+    last_state: dict | None = None
+    for step in range(start + 1, rc.train.steps + 1):
         t0 = time.perf_counter()
         planned = feeder.next_step() if feeder else None
         mbs: list[MicroBatch] = planned.micro_batches if planned else []
@@ -119,12 +124,13 @@ def train(rc: RunConfig) -> RunResult:
             dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=dp_group)  # slowest replica
         scale = engine.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
         it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
-        if step == 1 and rank == 0:
+        if step == start + 1 and rank == 0:
             print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
                   f"{int(counts[1])} samples (first step)", flush=True)
         t1 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=it))
         t2 = time.perf_counter()
+        last_state = planned.reader_state if planned else None
         stages = per_stage(gather_stage_times(timer.take(), world=world), stage_of_rank, rc.parallel.pp)
         dt = time.perf_counter() - t0
         result.losses.append(loss)
@@ -147,10 +153,10 @@ def train(rc: RunConfig) -> RunResult:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
         if rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
-            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{step}")
+            _save(engine, run_dir, step, first, dp_rank, last_state)
     result.seconds = time.perf_counter() - t_start
-    engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{rc.train.steps}")
-    result.skipped = _gather_skips(feeder, first, dp_group)
+    _save(engine, run_dir, rc.train.steps, first, dp_rank, last_state)
+    result.skipped, result.mixture = _gather_data_report(feeder, first, dp_group)
     if rank == 0:
         bar.close()
         _summary(rc, result, run_dir)
@@ -184,17 +190,53 @@ def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module
         {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}))
 
 
-def _gather_skips(feeder, first: bool, dp_group) -> dict[str, int]:
+def _save(engine, run_dir: Path, step: int, first: bool, dp_rank: int, reader_state: dict | None) -> None:
+    """DeepSpeed's checkpoint, plus each replica's reader position (from its first stage)."""
+    folder = run_dir / "checkpoints"
+    engine.save_checkpoint(str(folder), tag=f"step{step}", client_state={"step": step})
+    if first and reader_state is not None:
+        (folder / f"step{step}" / f"data_state_dp{dp_rank}.json").write_text(json.dumps(reader_state))
+
+
+def _resume(engine, rc: RunConfig, dp_rank: int) -> tuple[int, dict | None]:
+    """Load the checkpoint named by train.resume; return its step and this replica's reader state."""
+    path = Path(resolve_path(rc.train.resume))
+    if (path / "checkpoints" / "latest").is_file():
+        path = path / "checkpoints"
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not path.is_dir():
+        raise FileNotFoundError(f"train.resume={rc.train.resume!r}: no checkpoint folder there "
+                                f"(give …/checkpoints/step<N> or a run directory)")
+    _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
+    if client is None or "step" not in client:
+        raise ValueError(f"train.resume={rc.train.resume!r}: not an mmpipe checkpoint (no step recorded)")
+    state_file = path / f"data_state_dp{dp_rank}.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else None
+    if state is None:
+        log.warning("no reader position in %s; data restarts from the beginning", path)
+    if int(client["step"]) >= rc.train.steps:
+        raise ValueError(f"train.resume: the checkpoint is at step {client['step']}, not below "
+                         f"train.steps={rc.train.steps}; raise train.steps to train further")
+    return int(client["step"]), state
+
+
+def _gather_data_report(feeder, first: bool, dp_group) -> tuple[dict[str, int], dict[str, int]]:
+    """Skips by reason and mixture counts, summed over the replicas (first stages only)."""
     if not first:
-        return {}
-    mine = feeder.skips.as_dict() if feeder else {}
+        return {}, {}
+    stream = feeder.stream if feeder else None
+    mine = (feeder.skips.as_dict() if feeder else {},
+            stream.realised() if stream is not None and hasattr(stream, "realised") else {})
     parts: list = [None] * dist.get_world_size(group=dp_group)
     dist.all_gather_object(parts, mine, group=dp_group)
-    total: dict[str, int] = {}
-    for p in parts:
-        for k, v in (p or {}).items():
-            total[k] = total.get(k, 0) + v
-    return total
+    skipped: dict[str, int] = {}
+    mixture: dict[str, int] = {}
+    for part in parts:
+        for total, d in zip((skipped, mixture), part or ({}, {})):
+            for k, v in d.items():
+                total[k] = total.get(k, 0) + v
+    return skipped, mixture
 
 
 def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
@@ -209,3 +251,7 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         f"metrics {run_dir / 'metrics.jsonl'} | checkpoint {run_dir / 'checkpoints'}",
         flush=True,
     )
+    if r.mixture:
+        total = sum(r.mixture.values())
+        print("mixture realised: " + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in r.mixture.items()),
+              flush=True)

@@ -65,3 +65,28 @@ def test_config_error_launches_nothing(run_mmpipe):
     assert run.code == 2
     assert "launcher.nproc=2 does not equal parallel.pp * parallel.dp = 2 * 2 = 4" in run.out
     assert not run.run_dir.exists()
+
+
+def test_resume_continues_with_the_same_samples_and_losses(tmp_path):
+    from conftest import mmpipe
+
+    whole = mmpipe("train", "train.steps=4", "train.save_every=2", "train.record_samples=true",
+                   run_dir=tmp_path / "whole")
+    assert whole.code == 0, whole.out[-3000:]
+    resumed = mmpipe("train", "train.steps=4", f"train.resume={whole.run_dir / 'checkpoints' / 'step2'}",
+                     "train.record_samples=true", run_dir=tmp_path / "resumed")
+    assert resumed.code == 0, resumed.out[-3000:]
+    assert [r["step"] for r in resumed.metrics()] == [3, 4]
+    assert [r["loss"] for r in resumed.metrics()] == [r["loss"] for r in whole.metrics()[2:]]
+    for rank in (0, 1):
+        after = [s["micro_batches"] for s in whole.samples(rank)[2:]]
+        assert [s["micro_batches"] for s in resumed.samples(rank)] == after
+
+
+def test_mixture_reports_what_it_drew(run_mmpipe):
+    run = run_mmpipe("train", "data=mixture", "train.steps=5")
+    assert run.code == 0, run.out[-3000:]
+    line = next(l for l in run.out.splitlines() if l.startswith("mixture realised:"))
+    counts = dict(re.findall(r"(synth-[ab]) (\d+)", line))
+    assert int(counts["synth-a"]) + int(counts["synth-b"]) == 5 * 16
+    assert int(counts["synth-a"]) > 2 * int(counts["synth-b"])  # weights 3:1

@@ -95,3 +95,21 @@ def test_data_aware_beats_every_tuned_baseline_on_a_mixed_slice():
         base = tune_baseline(b, cost, table, steps, pp=4, dp=2, micro_batches=4)
         assert base.fits
         assert mean <= base.mean_step_time, b
+
+
+def test_short_samples_get_small_edge_micro_batches_and_beat_equal_sizes():
+    # llava-pretrain-like: one 336x336 image (576 patches, 144 tokens) and ~80 text tokens each
+    feats = [_s(int(t), images=[(576, 144)]) for t in np.random.default_rng(5).integers(40, 120, 256)]
+    m, hw = model("qwen2-vl-7b"), hardware("h100")
+    cost = build_cost_model(model=m, hardware=hw, trainable=("vision.proj", "llm"), dp=2)
+    table = sample_table(feats)
+    sc = stage_costs(cost, [(0, 40), (40, 48), (48, 56), (56, 65)])
+    rows = list(range(256))
+    ours = balance_step(sc, table, rows, dp=2, micro_batches=8)
+    plain = balance_step(sc, table, rows, dp=2, micro_batches=8, search=False)
+    for rep in ours:
+        sizes = [len(mb) for mb in rep]
+        assert sizes[0] < max(sizes) and sizes[-1] < max(sizes), sizes
+    t_ours = evaluate_step(sc, table, ours, packing=True)
+    t_plain = evaluate_step(sc, table, plain, packing=True)
+    assert t_ours.fits and t_ours.step_time < t_plain.step_time

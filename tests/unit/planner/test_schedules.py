@@ -81,3 +81,13 @@ def test_transfers_and_unequal_stages():
     # s1 F1 [10.5,13.5], B1 [13.5,19.5] -> s0 B1 [20, 22]
     assert r.makespan == pytest.approx(22.0)
     assert r.busy == (6.0, 18.0)
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 5), (4, 4), (4, 17), (8, 30)])
+def test_fast_makespan_equals_full_simulation(p, m):
+    from mmpipe.planner.simulator import makespan
+    rng = np.random.default_rng(p * 100 + m)
+    f, b, sf, sb = (rng.random((p, m)) for _ in range(4))
+    s = make_schedule("1f1b", p, m)
+    assert makespan(s, f, b, 0.1 * sf, 0.1 * sb) == pytest.approx(
+        simulate(s, fwd=f, bwd=b, send_fwd=0.1 * sf, send_bwd=0.1 * sb).makespan, rel=1e-12)

@@ -7,7 +7,6 @@ import torch
 
 from mmpipe.model import carrier as C
 from mmpipe.runtime.batch import collate, shifted_targets
-from mmpipe.runtime.feed import split_balanced, split_contiguous
 
 
 class S:
@@ -45,11 +44,3 @@ def test_patches_rebuild_the_image():
     assert grid.tolist() == [[2, 3]]
     rebuilt = patches.reshape(2, 3, 3, 8, 8).permute(0, 3, 1, 4, 2).reshape(16, 24, 3)
     assert torch.equal(rebuilt, torch.from_numpy(img))
-
-
-def test_splits_cover_every_sample_once():
-    assert split_contiguous(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
-    groups = split_balanced([100, 5, 5, 5, 90, 10], 2)
-    assert sorted(i for g in groups for i in g) == list(range(6))
-    loads = [sum([100, 5, 5, 5, 90, 10][i] for i in g) for g in groups]
-    assert max(loads) - min(loads) <= 10
