@@ -21,6 +21,9 @@ commands:
   plan       plan a workload trace (stages, micro-batches) and compare with baselines
   simulate   compare pipeline schedules on the planned micro-batches of a trace
   profile    measure the model's layers on this machine; write conf/hardware/measured-<model>.yaml
+  bench      train once per policy (alternating) on the same data; compare samples/s and bubbles
+  shards     convert a LLaVA-style JSON + media folders into webdataset shards
+  bench-data measure the loader (full decode vs metadata only)
 
 examples:
   mmpipe train                                  # tiny model, shipped data, pp=2
@@ -28,6 +31,7 @@ examples:
   mmpipe train plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]
   mmpipe plan model=qwen2-vl-7b data=trace data.path=trace.jsonl hardware=h100 parallel.pp=4
   mmpipe train recipes=<name>                   # a ready experiment from recipes/
+  mmpipe shards shards.json=llava.json shards.out=shards/ shards.image_root=images/
 """
 
 
@@ -91,6 +95,36 @@ def cmd_plan(rc: RunConfig, *, compare_schedules: bool = False) -> int:
     return 0
 
 
+def cmd_bench(rc: RunConfig, overrides: list[str]) -> int:
+    from mmpipe.runtime.bench import run_bench
+    from mmpipe.runtime.preflight import check_data
+
+    check_data(rc)
+    run_bench(rc, overrides)
+    return 0
+
+
+def cmd_bench_data(rc: RunConfig) -> int:
+    from mmpipe.config import resolve_path
+    from mmpipe.data.commands import run_bench_data
+
+    return run_bench_data(path=resolve_path(rc.data.path), tokenizer=resolve_path(rc.data.tokenizer or ""),
+                          model=rc.model, samples=rc.bench.samples, generated=rc.bench.generated,
+                          root=str(PROJECT_ROOT))
+
+
+def cmd_shards(rc: RunConfig) -> int:
+    from mmpipe.config import resolve_path
+    from mmpipe.data.commands import run_convert
+
+    s = rc.shards
+    if not s.json or not s.out:
+        raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
+    return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
+                       model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
+                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix)
+
+
 def cmd_profile(rc: RunConfig) -> int:
     from mmpipe.runtime.profile import run_profile
 
@@ -98,11 +132,14 @@ def cmd_profile(rc: RunConfig) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[RunConfig], int]] = {
-    "profile": cmd_profile,
-    "train": cmd_train,
-    "plan": cmd_plan,
-    "simulate": lambda rc: cmd_plan(rc, compare_schedules=True),
+COMMANDS: dict[str, Callable[[RunConfig, list[str]], int]] = {
+    "train": lambda rc, _: cmd_train(rc),
+    "plan": lambda rc, _: cmd_plan(rc),
+    "simulate": lambda rc, _: cmd_plan(rc, compare_schedules=True),
+    "profile": lambda rc, _: cmd_profile(rc),
+    "bench": cmd_bench,
+    "shards": lambda rc, _: cmd_shards(rc),
+    "bench-data": lambda rc, _: cmd_bench_data(rc),
 }
 
 
@@ -125,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mmpipe {cmd}: error: {_explain(err, overrides)}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[cmd](rc)
+        return COMMANDS[cmd](rc, overrides)
     except Exception as err:  # noqa: BLE001 - one clean line for config and input errors
         if not _is_user_error(err):
             raise

@@ -175,6 +175,45 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ShardsConfig:
+    json: str | None = None
+    """LLaVA-style JSON list to convert (mmpipe shards)."""
+    out: str | None = None
+    """Output folder of the shards and index.json."""
+    image_root: str | None = None
+    """Folder the JSON's image paths are relative to (default: the JSON's folder)."""
+    audio_root: str | None = None
+    """Folder the JSON's audio paths are relative to (default: the JSON's folder)."""
+    maxcount: int = 1000
+    """Samples per shard at most."""
+    maxsize_mb: float | None = None
+    """Shard size limit in MB (null: count only)."""
+    prefix: str = "train"
+    """Shard file prefix: <prefix>-000000.tar."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    policies: tuple[str, ...] = POLICIES
+    """Policies `mmpipe bench` trains, alternating."""
+    rounds: int = 2
+    """Alternating rounds (each policy trains once per round)."""
+    steps: int = 30
+    """Steps per run (the first two are not timed)."""
+    samples: int = 2000
+    """Samples `mmpipe bench-data` reads from data.path."""
+    generated: int = 5000
+    """Samples of the larger generated set `mmpipe bench-data` also reads (0: skip)."""
+
+    def __post_init__(self) -> None:
+        for p in self.policies:
+            if p not in POLICIES:
+                raise ValueError(f"bench.policies entry {p!r} is unknown; use {', '.join(POLICIES)}")
+        if self.rounds < 1 or self.steps < 3:
+            raise ValueError(f"bench.rounds={self.rounds} / bench.steps={self.steps}: need rounds >= 1, steps >= 3")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """One whole run, validated."""
 
@@ -185,6 +224,8 @@ class RunConfig:
     plan: PlanConfig
     launcher: LauncherConfig
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     hardware: Mapping[str, Any] = field(default_factory=dict)
     """Raw hardware group (typed by the planner)."""
     run_dir: str = "."
@@ -211,13 +252,25 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     return cls(**values)
 
 
+GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "shards", "bench", "hardware",
+          "hydra")
+
+
+def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
+    out = dict(section or {})
+    if isinstance(out.get(key), (list, tuple)):
+        out[key] = tuple(out[key])
+    elif isinstance(out.get(key), str):
+        out[key] = (out[key],)
+    return out
+
+
 def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunConfig:
     """Validate a resolved config mapping (what Hydra composed) into a RunConfig."""
     cfg = dict(cfg)
     for key in cfg:
-        if key not in ("model", "parallel", "train", "data", "plan", "launcher", "profile", "hardware", "hydra"):
-            raise ValueError(f"{key} is not a config group; known: model, parallel, train, data, plan, launcher, "
-                             f"profile, hardware")
+        if key not in GROUPS:
+            raise ValueError(f"{key} is not a config group; known: {', '.join(GROUPS)}")
     train = dict(cfg.get("train") or {})
     if "trainable" in train:
         t = train["trainable"]
@@ -233,6 +286,8 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         plan=_section(PlanConfig, "plan", plan),
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
         profile=_section(ProfileConfig, "profile", cfg.get("profile")),
+        shards=_section(ShardsConfig, "shards", cfg.get("shards")),
+        bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
     )

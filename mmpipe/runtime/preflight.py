@@ -38,7 +38,8 @@ def to_plain(rc: RunConfig) -> dict:
             return {k: plain(v) for k, v in x.items()}
         return x
 
-    out = {k: plain(getattr(rc, k)) for k in ("model", "parallel", "train", "data", "plan", "launcher")}
+    out = {k: plain(getattr(rc, k)) for k in ("model", "parallel", "train", "data", "plan", "launcher", "profile",
+                                              "shards", "bench")}
     out["hardware"] = plain(dict(rc.hardware))
     out["model"] = {k: v for k, v in out["model"].items() if v is not None}
     return out
