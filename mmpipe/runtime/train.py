@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from mmpipe.config import RunConfig, resolve_path
 from mmpipe.model.spec import layer_names
+from mmpipe.planner.calibrate import StepCalibration
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
@@ -107,6 +108,7 @@ def train(rc: RunConfig) -> RunResult:
 
     result = RunResult()
     timer = StageTimer(engine)
+    calibration = StepCalibration()
     world = dist.get_world_size()
     stage_of_rank = _stage_of_every_rank(engine.stage_id, world)
     t_start = time.perf_counter()
@@ -138,7 +140,9 @@ def train(rc: RunConfig) -> RunResult:
         result.tokens += int(counts[2])
         if rank == 0:
             busy = [st["fwd"] + st["bwd"] for st in stages]
-            pred = float(predicted)
+            raw = float(predicted)
+            pred = calibration.predict(raw, len(mbs))  # fitted on earlier steps only
+            calibration.observe(raw, len(mbs), t2 - t1)
             rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
                    "tokens_per_s": counts[2].item() / dt, "step_time": dt,
                    "lr": scheduler.get_last_lr()[0], "grad_norm": clip.last_norm, "samples": int(counts[1]),
@@ -146,7 +150,8 @@ def train(rc: RunConfig) -> RunResult:
                    "engine_time": t2 - t1, "stage_busy_s": busy,
                    "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
                    "bubble": 1.0 - sum(busy) / (len(busy) * (t2 - t1)),
-                   "predicted_step_time": pred, "predicted_busy_s": list(planned.predicted_busy),
+                   "predicted_step_time": pred, "simulated_step_time": raw,
+                   "calibration": list(calibration.coef), "predicted_busy_s": list(planned.predicted_busy),
                    "prediction_error": (t2 - t1) / pred - 1.0 if pred > 0 else None,
                    "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds}
             if step % rc.train.log_every == 0 or step == rc.train.steps:
