@@ -185,6 +185,10 @@ def _explain(err: BaseException, overrides: list[str]) -> str:
         near = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean {near[0]}?" if near else "run `mmpipe train --help` for the groups"
         return f"{key}={value}: no such config key; {hint}"
+    import yaml
+
+    if isinstance(err, yaml.YAMLError):
+        return f"a config file is not valid YAML: {msg}"
     return msg
 
 
@@ -196,10 +200,11 @@ def _known_keys() -> list[str]:
 
 
 def _is_user_error(err: BaseException) -> bool:
+    import yaml
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(err, (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException))
+    return isinstance(err, (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException, yaml.YAMLError))
 
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
     names = sc.cost.names
     hw = sc.cost.hardware
     raise ValueError(
-        f"stage {s} ({names[a]}..{names[b - 1]}) needs {sc.static[s] / GB:.1f} GB for weights, "
-        f"gradients and optimizer states alone, more than the {hw.usable_bytes / GB:.1f} GB usable "
+        f"stage {s} ({names[a]}..{names[b - 1]}) needs {sc.static[s] / GB:.3g} GB for weights, "
+        f"gradients and optimizer states alone, more than the {hw.usable_bytes / GB:.3g} GB usable "
         f"(hardware.memory_gb={hw.memory_gb:g}); raise parallel.pp or parallel.dp, or train fewer "
         f"layers (train.trainable)")
 
@@ -106,10 +106,10 @@ def _check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.n
     a, b = sc.stages[s]
     who = labels[rows[i]] if labels is not None else f"sample {rows[i]}"
     raise ValueError(
-        f"{who} needs {need[i, s] / GB:.1f} GB of activations on stage {s} "
-        f"({names[a]}..{names[b - 1]}) even alone, but only {max(budget[s], 0) / GB:.1f} GB "
+        f"{who} needs {need[i, s] / GB:.3g} GB of activations on stage {s} "
+        f"({names[a]}..{names[b - 1]}) even alone, but only {max(budget[s], 0) / GB:.3g} GB "
         f"are left there ({sc.cost.hardware.usable_fraction:.0%} of "
-        f"hardware.memory_gb={sc.cost.hardware.memory_gb:g} less {sc.static[s] / GB:.1f} GB of "
+        f"hardware.memory_gb={sc.cost.hardware.memory_gb:g} less {sc.static[s] / GB:.3g} GB of "
         f"weights and optimizer states); raise parallel.pp, recompute that stage or drop the sample")
 
 

@@ -8,6 +8,7 @@ one step ahead of the step being trained, so they do not stall the pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -73,8 +74,12 @@ class StepFeeder:
         self.per_replica = rc.train.global_batch // rc.parallel.dp
         self.packed = rc.plan.policy in PACKED_POLICIES
         self.stage_plan = StagePlan(stages=list(stage_plan.stages), recompute=list(stage_plan.recompute))
-        self.cost = build_cost_model(model=rc.model, hardware=hardware_spec(rc),
-                                     trainable=rc.train.trainable, dp=rc.parallel.dp)
+        hw = hardware_spec(rc)
+        if getattr(stage_plan, "warnings", ()):
+            # The user's stages exceed memory under the cost model and were accepted with a
+            # warning: plan their micro-batches without the memory limit rather than refuse.
+            hw = dataclasses.replace(hw, memory_gb=max(hw.memory_gb, 1e6))
+        self.cost = build_cost_model(model=rc.model, hardware=hw, trainable=rc.train.trainable, dp=rc.parallel.dp)
         self.stage_costs = stage_costs(self.cost, self.stage_plan.stages, self.stage_plan.recompute)
         self._record = record.open("w") if record else None
         self.media = media

@@ -8,7 +8,10 @@ import torch
 
 from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec, resolve_path
 from mmpipe.model.spec import ModelSpec, layer_names
-from mmpipe.planner.api import plan_stages
+from mmpipe.planner.api import plan_stages, plan_step
+from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
+from mmpipe.planner.partition import StagePlan
+from mmpipe.planner.step import evaluate_step
 from mmpipe.planner.features import SampleFeatures, features
 
 
@@ -22,6 +25,8 @@ class StageChoice:
     """Activation recomputation per stage."""
     source: str
     """`override` (plan.stages) or `planner (<policy>)`."""
+    warnings: tuple[str, ...] = ()
+    """Problems the cost model sees with these stages (e.g. a stage over memory)."""
 
 
 def layer_param_counts(spec: ModelSpec) -> list[int]:
@@ -90,12 +95,42 @@ def choose_stages(rc: RunConfig) -> StageChoice:
     on the first steps of the real data with the configured hardware's cost model."""
     pp = rc.parallel.pp
     if rc.stage_bounds is not None:
-        return StageChoice(stages=rc.stage_bounds, recompute=[False] * pp, source="override")
+        stages = rc.stage_bounds
+        return StageChoice(stages=stages, recompute=[False] * pp, source="override",
+                           warnings=memory_warnings(rc, stages, [False] * pp))
     plan = plan_stages(model=rc.model, hardware=hardware_spec(rc), pp=pp, dp=rc.parallel.dp,
                        trainable=rc.train.trainable, sample=workload_sample(rc),
                        micro_batches=rc.train.micro_batches, policy=rc.plan.policy)
     return StageChoice(stages=list(plan.stages), recompute=list(plan.recompute),
                        source=f"planner ({rc.plan.policy})")
+
+
+def memory_warnings(rc: RunConfig, stages: list[tuple[int, int]], recompute: list[bool]) -> tuple[str, ...]:
+    """Stages whose planned peak memory exceeds the device under the cost model (a user's
+    override is trained anyway; the user hears which stage and by how much)."""
+    hw = hardware_spec(rc)
+    cost = build_cost_model(model=rc.model, hardware=hw, trainable=rc.train.trainable, dp=rc.parallel.dp)
+    try:
+        sc = stage_costs(cost, stages, recompute)
+    except ValueError as err:  # weights alone do not fit: still the user's call
+        return (f"plan.stages: {err}",)
+    feats = workload_sample(rc, steps=1)
+    plan = StagePlan(stages=list(stages), recompute=list(recompute))
+    try:
+        reps = plan_step(policy=rc.plan.policy, features=feats, stage_plan=plan, cost=cost, dp=rc.parallel.dp,
+                         micro_batches=rc.train.micro_batches)
+    except ValueError as err:  # e.g. a sample that fits on no micro-batch
+        return (f"plan.stages: {err}",)
+    ev = evaluate_step(sc, sample_table(feats), reps, packing=rc.plan.policy in ("data-aware", "packed-ffd"))
+    names = layer_names(rc.model)
+    out = []
+    for s, (a, b) in enumerate(stages):
+        need, usable = float(ev.peak_bytes[s]), float(ev.usable)
+        if need > usable:
+            out.append(f"plan.stages: stage {s} ({names[a]} .. {names[b - 1]}) needs {need / 1e9:.2f} GB under "
+                       f"the cost model, {(need - usable) / 1e9:.2f} GB more than the {usable / 1e9:.2f} GB usable "
+                       f"on hardware {hw.name}; it may run out of memory (move layers off it, or enable recompute)")
+    return tuple(out)
 
 
 def format_stage_table(rc: RunConfig, choice: StageChoice, names: list[str]) -> str:

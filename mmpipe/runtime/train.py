@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,8 @@ def train(rc: RunConfig) -> RunResult:
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     if rank == 0:
         print(format_stage_table(rc, stage_plan, names), flush=True)
+        for w in stage_plan.warnings:
+            print(f"warning: {w}", file=sys.stderr, flush=True)
     bar = ProgressBar(rc.train.steps) if rank == 0 else None
 
     result = RunResult()

@@ -90,3 +90,26 @@ def test_mixture_reports_what_it_drew(run_mmpipe):
     counts = dict(re.findall(r"(synth-[ab]) (\d+)", line))
     assert int(counts["synth-a"]) + int(counts["synth-b"]) == 5 * 16
     assert int(counts["synth-a"]) > 2 * int(counts["synth-b"])  # weights 3:1
+
+
+def test_an_override_over_memory_trains_with_a_warning(run_mmpipe):
+    run = run_mmpipe("train", "train.steps=1", "hardware.memory_gb=0.02",
+                     "plan.stages=[[vision.embed,llm.block.2],[llm.block.3,llm.head]]")
+    assert run.code == 0, run.out[-3000:]
+    assert re.search(r"warning: plan\.stages: .*stage 0 \(vision\.embed\.\.llm\.block\.2\)", run.out)
+    assert "done: 1 steps" in run.out
+
+
+def test_bench_compares_policies_on_the_same_data(run_mmpipe):
+    run = run_mmpipe("bench", "bench.policies=[data-aware,ds-default]", "bench.rounds=1", "bench.steps=4")
+    assert run.code == 0, run.out[-3000:]
+    table = {l.split()[0]: l.split() for l in run.out.splitlines() if l.startswith(("data-aware ", "ds-default "))}
+    assert set(table) == {"data-aware", "ds-default"}
+    assert table["data-aware"][-1] == "1.00x"
+    figures = json.loads((run.run_dir / "bench.json").read_text())
+    assert [f["policy"] for f in figures] == ["data-aware", "ds-default"]
+    assert all(f["samples_per_s"] > 0 for f in figures)
+    # Same data and steps: both policies trained on the same samples, so their first losses agree.
+    a = [json.loads(l) for l in (run.run_dir / "round0-data-aware" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(l) for l in (run.run_dir / "round0-ds-default" / "metrics.jsonl").read_text().splitlines()]
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-5)

@@ -152,3 +152,28 @@ def test_wire_format_roundtrips_frozen_floats():
     assert torch.equal(C.from_wire(wire, torch.float32), t)
     g = torch.randn(2, requires_grad=True) * 1
     assert C.to_wire(g) is g  # a float with a gradient travels as a float
+
+
+def test_a_packed_sample_has_the_loss_and_gradient_of_its_unpacked_self(spec, layers):
+    """Per-sample attention and positions: packing changes nothing for the sample."""
+    rng = np.random.default_rng(3)
+    a = FakeSample("a", spec, rng, images=[(48, 32)], clips=[0.6], text=20)
+    others = [FakeSample("b", spec, rng, text=50), FakeSample("c", spec, rng, images=[(24, 80)], text=7)]
+
+    def loss_and_grads(samples, only_first: bool):
+        for l in layers:
+            l.zero_grad()
+        mb = collate(samples, patch=spec.vision.patch, packed=True, pad_id=0)
+        targets = mb.targets.clone()
+        if only_first:
+            targets[0, len(samples[0].input_ids):] = -100  # keep only sample a's labels
+        loss = token_loss(run_layers(layers, mb.carrier), (targets, torch.tensor([1.0])))
+        loss.backward()
+        return float(loss), [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                             for l in layers for p in l.parameters()]
+
+    alone_loss, alone_grads = loss_and_grads([a], only_first=False)
+    packed_loss, packed_grads = loss_and_grads([a, *others], only_first=True)
+    assert packed_loss == pytest.approx(alone_loss, rel=1e-5)
+    for g1, g2 in zip(alone_grads, packed_grads):
+        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)

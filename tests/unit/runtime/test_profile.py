@@ -1,0 +1,36 @@
+"""`mmpipe profile` writes a machine description the planner accepts, for its model only."""
+
+from __future__ import annotations
+
+import yaml
+
+from mmpipe.cli import CONF_DIR, load, main
+from mmpipe.planner.cost import KINDS
+from mmpipe.planner.hardware import hardware_from_dict
+
+
+def test_profile_writes_a_description_of_this_machine(tmp_path, capsys):
+    out = tmp_path / "measured.yaml"
+    assert main(["profile", "profile.repeats=1", f"profile.out={out}"]) == 0
+    doc = yaml.safe_load(out.read_text())
+    assert doc.pop("measured_for") == "tiny"
+    hw = hardware_from_dict(doc)
+    assert set(hw.kind_efficiency) == set(KINDS)  # every layer kind of the tiny model measured
+    assert all(0 < e <= 1 for e in hw.kind_efficiency.values())
+    assert hw.link_latency_s > 0 and hw.link_gbps > 0
+    assert "use: mmpipe train hardware=measured" in capsys.readouterr().out
+
+
+def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
+    assert (CONF_DIR / "hardware" / "measured-tiny.yaml").is_file()
+    load(["hardware=measured-tiny"], job="test")  # its own model: fine
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"text_tokens": 10}\n')
+    assert main(["plan", "model=llava-1.5-7b", "hardware=measured-tiny", "data=trace", f"data.path={trace}"]) == 2
+    assert ("hardware=measured-tiny was measured for model tiny, not model llava-1.5-7b; "
+            "run `mmpipe profile model=llava-1.5-7b`") in capsys.readouterr().err
+
+
+def test_a_bad_hardware_value_names_the_key(capsys):
+    assert main(["train", "hardware.peak_flops=fast"]) == 2
+    assert "hardware.peak_flops='fast' is not a number" in capsys.readouterr().err
