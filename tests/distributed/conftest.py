@@ -43,7 +43,7 @@ def mmpipe(*args: str, run_dir: Path, timeout: float = 300) -> Run:
 
 @pytest.fixture
 def run_mmpipe(tmp_path):
-    def go(*args: str, timeout: float = 300) -> Run:
-        return mmpipe(*args, run_dir=tmp_path / "run", timeout=timeout)
+    def go(*args: str, timeout: float = 300, name: str = "run") -> Run:
+        return mmpipe(*args, run_dir=tmp_path / name, timeout=timeout)
 
     return go

@@ -67,14 +67,11 @@ def test_config_error_launches_nothing(run_mmpipe):
     assert not run.run_dir.exists()
 
 
-def test_resume_continues_with_the_same_samples_and_losses(tmp_path):
-    from conftest import mmpipe
-
-    whole = mmpipe("train", "train.steps=4", "train.save_every=2", "train.record_samples=true",
-                   run_dir=tmp_path / "whole")
+def test_resume_continues_with_the_same_samples_and_losses(run_mmpipe):
+    whole = run_mmpipe("train", "train.steps=4", "train.save_every=2", "train.record_samples=true", name="whole")
     assert whole.code == 0, whole.out[-3000:]
-    resumed = mmpipe("train", "train.steps=4", f"train.resume={whole.run_dir / 'checkpoints' / 'step2'}",
-                     "train.record_samples=true", run_dir=tmp_path / "resumed")
+    resumed = run_mmpipe("train", "train.steps=4", f"train.resume={whole.run_dir / 'checkpoints' / 'step2'}",
+                         "train.record_samples=true", name="resumed")
     assert resumed.code == 0, resumed.out[-3000:]
     assert [r["step"] for r in resumed.metrics()] == [3, 4]
     assert [r["loss"] for r in resumed.metrics()] == [r["loss"] for r in whole.metrics()[2:]]
