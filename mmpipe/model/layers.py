@@ -45,6 +45,16 @@ class PipeLayer(nn.Module):
         return next(self.parameters()).dtype
 
 
+def projector(dims: tuple[int, ...]) -> nn.Sequential:
+    """Linear layers through `dims` with GELU between them (LLaVA-style MLP projector)."""
+    mods: list[nn.Module] = []
+    for i in range(len(dims) - 1):
+        if i:
+            mods.append(nn.GELU())
+        mods.append(nn.Linear(dims[i], dims[i + 1]))
+    return nn.Sequential(*mods)
+
+
 # ----------------------------------------------------------------------------- vision
 
 
@@ -109,13 +119,7 @@ class VisionProj(PipeLayer):
         super().__init__()
         self.norm = nn.LayerNorm(v.hidden, eps=1e-6)
         self.merge = v.merge
-        dims = (v.proj_in, *v.proj)
-        mods: list[nn.Module] = []
-        for i in range(len(dims) - 1):
-            if i:
-                mods.append(nn.GELU())
-            mods.append(nn.Linear(dims[i], dims[i + 1]))
-        self.mlp = nn.Sequential(*mods)
+        self.mlp = projector((v.proj_in, *v.proj))
         self.proj_in = v.proj_in
 
     def step(self, slots: list[torch.Tensor]) -> None:
@@ -195,13 +199,7 @@ class AudioProj(PipeLayer):
         super().__init__()
         self.norm = nn.LayerNorm(a.hidden)
         self.pool = nn.AvgPool1d(a.pool, stride=a.pool, ceil_mode=True)
-        dims = (a.hidden, *a.proj)
-        mods: list[nn.Module] = []
-        for i in range(len(dims) - 1):
-            if i:
-                mods.append(nn.GELU())
-            mods.append(nn.Linear(dims[i], dims[i + 1]))
-        self.mlp = nn.Sequential(*mods)
+        self.mlp = projector((a.hidden, *a.proj))
         self.stride = a.conv_stride
         self.hidden = a.hidden
 

@@ -54,7 +54,7 @@ def _reference(overrides: list[str], keys_by_replica: list[list[str]]):
     with torch.no_grad():
         for p in params:
             p -= rc.train.lr * p.grad
-    return rc, layers, float(loss)
+    return rc, layers, loss.item()
 
 
 @pytest.mark.parametrize("case", list(CASES))
