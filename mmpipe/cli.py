@@ -151,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     cmd, overrides = argv[0], argv[1:]
+    if any(o in ("-h", "--help") for o in overrides):
+        print(USAGE)
+        print(f"configuration ({CONF_DIR / 'config.yaml'}; groups: "
+              + ", ".join(f"{g}=[{' '.join(sorted(p.stem for p in (CONF_DIR / g).glob('*.yaml')))}]"
+                          for g in ("model", "data", "hardware")) + "):\n")
+        print((CONF_DIR / "config.yaml").read_text())
+        return 0
     if cmd not in COMMANDS:
         print(f"mmpipe: unknown command {cmd!r}; use one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -185,6 +192,10 @@ def _explain(err: BaseException, overrides: list[str]) -> str:
         near = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean {near[0]}?" if near else "run `mmpipe train --help` for the groups"
         return f"{key}={value}: no such config key; {hint}"
+    m = re.search(r"Could not find '([\w-]+)/([^']+)'\s*Available options in '[\w-]+':\s*(.*?)\s*Config search path", msg)
+    if m:
+        group, name, options = m.groups()
+        return f"{group}={name}: no such {group} config; available: {', '.join(options.split())}"
     import yaml
 
     if isinstance(err, yaml.YAMLError):

@@ -25,9 +25,9 @@ NUM_SLOTS = 8
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def empty() -> torch.Tensor:
-    """The value of a slot that holds nothing (yet, or any more)."""
-    return torch.zeros(0, dtype=torch.long)
+def empty(like: torch.Tensor | None = None) -> torch.Tensor:
+    """The value of a slot that holds nothing (yet, or any more), on `like`'s device."""
+    return torch.zeros(0, dtype=torch.long, device=like.device if like is not None else None)
 
 
 def to_wire(t: torch.Tensor) -> torch.Tensor:

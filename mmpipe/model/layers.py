@@ -250,9 +250,9 @@ class LLMEmbed(PipeLayer):
             h = h.index_put(where, emb)
             if emb.requires_grad and emb.numel() == 0:
                 h = h + 0 * emb.sum()  # keep an empty activation in the graph so it gets a grad
-            slots[slot] = C.empty()
-        slots[C.IMAGE_GRID] = C.empty()
-        slots[C.AUDIO_FRAMES] = C.empty()
+            slots[slot] = C.empty(ids)
+        slots[C.IMAGE_GRID] = C.empty(ids)
+        slots[C.AUDIO_FRAMES] = C.empty(ids)
         slots[C.HIDDEN] = h
 
 

@@ -146,9 +146,10 @@ class GlobalGradClip:
         import torch.distributed as dist
 
         grads = [p.grad for p in self._params if p.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64)
+        device = self._params[0].device if self._params else torch.device("cpu")
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
         for g in grads:
-            sq += g.detach().double().pow(2).sum().cpu()
+            sq += g.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self.group)
         norm = float(sq.sqrt())
         self.last_norm = norm

@@ -75,9 +75,9 @@ class StageTimer:
         return done
 
 
-def gather_stage_times(times: StepTimes, *, world: int) -> torch.Tensor:
+def gather_stage_times(times: StepTimes, *, world: int, device=None) -> torch.Tensor:
     """[world, len(KINDS)] seconds of every rank for this step (one all-gather)."""
-    mine = torch.tensor([times.totals[k] for k in KINDS], dtype=torch.float64)
+    mine = torch.tensor([times.totals[k] for k in KINDS], dtype=torch.float64, device=device)
     out = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(out, mine)
     return torch.stack(out)

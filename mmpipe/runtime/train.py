@@ -113,7 +113,8 @@ def train(rc: RunConfig) -> RunResult:
     timer = StageTimer(engine)
     calibration = StepCalibration()
     world = dist.get_world_size()
-    stage_of_rank = _stage_of_every_rank(engine.stage_id, world)
+    dev = engine.device  # collectives run on the backend's device (CUDA under NCCL)
+    stage_of_rank = _stage_of_every_rank(engine.stage_id, world, dev)
     t_start = time.perf_counter()
     last_state: dict | None = None
     for step in range(start + 1, rc.train.steps + 1):
@@ -122,8 +123,8 @@ def train(rc: RunConfig) -> RunResult:
         mbs: list[MicroBatch] = planned.micro_batches if planned else []
         _agree_on_micro_batches(engine, len(mbs), rc.parallel.dp)
         counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
-                               sum(m.tokens for m in mbs)], dtype=torch.float64)
-        predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64)
+                               sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
+        predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64, device=dev)
         if first or last:
             dist.all_reduce(counts, group=dp_group)  # whole-step figures, all replicas
             dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=dp_group)  # slowest replica
@@ -136,7 +137,8 @@ def train(rc: RunConfig) -> RunResult:
         loss = float(engine.train_batch(data_iter=it))
         t2 = time.perf_counter()
         last_state = planned.reader_state if planned else None
-        stages = per_stage(gather_stage_times(timer.take(), world=world), stage_of_rank, rc.parallel.pp)
+        stages = per_stage(gather_stage_times(timer.take(), world=world, device=dev).cpu(), stage_of_rank,
+                           rc.parallel.pp)
         dt = time.perf_counter() - t0
         result.losses.append(loss)
         result.samples += int(counts[1])
@@ -172,8 +174,8 @@ def train(rc: RunConfig) -> RunResult:
     return result
 
 
-def _stage_of_every_rank(stage: int, world: int) -> list[int]:
-    mine = torch.tensor([stage], dtype=torch.long)
+def _stage_of_every_rank(stage: int, world: int, device) -> list[int]:
+    mine = torch.tensor([stage], dtype=torch.long, device=device)
     out = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(out, mine)
     return [int(t) for t in out]
@@ -182,7 +184,7 @@ def _stage_of_every_rank(stage: int, world: int) -> list[int]:
 def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
     """The planner may choose a different micro-batch count each step; the first stage tells
     the rest of its pipeline (middle stages read no data), and DeepSpeed's schedule follows."""
-    m = torch.tensor([mine], dtype=torch.long)
+    m = torch.tensor([mine], dtype=torch.long, device=engine.device)
     dist.broadcast(m, src=engine.grid.stage_to_global(0), group=engine.grid.get_pipe_parallel_group())
     count = int(m.item())
     if engine.is_last_stage() and mine != count:

@@ -110,3 +110,12 @@ def test_bench_compares_policies_on_the_same_data(run_mmpipe):
     a = [json.loads(l) for l in (run.run_dir / "round0-data-aware" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(l) for l in (run.run_dir / "round0-ds-default" / "metrics.jsonl").read_text().splitlines()]
     assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-5)
+
+
+def test_same_seed_same_loss_curve(run_mmpipe):
+    runs = [run_mmpipe("train", "train.steps=4", name=f"run{i}") for i in range(2)]
+    assert all(r.code == 0 for r in runs), runs[0].out[-3000:]
+    curves = [[(m["loss"], m["grad_norm"], m["micro_batches"]) for m in r.metrics()] for r in runs]
+    assert curves[0] == curves[1]
+    other = run_mmpipe("train", "train.steps=4", "train.seed=1", name="seed1")
+    assert [m["loss"] for m in other.metrics()] != [c[0] for c in curves[0]]
