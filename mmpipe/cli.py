@@ -204,10 +204,23 @@ def _explain(err: BaseException, overrides: list[str]) -> str:
 
 
 def _known_keys() -> list[str]:
+    """Every settable key, dotted, from the root config and each group's default file."""
     import yaml
 
+    def flat(prefix: str, node) -> list[str]:
+        if isinstance(node, dict):
+            return [k for key, v in node.items() for k in flat(f"{prefix}.{key}", v)]
+        return [prefix]
+
     root = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
-    return [f"{g}.{k}" for g, sec in root.items() if isinstance(sec, dict) for k in sec]
+    keys = [k for g, sec in root.items() if g != "defaults" and isinstance(sec, dict) for k in flat(g, sec)]
+    for entry in root.get("defaults", []):
+        if isinstance(entry, dict):
+            (group, name), = entry.items()
+            path = CONF_DIR / group / f"{name}.yaml"
+            if name and path.is_file():
+                keys += flat(group, yaml.safe_load(path.read_text()))
+    return keys
 
 
 def _is_user_error(err: BaseException) -> bool:

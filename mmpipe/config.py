@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ("data-aware", "ds-default", "llava-grouped", "packed-ffd")
+from mmpipe.planner.api import POLICIES  # noqa: E402 - the planner owns the policy names
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,6 +124,8 @@ class DataConfig:
             raise ValueError(f"data.on_error={self.on_error!r} is unknown; use skip or raise")
         if self.shuffle_buffer < 0:
             raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} must be >= 0")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"data.epochs={self.epochs} must be >= 1, or null to repeat the data forever")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,12 +245,37 @@ class RunConfig:
         return stages_to_bounds(self.plan.stages, self.layers)
 
 
+_SCALARS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _check_type(prefix: str, key: str, annotation: str, value: Any) -> None:
+    """Scalar settings must have their declared type (a typo like train.lr=abc is caught here,
+    with the key, not as a TypeError deep inside)."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None and "None" in kinds:
+        return
+    for kind in kinds:
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind == "str" and isinstance(value, str):
+            return
+        if kind == "bool" and isinstance(value, bool):
+            return
+        if kind not in _SCALARS and kind != "None":
+            return  # containers are checked by their own validation
+    wanted = " or ".join(_SCALARS.get(k, "null") for k in kinds)
+    raise ValueError(f"{prefix}.{key}={value!r} must be {wanted}")
+
+
 def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     values = dict(values or {})
-    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    for key in values:
-        if key not in known:
-            raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(known))}")
+    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(fields))}")
+        _check_type(prefix, key, str(fields[key].type), value)
     return cls(**values)
 
 

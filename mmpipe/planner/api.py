@@ -40,6 +40,8 @@ from mmpipe.planner.step import Replicas, evaluate_step
 
 POLICIES = ("data-aware",) + BASELINES
 """Every plan.policy value."""
+PACKED_POLICIES = ("data-aware", "packed-ffd")
+"""Policies whose micro-batches are packed (the others pad to the longest sample)."""
 
 __all__ = ["POLICIES", "StagePlan", "plan_stages", "plan_step", "validate_trainable",
            "check_policy", "data_aware_stages"]
@@ -148,9 +150,3 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         plan = best_plan
     best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,))
     return best_plan
-
-
-def default_cost(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
-                 dp: int) -> CostModel:
-    """The cost model plan_step expects (a thin alias of build_cost_model)."""
-    return build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)

@@ -15,6 +15,8 @@ from mmpipe.config import PROJECT_ROOT, RunConfig
 
 SKIP_STEPS = 2
 """Warm-up steps left out of every figure."""
+RUN_TIMEOUT_S = 1800
+"""One training run of the benchmark may take this long before the benchmark gives up."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,7 +51,11 @@ def run_bench(rc: RunConfig, overrides: list[str]) -> list[PolicyFigures]:
             cmd = [sys.executable, "-m", "mmpipe", "train", *passthrough, f"plan.policy={policy}",
                    f"train.steps={rc.bench.steps}", f"hydra.run.dir={run_dir}"]
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)
+            try:
+                proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"bench run {policy} (round {rnd}) took over {RUN_TIMEOUT_S} s; "
+                                   f"see {run_dir} and lower bench.steps") from None
             if proc.returncode != 0:
                 raise RuntimeError(f"bench run {policy} (round {rnd}) failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
             metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -3,7 +3,8 @@
 The first and the last stage of a replica each run their own StepFeeder over the same shards
 with the same seed and the same deterministic planner, so they build identical micro-batches
 without talking to each other. Planning, decoding and collation run in a background thread,
-one step ahead of the step being trained, so they do not stall the pipeline.
+ahead of the step being trained (one step queued, the next in the making), so they do not
+stall the pipeline.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from mmpipe.data.reader import Record, SampleStream, loader
 from mmpipe.data.records import decode_record
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
-from mmpipe.planner.api import plan_step
+from mmpipe.planner.api import PACKED_POLICIES, plan_step
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
 from mmpipe.planner.features import SampleFeatures, features
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.step import evaluate_step
 from mmpipe.runtime.batch import MicroBatch, collate
 
-PACKED_POLICIES = ("data-aware", "packed-ffd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ class StepFeeder:
     """Yields, step after step, the planned micro-batches of one data-parallel replica."""
 
     def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan, media: bool = True,
-                 record: Path | None = None, prefetch: int = 2, reader_state: dict | None = None,
+                 record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None):
         self.rc = rc
         self.tokenizer = tokenizer
@@ -75,7 +75,7 @@ class StepFeeder:
         self.packed = rc.plan.policy in PACKED_POLICIES
         self.stage_plan = StagePlan(stages=list(stage_plan.stages), recompute=list(stage_plan.recompute))
         hw = hardware_spec(rc)
-        if getattr(stage_plan, "warnings", ()):
+        if stage_plan.warnings:
             # The user's stages exceed memory under the cost model and were accepted with a
             # warning: plan their micro-batches without the memory limit rather than refuse.
             hw = dataclasses.replace(hw, memory_gb=max(hw.memory_gb, 1e6))
@@ -158,6 +158,12 @@ class StepFeeder:
         return [list(mb) for mb in replicas[0]]
 
     # -- training thread ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop reading: release the record file; the daemon thread ends with the process."""
+        if self._record:
+            self._record.close()
+            self._record = None
 
     def next_step(self) -> PlannedStep:
         item = self._queue.get()

@@ -9,12 +9,13 @@ from tqdm import tqdm
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to `path` (created with its folder)."""
+    """Writes one JSON object per line to `path` (created with its folder); a new run starts
+    the file afresh, a resumed run appends to it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._fh = path.open("a")
+        self._fh = path.open("a" if append else "w")
 
     def write(self, record: dict) -> None:
         self._fh.write(json.dumps(record) + "\n")

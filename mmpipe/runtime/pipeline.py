@@ -96,7 +96,9 @@ def lr_lambda(step: int, *, warmup: int, total: int) -> float:
 
 
 def make_optimizer(params, *, lr: float, weight_decay: float, kind: str = "adamw") -> torch.optim.Optimizer:
-    trainable = [p for p in params if p.requires_grad]
+    """The optimizer of one stage. A stage with nothing to train (e.g. frozen encoders under
+    train.trainable=[llm]) still steps with the others, over an empty placeholder parameter."""
+    trainable = [p for p in params if p.requires_grad] or [torch.nn.Parameter(torch.zeros(0))]
     if kind == "sgd":
         return torch.optim.SGD(trainable, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), eps=1e-8)
@@ -135,9 +137,10 @@ class GlobalGradClip:
     stage sums its squared gradients, one all-reduce over the pipeline group gives the norm.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float, group) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float, group, device=None) -> None:
         self.max_norm = max_norm
         self.group = group
+        self.device = device
         self.last_norm = 0.0
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         optimizer.register_step_pre_hook(lambda *_: self())
@@ -146,8 +149,7 @@ class GlobalGradClip:
         import torch.distributed as dist
 
         grads = [p.grad for p in self._params if p.grad is not None]
-        device = self._params[0].device if self._params else torch.device("cpu")
-        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in grads:
             sq += g.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self.group)

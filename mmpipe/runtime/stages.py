@@ -8,7 +8,7 @@ import torch
 
 from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec, resolve_path
 from mmpipe.model.spec import ModelSpec, layer_names
-from mmpipe.planner.api import plan_stages, plan_step
+from mmpipe.planner.api import PACKED_POLICIES, plan_stages, plan_step
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.step import evaluate_step
@@ -69,43 +69,44 @@ def balance_by_parameters(counts: list[int], parts: int) -> list[tuple[int, int]
     return bounds[::-1]
 
 
-def workload_sample(rc: RunConfig, *, steps: int = 4) -> list[SampleFeatures]:
-    """Features of the first `steps` global steps, read from the shards' metadata only.
+def workload_sample(rc: RunConfig, tokenizer, *, steps: int = 4) -> list[SampleFeatures]:
+    """Features of the first `steps` steps of every replica, from the samples' metadata only
+    (no media decoded), read exactly as training will read them (shards or a mixture).
 
-    Every rank computes the same list (same shards, same order), so every rank derives the
-    same stage plan without talking to the others.
+    Every rank computes the same list, so every rank derives the same stage plan without
+    talking to the others.
     """
-    from mmpipe.data.reader import iter_meta
+    from mmpipe.data.skips import SkipCounter
+    from mmpipe.runtime.feed import make_stream
 
     per_replica = rc.train.global_batch // rc.parallel.dp
     out: list[SampleFeatures] = []
     for r in range(rc.parallel.dp):
-        metas = iter_meta(path=resolve_path(rc.data.path), dp_rank=r, dp_size=rc.parallel.dp,
-                          seed=rc.train.seed, epochs=1, shuffle_buffer=rc.data.shuffle_buffer,
-                          root=PROJECT_ROOT, spec=rc.model)
-        for n, (_, meta) in enumerate(metas):
+        stream = make_stream(rc, tokenizer=tokenizer, dp_rank=r, skips=SkipCounter())
+        for n, rec in enumerate(stream.records()):
             if n >= per_replica * steps:
                 break
-            out.append(features(rc.model, meta))
+            out.append(features(rc.model, rec.meta))
     return out
 
 
-def choose_stages(rc: RunConfig) -> StageChoice:
+def choose_stages(rc: RunConfig, tokenizer) -> StageChoice:
     """The user's override when given (it always wins), else the policy's partition, planned
     on the first steps of the real data with the configured hardware's cost model."""
     pp = rc.parallel.pp
     if rc.stage_bounds is not None:
         stages = rc.stage_bounds
         return StageChoice(stages=stages, recompute=[False] * pp, source="override",
-                           warnings=memory_warnings(rc, stages, [False] * pp))
+                           warnings=memory_warnings(rc, tokenizer, stages, [False] * pp))
     plan = plan_stages(model=rc.model, hardware=hardware_spec(rc), pp=pp, dp=rc.parallel.dp,
-                       trainable=rc.train.trainable, sample=workload_sample(rc),
+                       trainable=rc.train.trainable, sample=workload_sample(rc, tokenizer),
                        micro_batches=rc.train.micro_batches, policy=rc.plan.policy)
     return StageChoice(stages=list(plan.stages), recompute=list(plan.recompute),
                        source=f"planner ({rc.plan.policy})")
 
 
-def memory_warnings(rc: RunConfig, stages: list[tuple[int, int]], recompute: list[bool]) -> tuple[str, ...]:
+def memory_warnings(rc: RunConfig, tokenizer, stages: list[tuple[int, int]],
+                    recompute: list[bool]) -> tuple[str, ...]:
     """Stages whose planned peak memory exceeds the device under the cost model (a user's
     override is trained anyway; the user hears which stage and by how much)."""
     hw = hardware_spec(rc)
@@ -114,21 +115,21 @@ def memory_warnings(rc: RunConfig, stages: list[tuple[int, int]], recompute: lis
         sc = stage_costs(cost, stages, recompute)
     except ValueError as err:  # weights alone do not fit: still the user's call
         return (f"plan.stages: {err}",)
-    feats = workload_sample(rc, steps=1)
+    feats = workload_sample(rc, tokenizer, steps=1)
     plan = StagePlan(stages=list(stages), recompute=list(recompute))
     try:
         reps = plan_step(policy=rc.plan.policy, features=feats, stage_plan=plan, cost=cost, dp=rc.parallel.dp,
                          micro_batches=rc.train.micro_batches)
     except ValueError as err:  # e.g. a sample that fits on no micro-batch
         return (f"plan.stages: {err}",)
-    ev = evaluate_step(sc, sample_table(feats), reps, packing=rc.plan.policy in ("data-aware", "packed-ffd"))
+    ev = evaluate_step(sc, sample_table(feats), reps, packing=rc.plan.policy in PACKED_POLICIES)
     names = layer_names(rc.model)
     out = []
     for s, (a, b) in enumerate(stages):
         need, usable = float(ev.peak_bytes[s]), float(ev.usable)
         if need > usable:
-            out.append(f"plan.stages: stage {s} ({names[a]} .. {names[b - 1]}) needs {need / 1e9:.2f} GB under "
-                       f"the cost model, {(need - usable) / 1e9:.2f} GB more than the {usable / 1e9:.2f} GB usable "
+            out.append(f"plan.stages: stage {s} ({names[a]}..{names[b - 1]}) needs {need / 1e9:.3g} GB under "
+                       f"the cost model, {(need - usable) / 1e9:.3g} GB more than the {usable / 1e9:.3g} GB usable "
                        f"on hardware {hw.name}; it may run out of memory (move layers off it, or enable recompute)")
     return tuple(out)
 

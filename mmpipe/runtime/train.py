@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
                                      lr_lambda, make_optimizer)
-from mmpipe.runtime.stages import choose_stages, format_stage_table
+from mmpipe.runtime.stages import StageChoice, choose_stages, format_stage_table
 from mmpipe.runtime.telemetry import StageTimer, gather_stage_times, per_stage
 
 log = logging.getLogger("mmpipe")
@@ -57,27 +58,52 @@ def _quiet_deepspeed() -> None:
         pass
 
 
-def train(rc: RunConfig) -> RunResult:
-    """Train on this rank; every rank of the job calls this with the same config."""
+def _init_distributed(rc: RunConfig) -> RunConfig:
+    """Join the process group and check it matches the config; agree on one run directory."""
     import deepspeed
 
-    _quiet_deepspeed()
     threads = int(os.environ.get("MMPIPE_THREADS", "0")) or max(
         1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
                                         or os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
-    backend = os.environ.get("MMPIPE_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = os.environ.get("MMPIPE_BACKEND") or (
+        rc.launcher.backend if rc.launcher.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    rank = dist.get_rank()
-    run_dir = Path(rc.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    world, pp, dp = dist.get_world_size(), rc.parallel.pp, rc.parallel.dp
+    if world != pp * dp:
+        raise ValueError(f"parallel.pp * parallel.dp = {pp} * {dp} = {pp * dp} does not equal the {world} processes "
+                         f"launched (WORLD_SIZE); launch {pp * dp} processes or set parallel.dp={max(1, world // pp)}")
+    # Under an external launcher every rank composed the config itself, and a run directory
+    # from the clock may differ by a second between ranks: rank 0's wins.
+    chosen = [rc.run_dir]
+    dist.broadcast_object_list(chosen, src=0)
+    rc = dataclasses.replace(rc, run_dir=chosen[0])
+    Path(rc.run_dir).mkdir(parents=True, exist_ok=True)
+    if dist.get_rank() == 0 and not (Path(rc.run_dir) / "run.yaml").exists():
+        from mmpipe.runtime.preflight import write_run_config
 
-    from mmpipe.data.tokenizer import check_vocab, load_tokenizer
+        write_run_config(rc)
+    return rc
 
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
-    check_vocab(tok, rc.model.llm.vocab)
-    stage_plan = choose_stages(rc)
-    names = layer_names(rc.model)
+
+@dataclass(kw_only=True, slots=True)
+class _Pipeline:
+    """One rank's engine and what the loop needs of it."""
+
+    engine: object
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    clip: GlobalGradClip
+    first: bool
+    last: bool
+    dp_rank: int
+    dp_group: object
+
+
+def _build(rc: RunConfig, tok, stage_plan: StageChoice) -> _Pipeline:
+    import deepspeed
+
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
                          image_token=tok.image_id, audio_token=tok.audio_id,
                          trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute))
@@ -91,24 +117,58 @@ def train(rc: RunConfig) -> RunResult:
         model=module, optimizer=optimizer, lr_scheduler=scheduler,
         config=deepspeed_config(micro_batches=rc.train.micro_batches, dp=rc.parallel.dp))
     fix_buffer_reuse(engine)
-    clip = GlobalGradClip(optimizer, max_norm=rc.train.grad_clip, group=engine.grid.get_pipe_parallel_group())
-    first, last = engine.is_first_stage(), engine.is_last_stage()
-    dp_rank, dp_group = engine.grid.data_parallel_id, engine.grid.get_data_parallel_group()
-    _write_stage_file(run_dir, rank, engine.stage_id, dp_rank, module)
-    start, reader_state = _resume(engine, rc, dp_rank) if rc.train.resume else (0, None)
+    clip = GlobalGradClip(optimizer, max_norm=rc.train.grad_clip, group=engine.grid.get_pipe_parallel_group(),
+                          device=engine.device)
+    _write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module)
+    return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, first=engine.is_first_stage(),
+                     last=engine.is_last_stage(), dp_rank=engine.grid.data_parallel_id,
+                     dp_group=engine.grid.get_data_parallel_group())
+
+
+def train(rc: RunConfig) -> RunResult:
+    """Train on this rank; every rank of the job calls this with the same config."""
+    _quiet_deepspeed()
+    rc = _init_distributed(rc)
+    rank, run_dir = dist.get_rank(), Path(rc.run_dir)
+
+    from mmpipe.data.tokenizer import check_vocab, load_tokenizer
+
+    tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
+    check_vocab(tok, rc.model.llm.vocab)
+    stage_plan = choose_stages(rc, tok)
+    pipe = _build(rc, tok, stage_plan)
+    engine = pipe.engine
+    start, reader_state = _resume(engine, rc, pipe.dp_rank) if rc.train.resume else (0, None)
 
     feeder = None
-    if first or last:
-        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=dp_rank, stage_plan=stage_plan, media=first,
+    if pipe.first or pipe.last:
+        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stage_plan, media=pipe.first,
                             reader_state=reader_state, steps=rc.train.steps - start,
                             record=(run_dir / f"samples_rank{rank}.jsonl") if rc.train.record_samples else None)
-    writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    writer = MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume)) if rank == 0 else None
+    bar = None
     if rank == 0:
-        print(format_stage_table(rc, stage_plan, names), flush=True)
+        print(format_stage_table(rc, stage_plan, layer_names(rc.model)), flush=True)
         for w in stage_plan.warnings:
             print(f"warning: {w}", file=sys.stderr, flush=True)
-    bar = ProgressBar(rc.train.steps) if rank == 0 else None
+        bar = ProgressBar(rc.train.steps - start)
+    try:
+        result = _run_steps(rc, pipe, feeder, writer, bar, start)
+    finally:
+        if feeder is not None:
+            feeder.close()
+        if writer is not None:
+            writer.close()
+    result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group)
+    if rank == 0:
+        bar.close()
+        _summary(rc, result, run_dir)
+    dist.barrier()
+    return result
 
+
+def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) -> RunResult:
+    engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
     result = RunResult()
     timer = StageTimer(engine)
     calibration = StepCalibration()
@@ -125,14 +185,15 @@ def train(rc: RunConfig) -> RunResult:
         counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
                                sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
         predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64, device=dev)
-        if first or last:
-            dist.all_reduce(counts, group=dp_group)  # whole-step figures, all replicas
-            dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=dp_group)  # slowest replica
+        if pipe.first or pipe.last:
+            dist.all_reduce(counts, group=pipe.dp_group)  # whole-step figures, all replicas
+            dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=pipe.dp_group)  # slowest replica
         scale = engine.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
         it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
         if step == start + 1 and rank == 0:
             print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
                   f"{int(counts[1])} samples (first step)", flush=True)
+        lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
         t1 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=it))
         t2 = time.perf_counter()
@@ -150,7 +211,7 @@ def train(rc: RunConfig) -> RunResult:
             calibration.observe(raw, len(mbs), t2 - t1)
             rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
                    "tokens_per_s": counts[2].item() / dt, "step_time": dt,
-                   "lr": scheduler.get_last_lr()[0], "grad_norm": clip.last_norm, "samples": int(counts[1]),
+                   "lr": lr, "grad_norm": pipe.clip.last_norm, "samples": int(counts[1]),
                    "tokens": int(counts[2]), "label_tokens": int(counts[0]), "micro_batches": len(mbs),
                    "engine_time": t2 - t1, "stage_busy_s": busy,
                    "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
@@ -163,14 +224,9 @@ def train(rc: RunConfig) -> RunResult:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
         if rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
-            _save(engine, run_dir, step, first, dp_rank, last_state)
+            _save(engine, run_dir, step, pipe.first, pipe.dp_rank, last_state)
     result.seconds = time.perf_counter() - t_start
-    _save(engine, run_dir, rc.train.steps, first, dp_rank, last_state)
-    result.skipped, result.mixture = _gather_data_report(feeder, first, dp_group)
-    if rank == 0:
-        bar.close()
-        _summary(rc, result, run_dir)
-    dist.barrier()
+    _save(engine, run_dir, rc.train.steps, pipe.first, pipe.dp_rank, last_state)
     return result
 
 

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from mmpipe.cli import load
 from mmpipe.model.spec import layer_names
@@ -27,6 +28,13 @@ def test_default_run_learns_and_reports(run_mmpipe):
     assert "skipped 0 samples" in run.out
     assert "tokens per step:" in run.out
     assert (run.run_dir / "checkpoints" / "step60").is_dir()
+    # Telemetry: every stage measured busy, a bubble share, and a prediction that was re-fitted.
+    for r in m:
+        assert len(r["stage_busy_s"]) == 2 and all(b > 0 for b in r["stage_busy_s"])
+        assert 0.0 <= r["bubble"] < 1.0
+        assert r["plan_s"] >= 0 and r["feed_s"] > 0 and r["overhead_s"] >= 0
+    later = sorted(abs(r["prediction_error"]) for r in m[10:])
+    assert later[len(later) // 2] < 0.5, later  # median of out-of-sample re-fitted predictions
 
 
 def test_stage_override_moves_layers(run_mmpipe):
@@ -89,11 +97,16 @@ def test_mixture_reports_what_it_drew(run_mmpipe):
     assert int(counts["synth-a"]) > 2 * int(counts["synth-b"])  # weights 3:1
 
 
-def test_an_override_over_memory_trains_with_a_warning(run_mmpipe):
-    run = run_mmpipe("train", "train.steps=1", "hardware.memory_gb=0.02",
+@pytest.mark.parametrize("memory_gb, says", [
+    ("0.02", r"sample \d+ needs [\d.]+ GB of activations on stage 0 \(vision\.embed\.\.llm\.block\.2\)"),
+    ("0.025", r"stage 0 \(vision\.embed\.\.llm\.block\.2\) needs [\d.]+ GB under the cost model, "
+              r"[\d.]+ GB more than the [\d.]+ GB usable"),
+])
+def test_an_override_over_memory_trains_with_a_warning(memory_gb, says, run_mmpipe):
+    run = run_mmpipe("train", "train.steps=1", f"hardware.memory_gb={memory_gb}",
                      "plan.stages=[[vision.embed,llm.block.2],[llm.block.3,llm.head]]")
     assert run.code == 0, run.out[-3000:]
-    assert re.search(r"warning: plan\.stages: .*stage 0 \(vision\.embed\.\.llm\.block\.2\)", run.out)
+    assert re.search(r"warning: plan\.stages: .*" + says, run.out), run.out[-2000:]
     assert "done: 1 steps" in run.out
 
 
@@ -119,3 +132,38 @@ def test_same_seed_same_loss_curve(run_mmpipe):
     assert curves[0] == curves[1]
     other = run_mmpipe("train", "train.steps=4", "train.seed=1", name="seed1")
     assert [m["loss"] for m in other.metrics()] != [c[0] for c in curves[0]]
+
+
+def test_frozen_stage_trains_nothing_and_the_rest_learns(run_mmpipe):
+    run = run_mmpipe("train", "train.steps=3", "train.trainable=[llm]",
+                     "plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]")
+    assert run.code == 0, run.out[-3000:]
+    from mmpipe.config import resolve_path
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.model.layers import build_layer
+
+    rc = load(["train.trainable=[llm]"], job="test")
+    tok = load_tokenizer(resolve_path(rc.data.tokenizer))
+    names = layer_names(rc.model)
+    ckpt = run.run_dir / "checkpoints" / "step3"
+    for i in (names.index("vision.block.0"), names.index("llm.block.0")):
+        saved = torch.load(ckpt / f"layer_{i:02d}-model_states.pt", map_location="cpu", weights_only=True)
+        init = build_layer(rc.model, names[i], seed=0, image_token=tok.image_id, audio_token=tok.audio_id).state_dict()
+        same = all(torch.equal(saved[k], v) for k, v in init.items())
+        assert same == names[i].startswith("vision"), names[i]
+
+
+def test_external_launcher_with_the_wrong_process_count_is_a_clear_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from mmpipe.config import PROJECT_ROOT as ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "mmpipe",
+                           "train", "parallel.dp=2", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert ("parallel.pp * parallel.dp = 2 * 2 = 4 does not equal the 2 processes launched"
+            in proc.stdout + proc.stderr)

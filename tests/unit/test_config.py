@@ -98,6 +98,26 @@ def test_stage_override_must_tile_the_layers(stages, message):
     assert message in str(err.value)
 
 
+def test_readme_stage_override_lines_compose():
+    for line in ("plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]",
+                 "plan.stages=[vision.embed:llm.block.1,llm.block.2:llm.head]"):
+        rc = load([line], job="test")
+        assert rc.stage_bounds[0][0] == 0 and rc.stage_bounds[-1][1] == len(rc.layers)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=abc", "train.lr='abc' must be a number"),
+    ("launcher.nproc=abc", "launcher.nproc='abc' must be an integer or null"),
+    ("data.epochs=0", "data.epochs=0 must be >= 1, or null to repeat the data forever"),
+    ("model.llm.hiden=64", "model.llm.hiden=64: no such config key; did you mean model.llm.hidden?"),
+    ("data.pth=x", "data.pth=x: no such config key; did you mean data.path?"),
+    ("model=qwen3", "model=qwen3: no such model config; available: llava-1.5-7b"),
+])
+def test_bad_values_and_typos_are_one_line_errors(override, message, capsys):
+    assert main(["train", override]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_stage_count_must_equal_pp(capsys):
     assert main(["train", "parallel.pp=3", "plan.stages=[[vision.embed,llm.embed],[llm.block.0,llm.head]]"]) == 2
     assert "plan.stages gives 2 stages but parallel.pp=3" in capsys.readouterr().err
