@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -226,6 +227,7 @@ class RunConfig:
     plan: PlanConfig
     launcher: LauncherConfig
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    pretrained: Pretrained = field(default_factory=Pretrained)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     hardware: Mapping[str, Any] = field(default_factory=dict)
@@ -279,8 +281,8 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     return cls(**values)
 
 
-GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "shards", "bench", "hardware",
-          "hydra")
+GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "pretrained", "shards", "bench",
+          "hardware", "hydra")
 
 
 def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -313,6 +315,7 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         plan=_section(PlanConfig, "plan", plan),
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
         profile=_section(ProfileConfig, "profile", cfg.get("profile")),
+        pretrained=_section(Pretrained, "pretrained", cfg.get("pretrained")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),
         bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
         hardware=dict(cfg.get("hardware") or {}),
@@ -354,6 +357,8 @@ def check_run(rc: RunConfig) -> None:
         )
     rc.stage_bounds  # validates names and tiling
     hardware_spec(rc)
+    if rc.pretrained.any():
+        check_matches(rc.model, rc.pretrained)
 
 
 def hardware_spec(rc: RunConfig):

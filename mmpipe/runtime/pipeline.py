@@ -10,6 +10,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
 from mmpipe.model.layers import build_layer, token_loss
+from mmpipe.model.pretrained import Pretrained
 from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
 
 
@@ -17,8 +18,10 @@ class _LayerFromName(nn.Module):
     """LayerSpec wants an nn.Module class; this one builds the named mmpipe layer instead, so
     each rank constructs only the layers of its own stage."""
 
-    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int):  # type: ignore[misc]
-        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token)
+    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int,  # type: ignore[misc]
+                pretrained: Pretrained | None = None):
+        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token,
+                           pretrained=pretrained)
 
 
 class StagedPipelineModule(PipelineModule):
@@ -52,11 +55,14 @@ class PipelineSpec:
     """Component prefixes that train; the rest is frozen."""
     recompute: tuple[bool, ...] = ()
     """Activation recomputation per stage (one layer per checkpoint)."""
+    pretrained: Pretrained | None = None
+    """Local checkpoint folders to initialise components from."""
 
 
 def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
     names = layer_names(p.model)
-    specs = [LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token) for n in names]
+    specs = [LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.pretrained)
+             for n in names]
     bounds = [s for s, _ in p.stages] + [p.stages[-1][1]]
     module = StagedPipelineModule(
         layers=specs, bounds=bounds, num_stages=len(p.stages), loss_fn=token_loss,

@@ -106,7 +106,8 @@ def _build(rc: RunConfig, tok, stage_plan: StageChoice) -> _Pipeline:
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
                          image_token=tok.image_id, audio_token=tok.audio_id,
-                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute))
+                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
+                         pretrained=rc.pretrained if rc.pretrained.any() else None)
     torch.manual_seed(rc.train.seed)
     module = build_pipeline_module(pspec)
     optimizer = make_optimizer(module.parameters(), lr=rc.train.lr, weight_decay=rc.train.weight_decay,
