@@ -73,18 +73,22 @@ def decode_image(data: bytes, v: VisionSpec) -> DecodedImage:
     return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8).copy(), size=(h, w))
 
 
+def _open_wav(data: bytes) -> tuple[int, int, int, bytes]:
+    """(channels, sample width, rate, frames) of WAV bytes, or SampleError."""
+    try:
+        with wave.open(io.BytesIO(data), "rb") as wf:
+            return wf.getnchannels(), wf.getsampwidth(), wf.getframerate(), wf.readframes(wf.getnframes())
+    except (wave.Error, EOFError, OSError, ValueError) as err:
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a PCM WAV file ({err})") from None
+
+
 def read_wav(data: bytes) -> tuple[np.ndarray, int]:
     """PCM WAV bytes to a mono float32 waveform in [-1, 1] and its sample rate.
 
     Raises:
         SampleError: reason `undecodable audio` (not WAV, not 8/16/32-bit PCM, or empty).
     """
-    try:
-        with wave.open(io.BytesIO(data), "rb") as wf:
-            channels, width, rate = wf.getnchannels(), wf.getsampwidth(), wf.getframerate()
-            raw = wf.readframes(wf.getnframes())
-    except (wave.Error, EOFError, OSError, ValueError) as err:
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a PCM WAV file ({err})") from None
+    channels, width, rate, raw = _open_wav(data)
     if width == 1:
         x = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width in (2, 4):
@@ -223,12 +227,7 @@ def probe_audio(data: bytes, ext: str = "wav") -> float:
     if ext != "wav":
         x, rate = read_audio(data, ext)
         return len(x) / rate
-    try:
-        with wave.open(io.BytesIO(data), "rb") as wf:
-            channels, width, rate = wf.getnchannels(), wf.getsampwidth(), wf.getframerate()
-            raw = wf.readframes(wf.getnframes())
-    except (wave.Error, EOFError, OSError, ValueError) as err:
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a PCM WAV file ({err})") from None
+    channels, width, rate, raw = _open_wav(data)
     if width not in (1, 2, 4):
         raise SampleError(UNDECODABLE_AUDIO, f"{8 * width}-bit WAV is not supported; use 8, 16 or 32-bit PCM")
     n = len(raw) // (width * channels) if channels > 0 else 0
