@@ -141,6 +141,10 @@ class PlanConfig:
     """Plan only the first K steps (mmpipe plan)."""
     plot: str | None = None
     """PNG timeline of a step (mmpipe plan)."""
+    across_replicas: bool = False
+    """Training: plan each global step across the data-parallel replicas (every replica reads
+    the whole stream and decodes its planned share) instead of each replica planning its own
+    shards' samples."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

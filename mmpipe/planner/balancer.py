@@ -138,10 +138,77 @@ def _deal(work: np.ndarray, dp: int) -> list[list[int]]:
     return out
 
 
-def _lpt(order: list[int], work: list[list[float]], mem: np.ndarray, budget: np.ndarray,
-         inv_share: list[float], probe: int = 4) -> tuple[list[list[int]], bool]:
+def in_flight_counts(P: int, m: int) -> list[int]:
+    """Micro-batches stage s holds at once under 1F1B: min(P - s, m)."""
+    return [min(P - s, m) for s in range(P)]
+
+
+def window_peaks(act: np.ndarray, tr: np.ndarray) -> np.ndarray:
+    """Exact 1F1B activation peak per stage, given per-micro-batch kept bytes `act` [P, m] and
+    transient bytes `tr` [P, m] in execution order. Stage s of P runs F0..F(K-1) then, for
+    each q, B(q) then F(q+K) (K = min(P - s, m)), so while B(q) runs it holds micro-batches
+    q..q+K-1 plus q's transient: peak_s = max_q sum(act[s, q:q+K]) + tr[s, q]. This is the
+    figure `simulator._peak_memory` computes for the `1f1b` schedule."""
+    P, m = act.shape
+    out = np.zeros(P)
+    if m == 0:
+        return out
+    c = np.concatenate([np.zeros((P, 1)), np.cumsum(act, axis=1)], axis=1)
+    q = np.arange(m)
+    for s, K in enumerate(in_flight_counts(P, m)):
+        hi = np.minimum(q + K, m)
+        out[s] = float(np.max(c[s, hi] - c[s, q] + tr[s]))
+    return out
+
+
+class _WindowMemory:
+    """Incremental exact 1F1B memory check while packing m micro-batches in execution order.
+
+    Per stage s and micro-batch q it keeps the slack of the window B(q) runs in:
+    budget_s - (act of micro-batches q..q+K-1 + transient of q). Adding a sample (kept bytes
+    a, transient t) to micro-batch j lowers the slack of windows j-K+1..j by a, and of window
+    j also by t. Only stages that all the samples together could overfill are tracked."""
+
+    def __init__(self, P: int, m: int, budget: list[float], stages: list[int]) -> None:
+        self.m = m
+        self.K = in_flight_counts(P, m)
+        self.stages = stages
+        self.slack = {s: [budget[s]] * m for s in stages}
+
+    def fits(self, j: int, a: list[float], t: list[float]) -> bool:
+        for s in self.stages:
+            sl = self.slack[s]
+            if sl[j] < a[s] + t[s]:
+                return False
+            need = a[s]
+            for q in range(max(0, j - self.K[s] + 1), j):
+                if sl[q] < need:
+                    return False
+        return True
+
+    def room(self, j: int) -> float:
+        """Least slack of any window that holds micro-batch j (for the fallback choice)."""
+        v = float("inf")
+        for s in self.stages:
+            sl = self.slack[s]
+            v = min(v, min(sl[max(0, j - self.K[s] + 1): j + 1]))
+        return v
+
+    def add(self, j: int, a: list[float], t: list[float]) -> None:
+        for s in self.stages:
+            sl = self.slack[s]
+            x = a[s]
+            for q in range(max(0, j - self.K[s] + 1), j + 1):
+                sl[q] -= x
+            sl[j] -= t[s]
+
+
+def _lpt(order: list[int], work: list[list[float]], act: np.ndarray, tr: np.ndarray,
+         budget: np.ndarray, inv_share: list[float], probe: int = 4) -> tuple[list[list[int]], bool]:
     """Largest first, each sample into the bin whose busiest stage, relative to the bin's
-    target share, stays lowest; bins over the memory budget are skipped. Only the `probe`
+    target share, stays lowest; a bin is skipped when the sample would break the exact 1F1B
+    in-flight memory of some stage (bins are in execution order: stage s holds bins q..q+K-1,
+    K = min(P - s, m), while the backward of q runs; see `window_peaks`). Only the `probe`
     bins with the lowest relative busiest stage are examined per sample (a heap), so a pack
     costs O(n log m) rather than O(n m).
 
@@ -151,18 +218,20 @@ def _lpt(order: list[int], work: list[list[float]], mem: np.ndarray, budget: np.
     loads = [[0.0] * P for _ in range(m)]
     bins: list[list[int]] = [[] for _ in range(m)]
     heap = [(0.0, j) for j in range(m)]  # (relative busiest stage, bin); empty bins first
-    # memory is tracked only when all samples together could break it on some stage
-    tight = bool(np.any(mem.sum(axis=0) > budget))
-    used = [[0.0] * P for _ in range(m)]
-    ml = mem.tolist() if tight else []
+    # memory is tracked only on stages that all samples together could overfill
     bl = budget.tolist()
+    tight_st = [s for s in range(P) if act[:, s].sum() + tr[:, s].sum() > bl[s]] if P else []
+    tight = bool(tight_st)
+    mem = _WindowMemory(P, m, bl, tight_st) if tight else None
+    al = act.tolist() if tight else []
+    tl = tr.tolist() if tight else []
     ok = True
     for i in order:
         w = work[i]
         cands = [heapq.heappop(heap) for _ in range(min(probe, len(heap)))]
         best_k, best_v = -1, float("inf")
         for k, (_, j) in enumerate(cands):
-            if tight and any(used[j][s] + ml[i][s] > bl[s] for s in range(P)):
+            if tight and not mem.fits(j, al[i], tl[i]):
                 continue
             ld = loads[j]
             v = max(ld[s] + w[s] for s in range(P)) * inv_share[j]
@@ -171,14 +240,13 @@ def _lpt(order: list[int], work: list[list[float]], mem: np.ndarray, budget: np.
         if best_k < 0:
             for c in cands:
                 heapq.heappush(heap, c)
-            ua = np.asarray(used)
-            fits = np.all(ua + mem[i] <= budget, axis=1)
-            if fits.any():
-                lv = np.array([max(l) for l in loads]) * np.asarray(inv_share)
-                j = int(np.argmin(np.where(fits, lv, np.inf)))
+            fits = [mem.fits(j, al[i], tl[i]) for j in range(m)]
+            if any(fits):
+                j = min((j for j in range(m) if fits[j]),
+                        key=lambda j: max(loads[j]) * inv_share[j])
             else:
                 ok = False
-                j = int(np.argmin(ua.max(axis=1)))
+                j = max(range(m), key=mem.room)
             heap = [c for c in heap if c[1] != j]
             heapq.heapify(heap)
             cands = [(0.0, j)]
@@ -189,9 +257,7 @@ def _lpt(order: list[int], work: list[list[float]], mem: np.ndarray, budget: np.
             ld[s] += w[s]
         bins[j].append(i)
         if tight:
-            u, mi = used[j], ml[i]
-            for s in range(P):
-                u[s] += mi[s]
+            mem.add(j, al[i], tl[i])
         cands[best_k] = (max(ld) * inv_share[j], j)
         for c in cands:
             heapq.heappush(heap, c)
@@ -223,6 +289,8 @@ class _ReplicaPlanner:
         self.budget = budget
         self.n, self.P = work.shape
         self.order = np.argsort(-work.sum(axis=1), kind="stable")
+        # memory can bind only where all samples together could overfill a stage
+        self.tight = bool(np.any(act.sum(axis=0) + tr.sum(axis=0) > budget))
         self.fits_all_stages = True
         self.cache: dict[tuple[int, float], tuple[float, bool, list[list[int]]]] = {}
         # coefficient blocks for time of a micro-batch from its feature column
@@ -247,6 +315,16 @@ class _ReplicaPlanner:
         return (np.add.reduceat(self.tokens[idx], starts, axis=0),
                 np.add.reduceat(self.squares[idx], starts, axis=0))
 
+    def fits(self, bins: list[list[int]]) -> bool:
+        """Whether the micro-batches, in this order, keep every stage's exact 1F1B in-flight
+        peak (kept activations of the micro-batches in flight plus the transient of the one
+        in backward; transients summed over samples, an upper bound) within memory."""
+        if not self.tight:
+            return True
+        A = np.array([self.act[b].sum(axis=0) for b in bins]).T
+        R = np.array([self.tr[b].sum(axis=0) for b in bins]).T
+        return bool(np.all(window_peaks(A, R) <= self.budget))
+
     def simulate(self, bins: list[list[int]]) -> float:
         T, S2 = self._streams(bins)
         f, b, sf, sb = self._times(T, S2)
@@ -263,14 +341,18 @@ class _ReplicaPlanner:
             return self.cache[key]
         if share is None or len(share) != m:
             share = ramp_shares(m, ramp)
+        share = self.clip(share)
+        if share is None:
+            share = np.full(m, 1.0 / m)  # nothing fits: pack evenly, memory will say no
         inv = 1.0 / share
         P = self.P
-        in_flight = np.minimum(np.arange(P, 0, -1), m).astype(float)
-        mem = self.act * in_flight[None, :] + self.tr
-        bins, ok = _lpt(self.order.tolist(), self.work.tolist(), mem, self.budget, inv.tolist())
+        bins, ok = _lpt(self.order.tolist(), self.work.tolist(), self.act, self.tr, self.budget,
+                        inv.tolist())
         loads = np.array([self.work[bn].sum(axis=0) if bn else np.zeros(P) for bn in bins])
         counts = np.array([len(bn) for bn in bins])
-        bins = [b for b in bins if b]
+        if not all(counts):
+            bins = [b for b in bins if b]
+            ok = ok and self.fits(bins)  # dropping empty bins regroups the windows
         t = self.simulate(bins)
         if ramp == 1.0:
             # equal shares: also try heaviest in the middle, light ones at the ends
@@ -282,7 +364,7 @@ class _ReplicaPlanner:
             ends[(k + 1) // 2:] = asc[1::2][::-1]
             alt = [bins[x] for x in ends]
             ta = self.simulate(alt)
-            if ta < t:
+            if ta < t and (not ok or self.fits(alt)):
                 t, bins = ta, alt
         self.cache[key] = (t, ok, bins)
         return self.cache[key]
@@ -291,15 +373,48 @@ class _ReplicaPlanner:
         return min(self.cache, key=lambda k: (not self.cache[k][1], self.cache[k][0]))
 
     # ---------------------------------------------------------------- search
+    def clip(self, share: np.ndarray) -> np.ndarray | None:
+        """Cap the shares where memory binds: no micro-batch above the share c at which K_s
+        such micro-batches in flight (plus one's transient) fill 95% of stage s's memory, the
+        excess spread over the others in proportion (water-filling). A ramp keeps its small
+        edges and gets a flat top. None when even m micro-batches at c cannot hold the step."""
+        if not self.tight:
+            return share
+        m = len(share)
+        K = np.asarray(in_flight_counts(self.P, m), dtype=float)
+        A, R = self.act.sum(axis=0), self.tr.sum(axis=0)
+        c = float(np.min(0.95 * self.budget / np.maximum(K * A + R, 1e-30)))
+        if share.max() <= c:
+            return share
+        if m * c < 1.0:
+            return None
+        out = share.copy()
+        capped = np.zeros(m, dtype=bool)
+        for _ in range(m):
+            capped |= out > c
+            out[capped] = c
+            free = ~capped
+            rest = 1.0 - c * capped.sum()
+            out[free] = share[free] * rest / share[free].sum()
+            if out.max() <= c * (1 + 1e-12):
+                break
+        return out
+
     def fluid(self, m: int, ramp: float, share: np.ndarray | None = None) -> float:
         """Simulated makespan if the replica's streams split exactly by the target shares (no
-        packing): a cheap stand-in that ranks micro-batch counts and profiles."""
-        share = (ramp_shares(m, ramp) if share is None else share)[:, None]
-        P = self.P
-        in_flight = np.minimum(np.arange(P, 0, -1), m)
-        need = share.max() * (self.act.sum(axis=0) * in_flight + self.tr.sum(axis=0))
-        if np.any(need > 0.95 * self.budget):
-            return np.inf  # the largest micro-batch would not fit in memory
+        packing): a cheap stand-in that ranks micro-batch counts and profiles. Shares that
+        would overfill memory are first capped (`clip`), as packing within memory would."""
+        share = self.clip(ramp_shares(m, ramp) if share is None else share)
+        if share is None:
+            return np.inf
+        share = share[:, None]
+        if self.tight:
+            # exact 1F1B in-flight peak of the fluid split (windows of consecutive shares)
+            sh = share[:, 0]
+            need = window_peaks(np.outer(self.act.sum(axis=0), sh),
+                                np.outer(self.tr.sum(axis=0), sh))
+            if np.any(need > 0.95 * self.budget):
+                return np.inf  # the micro-batches in flight would not fit in memory
         T = share * self.tokens.sum(axis=0)[None, :]
         S2 = share * self.squares.sum(axis=0)[None, :]
         f, b, sf, sb = self._times(T, S2)
@@ -339,6 +454,14 @@ class _ReplicaPlanner:
         bins = [list(b) for b in bins]
         if search and len(bins) > 1:
             bins = self._local_search(bins, t)
+            # the runner-up profile (another m or ramp) often ends lower after the search
+            ranked = sorted(self.cache, key=self._rank)
+            if len(ranked) > 1:
+                t2, ok2, b2 = self.cache[ranked[1]]
+                if ok2 and len(b2) > 1 and t2 < t * 1.02:
+                    b2 = self._local_search([list(x) for x in b2], t2)
+                    if self.simulate(b2) < self.simulate(bins):
+                        bins = b2
         return bins
 
     def _shape(self, m: int, ramp: float, sweeps: int = 2) -> np.ndarray:
@@ -379,13 +502,13 @@ class _ReplicaPlanner:
         of the giver), keeping a move when the simulated makespan drops and memory holds."""
         P = self.P
         m = len(bins)
-        in_flight = np.minimum(np.arange(P, 0, -1), m).astype(float)
-        mem = self.act * in_flight[None, :] + self.tr
-        tight = bool(np.any(mem.sum(axis=0) > self.budget))
+        tight = self.tight
         T, S2 = self._streams(bins)
         f, b, sf, sb = self._times(T, S2)
         sched = make_schedule("1f1b", P, m)
-        used = np.array([mem[bn].sum(axis=0) for bn in bins]) if tight else None
+        if tight:  # per stage and micro-batch: kept and transient bytes (exact 1F1B check)
+            A = np.array([self.act[bn].sum(axis=0) for bn in bins]).T
+            R = np.array([self.tr[bn].sum(axis=0) for bn in bins]).T
         wsum = self.work.sum(axis=1)
         best = t0
         for _ in range(rounds):
@@ -395,8 +518,14 @@ class _ReplicaPlanner:
                     # repeat a move that helped: a ramp edge often wants several samples out
                     while 0 <= k < m and len(bins[j]) >= 2:
                         x = min(bins[j], key=lambda i: wsum[i])
-                        if tight and np.any(used[k] + mem[x] > self.budget):
-                            break
+                        if tight:
+                            A2, R2 = A.copy(), R.copy()
+                            A2[:, j] -= self.act[x]
+                            A2[:, k] += self.act[x]
+                            R2[:, j] -= self.tr[x]
+                            R2[:, k] += self.tr[x]
+                            if np.any(window_peaks(A2, R2) > self.budget):
+                                break
                         Tn = T[[j, k]].copy()
                         Sn = S2[[j, k]].copy()
                         Tn[0] -= self.tokens[x]
@@ -416,8 +545,7 @@ class _ReplicaPlanner:
                         T[[j, k]], S2[[j, k]] = Tn, Sn
                         f, b, sf, sb = f2, b2, sf2, sb2
                         if tight:
-                            used[j] -= mem[x]
-                            used[k] += mem[x]
+                            A, R = A2, R2
                         improved = True
             if not improved:
                 break

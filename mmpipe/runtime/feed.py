@@ -51,9 +51,12 @@ class PlannedStep:
 
 
 def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: SkipCounter):
-    """The replica's reader: one shard list, or a weighted mixture of several."""
+    """The replica's reader: one shard list, or a weighted mixture of several. With
+    plan.across_replicas every replica reads the whole stream (and keeps its planned share)."""
     d = rc.data
-    common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=rc.parallel.dp,
+    dp_size = 1 if rc.plan.across_replicas else rc.parallel.dp
+    dp_rank = 0 if rc.plan.across_replicas else dp_rank
+    common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=dp_size,
                   seed=rc.train.seed, epochs=d.epochs, shuffle_buffer=d.shuffle_buffer, on_error=d.on_error,
                   too_long=d.too_long, num_workers=d.num_workers, root=PROJECT_ROOT, skips=skips)
     if d.sources:
@@ -71,7 +74,9 @@ class StepFeeder:
         self.rc = rc
         self.tokenizer = tokenizer
         self.skips = SkipCounter()
-        self.per_replica = rc.train.global_batch // rc.parallel.dp
+        self.dp_rank = dp_rank
+        self.across = rc.plan.across_replicas
+        self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
         self.packed = rc.plan.policy in PACKED_POLICIES
         self.stage_plan = StagePlan(stages=list(stage_plan.stages), recompute=list(stage_plan.recompute))
         hw = hardware_spec(rc)
@@ -108,11 +113,11 @@ class StepFeeder:
         out = []
         for r in self._records:
             out.append(r)
-            if len(out) == self.per_replica:
+            if len(out) == self.per_read:
                 return out
         raise RuntimeError(
-            f"data ran out after {self.steps_made} steps ({len(out)} samples left, {self.per_replica} needed "
-            f"per replica per step); set data.epochs=null to repeat the shards, or lower train.steps"
+            f"data ran out after {self.steps_made} steps ({len(out)} samples left, {self.per_read} needed "
+            f"per step); set data.epochs=null to repeat the shards, or lower train.steps"
         )
 
     def _make_step(self) -> PlannedStep:
@@ -121,12 +126,16 @@ class StepFeeder:
         state = self.stream.state_dict()
         t1 = time.perf_counter()
         feats = [features(self.rc.model, r.meta) for r in records]
-        groups = self.split(feats)
+        replicas = self.split(feats)
         t2 = time.perf_counter()
-        predicted = evaluate_step(self.stage_costs, sample_table(feats), [groups], packing=self.packed)
-        sim = predicted.replicas[0]
+        predicted = evaluate_step(self.stage_costs, sample_table(feats), replicas, packing=self.packed)
+        mine = 0 if not self.across else self.dp_rank
+        groups, sim = replicas[mine], predicted.replicas[mine]
+        if not groups:
+            raise RuntimeError(f"the planner gave replica {self.dp_rank} no samples this step; raise "
+                               f"train.global_batch (now {self.rc.train.global_batch}) above parallel.dp")
         t3 = time.perf_counter()
-        samples = [self._decode(r) for r in records]
+        samples = {i: self._decode(records[i]) for g in groups for i in g}  # only this replica's
         mbs = [collate([samples[i] for i in g], patch=self.patch, packed=self.packed,
                        pad_id=self.tokenizer.pad_id) for g in groups]
         self.steps_made += 1
@@ -151,11 +160,13 @@ class StepFeeder:
                 self.skips.add(err)
         return sample
 
-    def split(self, feats: list[SampleFeatures]) -> list[list[int]]:
-        """Micro-batches of one replica's step (indices into its samples, in execution order)."""
+    def split(self, feats: list[SampleFeatures]) -> list[list[list[int]]]:
+        """Per replica its micro-batches (indices into `feats`, in execution order): every
+        replica's when the step is planned across replicas, else this replica's alone."""
+        dp = self.rc.parallel.dp if self.across else 1
         replicas = plan_step(policy=self.rc.plan.policy, features=feats, stage_plan=self.stage_plan,
-                             cost=self.cost, dp=1, micro_batches=self.rc.train.micro_batches)
-        return [list(mb) for mb in replicas[0]]
+                             cost=self.cost, dp=dp, micro_batches=self.rc.train.micro_batches)
+        return [[list(mb) for mb in rep] for rep in replicas]
 
     # -- training thread ---------------------------------------------------------------
 

@@ -79,12 +79,13 @@ def workload_sample(rc: RunConfig, tokenizer, *, steps: int = 4) -> list[SampleF
     from mmpipe.data.skips import SkipCounter
     from mmpipe.runtime.feed import make_stream
 
-    per_replica = rc.train.global_batch // rc.parallel.dp
+    across = rc.plan.across_replicas  # then one stream holds every replica's samples
+    per_stream = rc.train.global_batch // (1 if across else rc.parallel.dp)
     out: list[SampleFeatures] = []
-    for r in range(rc.parallel.dp):
+    for r in range(1 if across else rc.parallel.dp):
         stream = make_stream(rc, tokenizer=tokenizer, dp_rank=r, skips=SkipCounter())
         for n, rec in enumerate(stream.records()):
-            if n >= per_replica * steps:
+            if n >= per_stream * steps:
                 break
             out.append(features(rc.model, rec.meta))
     return out

@@ -160,7 +160,8 @@ def train(rc: RunConfig) -> RunResult:
             feeder.close()
         if writer is not None:
             writer.close()
-    result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group)
+    result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
+                                                         shared=rc.plan.across_replicas)
     if rank == 0:
         bar.close()
         _summary(rc, result, run_dir)
@@ -288,8 +289,10 @@ def _resume(engine, rc: RunConfig, dp_rank: int) -> tuple[int, dict | None]:
     return int(client["step"]), state
 
 
-def _gather_data_report(feeder, first: bool, dp_group) -> tuple[dict[str, int], dict[str, int]]:
-    """Skips by reason and mixture counts, summed over the replicas (first stages only)."""
+def _gather_data_report(feeder, first: bool, dp_group, *, shared: bool = False
+                        ) -> tuple[dict[str, int], dict[str, int]]:
+    """Skips by reason and mixture counts, summed over the replicas (first stages only); when
+    every replica reads the same stream (`shared`), replica 0's count is the count."""
     if not first:
         return {}, {}
     stream = feeder.stream if feeder else None
@@ -297,6 +300,8 @@ def _gather_data_report(feeder, first: bool, dp_group) -> tuple[dict[str, int], 
             stream.realised() if stream is not None and hasattr(stream, "realised") else {})
     parts: list = [None] * dist.get_world_size(group=dp_group)
     dist.all_gather_object(parts, mine, group=dp_group)
+    if shared:
+        parts = parts[:1]
     skipped: dict[str, int] = {}
     mixture: dict[str, int] = {}
     for part in parts:

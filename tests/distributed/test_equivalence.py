@@ -7,12 +7,14 @@ recorded, with the loss as the mean over all label tokens of the step.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import pytest
 import torch
 
 from mmpipe.cli import load
 from mmpipe.config import PROJECT_ROOT, resolve_path
-from mmpipe.data.reader import iter_samples
+from mmpipe.data.reader import iter_meta, iter_samples
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.model.layers import build_layers, run_layers, token_loss
 from mmpipe.model.spec import layer_names
@@ -26,6 +28,8 @@ CASES = {
     "pp3": ["parallel.pp=3", "parallel.dp=1", "train.global_batch=9", "train.micro_batches=4",
             "plan.policy=ds-default"],  # padded micro-batches, a fixed count, a middle stage
     "pp2xdp2": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3"],
+    "pp2xdp2-across": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3",
+                       "plan.across_replicas=true"],  # the planner deals the step to the replicas
 }
 COMMON = ["train.steps=1", "train.optimizer=sgd", "train.lr=0.5", "train.warmup_steps=0",
           "train.grad_clip=1.0", "train.record_samples=true"]
@@ -34,15 +38,13 @@ COMMON = ["train.steps=1", "train.optimizer=sgd", "train.lr=0.5", "train.warmup_
 def _reference(overrides: list[str], keys_by_replica: list[list[str]]):
     rc = load(overrides, job="test")
     tok = load_tokenizer(resolve_path(rc.data.tokenizer))
-    samples = {}
-    for r, keys in enumerate(keys_by_replica):
-        want = set(keys)
-        for s in iter_samples(path=resolve_path(rc.data.path), tokenizer=tok, spec=rc.model, dp_rank=r,
-                              dp_size=rc.parallel.dp, seed=rc.train.seed, epochs=1, root=PROJECT_ROOT):
-            if s.key in want:
-                samples[s.key] = s
-            if len(samples) >= sum(len(k) for k in keys_by_replica[: r + 1]):
-                break
+    samples, want = {}, {k for keys in keys_by_replica for k in keys}
+    for s in iter_samples(path=resolve_path(rc.data.path), tokenizer=tok, spec=rc.model, dp_rank=0,
+                          dp_size=1, seed=rc.train.seed, epochs=1, root=PROJECT_ROOT):
+        if s.key in want:
+            samples[s.key] = s
+        if len(samples) == len(want):
+            break
     ordered = [samples[k] for keys in keys_by_replica for k in keys]
     layers = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id)
     params = [p for l in layers for p in l.parameters()]
@@ -63,6 +65,7 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
     run = run_mmpipe("train", *overrides)
     assert run.code == 0, run.out[-3000:]
     dp = 2 if "dp2" in case else 1
+    across = "plan.across_replicas=true" in overrides
     pp = int(case[2])
     micro = int(next(o for o in overrides if o.startswith("train.micro_batches")).split("=")[1])
 
@@ -81,6 +84,10 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
         keys_by_replica.append([k for mb in mbs for k in mb])
     all_keys = [k for ks in keys_by_replica for k in ks]
     assert len(set(all_keys)) == len(all_keys)  # no sample in two replicas
+    if across:  # one step covers the first global_batch samples of the whole stream
+        first = islice(iter_meta(path=resolve_path("data/shards/train-{000000..000007}.tar"), dp_rank=0, dp_size=1,
+                                 epochs=1, root=PROJECT_ROOT), 12)
+        assert sorted(all_keys) == sorted(k for k, _ in first)
 
     rc, ref_layers, ref_loss = _reference(CASES[case] + COMMON, keys_by_replica)
     assert run.metrics()[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)
