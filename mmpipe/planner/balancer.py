@@ -69,17 +69,70 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
     _check_static(sc, budget)
     _check_alone(sc, rows, act + tr, budget, labels)
     per_replica = _deal(work, dp)
-    out: Replicas = []
+    plans: list[list[list[int]]] = []
     for local in per_replica:
         if not local:
-            out.append([])
+            plans.append([])
             continue
         idx = np.asarray(local, dtype=np.int64)
         planner = _ReplicaPlanner(sc, sub.tokens[idx], sub.squares[idx], work[idx], act[idx],
                                   tr[idx], budget)
         bins = planner.plan(micro_batches, search)
-        out.append([[rows[local[i]] for i in b] for b in bins])
-    return out
+        plans.append([[local[i] for i in b] for b in bins])
+    if search and dp > 1:
+        plans = _even_replicas(_ReplicaPlanner(sc, sub.tokens, sub.squares, work, act, tr, budget),
+                               plans)
+    return [[[rows[i] for i in b] for b in bins] for bins in plans]
+
+
+def _even_replicas(whole: "_ReplicaPlanner", plans: list[list[list[int]]],
+                   rounds: int = 4, tries: int = 3) -> list[list[list[int]]]:
+    """The step ends with the slowest replica. One sample is a sizeable step against the gap
+    between replicas, so single moves rarely help; swap instead: out of the slow replica's
+    micro-batches whose loss of their lightest sample helps it most (the `tries` best), a
+    sample x against the sample y of each micro-batch of the fastest replica closest below x
+    in work, kept when the slower of the two replicas drops and memory holds. A round costs
+    about m + 2 * tries * m simulations; at most `rounds` rounds."""
+    times = [whole.simulate(b) if b else 0.0 for b in plans]
+    wsum = whole.work.sum(axis=1)
+    for _ in range(rounds):
+        hi = int(np.argmax(times))
+        lo = int(np.argmin(times))
+        if hi == lo or not plans[lo] or times[hi] <= times[lo] * 1.0005:
+            break
+        src, dst = plans[hi], plans[lo]
+        gains = []
+        for j, bj in enumerate(src):
+            if len(bj) < 2:
+                continue
+            x = min(bj, key=lambda i: wsum[i])
+            trial = [b if q != j else [i for i in b if i != x] for q, b in enumerate(src)]
+            gains.append((whole.simulate(trial), j))
+        gains.sort()
+        best = None
+        for t_rm, j in gains[:tries]:
+            if t_rm >= times[hi] - 1e-12:
+                break
+            for x in (max(src[j], key=lambda i: wsum[i]), sorted(src[j], key=lambda i: wsum[i])[len(src[j]) // 2]):
+                for k, bk in enumerate(dst):
+                    lighter = [i for i in bk if wsum[i] < wsum[x]]
+                    if not lighter:
+                        continue
+                    y = max(lighter, key=lambda i: wsum[i])
+                    s2 = [b if q != j else [i for i in b if i != x] + [y] for q, b in enumerate(src)]
+                    t_s = whole.simulate(s2)
+                    if t_s >= times[hi] - 1e-12 or (best is not None and t_s >= best[0]):
+                        continue
+                    d2 = [b if q != k else [i for i in b if i != y] + [x] for q, b in enumerate(dst)]
+                    t_d = whole.simulate(d2)
+                    v = max(t_s, t_d)
+                    if v < times[hi] - 1e-12 and (best is None or v < best[0]) \
+                            and whole.fits(s2) and whole.fits(d2):
+                        best = (v, s2, d2, t_s, t_d)
+        if best is None:
+            break
+        _, plans[hi], plans[lo], times[hi], times[lo] = best
+    return plans
 
 
 def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
@@ -513,8 +566,14 @@ class _ReplicaPlanner:
         best = t0
         for _ in range(rounds):
             improved = False
+            # besides its neighbours, a micro-batch may give to the lightest ones on the
+            # busiest stage (where a sample is least felt)
+            busy = int(np.argmax((f + b).sum(axis=1)))
+            light = [int(q) for q in np.argsort((f + b)[busy], kind="stable")[:2]]
             for j in self._positions(m):
-                for k in (j - 1, j + 1):
+                for k in dict.fromkeys((j - 1, j + 1, *light)):
+                    if k == j:
+                        continue
                     # repeat a move that helped: a ramp edge often wants several samples out
                     while 0 <= k < m and len(bins[j]) >= 2:
                         x = min(bins[j], key=lambda i: wsum[i])
