@@ -9,18 +9,26 @@ For one step it:
    lowest (a vector load: encoder and LLM stages are balanced at once, not tokens alone);
 3. per replica, ranks micro-batch counts `m` (a geometric grid) and size profiles with a
    *fluid* simulation: the replica's streams split exactly by each micro-batch's target
-   share, costed and run through the 1F1B simulator (no packing, microseconds each; a
-   profile whose largest micro-batch cannot fit in memory is skipped). Profiles: equal
+   share, costed and run through the 1F1B simulator (no packing, microseconds each; where
+   memory binds, shares are capped so that the micro-batches in flight fit and the excess
+   goes to the others, as packing within memory would do). Profiles: equal
    sizes and *ramped* ones, small at both ends of the step and large in the middle. Under
    1F1B the warm-up waits on the first micro-batches' forwards through the pipeline and the
    cool-down on the last ones' backwards, so small edge micro-batches shrink the bubble while
    the large middle ones keep the per-op overhead and the small-batch efficiency loss low.
    The best ramp is then reshaped freely near the ends (coordinate descent on the shares);
 4. packs the best few candidates for real (largest first, each sample into the micro-batch
-   whose busiest stage is lowest relative to its share, within memory: `in_flight x
-   activations + transient <= memory - static` on every stage) and simulates them;
+   whose busiest stage is lowest relative to its share, within memory) and simulates them.
+   Memory is the exact 1F1B in-flight peak for the execution order (`window_peaks`): stage s
+   holds micro-batches q..q+K-1 (K = min(P - s, m)) while the backward of q runs, so the
+   kept activations of those K plus q's transient must fit in `memory - static`; it is the
+   figure the simulator reports, not `K x` each micro-batch's own activations;
 5. runs a local search that moves single samples between neighbouring micro-batches near
-   both ends while the simulated makespan drops.
+   both ends while the simulated makespan drops, then a targeted one that moves samples out
+   of the bottleneck stage's largest micro-batches into any other (a fixed simulation
+   budget);
+6. evens the replicas: swaps samples between the slowest and the fastest replica (a sample
+   against a lighter one) while the slower of the two drops (a fixed simulation budget).
 
 Everything is judged by the same simulator that scores the baselines (`makespan` is the exact
 makespan of `simulate` for 1F1B).
@@ -39,6 +47,9 @@ from mmpipe.planner.simulator import makespan
 from mmpipe.planner.step import Replicas
 
 GB = 1e9
+TARGETED_BUDGET = 1000
+"""Micro-batch simulations (a trial of m micro-batches counts m) the targeted move search of
+one replica may spend: a fixed count rather than a clock, so every rank plans alike."""
 RAMPS = (1.35, 1.8)
 """Growth factors of the ramped size profiles tried (1 = equal micro-batches)."""
 
@@ -85,54 +96,112 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
     return [[[rows[i] for i in b] for b in bins] for bins in plans]
 
 
+class _Costed:
+    """One replica's micro-batches with their streams and times, for trial edits that
+    re-cost only the micro-batches they touch."""
+
+    def __init__(self, pl: "_ReplicaPlanner", bins: list[list[int]]) -> None:
+        self.pl = pl
+        self.bins = bins
+        self.T, self.S2 = pl._streams(bins)
+        self.ts = pl._times(self.T, self.S2)
+        self.sched = make_schedule("1f1b", pl.P, len(bins))
+        self.t = makespan(self.sched, *self.ts)
+
+    def trial(self, edits: dict[int, tuple[list[int], list[int]]]) -> tuple[float, tuple]:
+        """Makespan after removing/adding samples (`{bin: (out, in)}`), and the new state."""
+        pl = self.pl
+        cols = list(edits)
+        T, S2 = self.T[cols].copy(), self.S2[cols].copy()
+        for c, (out, inn) in enumerate(edits.values()):
+            for i in out:
+                T[c] -= pl.tokens[i]
+                S2[c] -= pl.squares[i]
+            for i in inn:
+                T[c] += pl.tokens[i]
+                S2[c] += pl.squares[i]
+        new = pl._times(T, S2)
+        ts = tuple(x.copy() for x in self.ts)
+        for x, y in zip(ts, new):
+            x[:, cols] = y
+        return makespan(self.sched, *ts), (cols, T, S2, ts)
+
+    def apply(self, edits: dict[int, tuple[list[int], list[int]]], t: float, state: tuple) -> None:
+        cols, T, S2, ts = state
+        for j, (out, inn) in edits.items():
+            self.bins[j] = [i for i in self.bins[j] if i not in out] + list(inn)
+        self.T[cols], self.S2[cols] = T, S2
+        self.ts, self.t = ts, t
+
+
 def _even_replicas(whole: "_ReplicaPlanner", plans: list[list[list[int]]],
-                   rounds: int = 4, tries: int = 3) -> list[list[list[int]]]:
+                   budget: int = 32) -> list[list[list[int]]]:
     """The step ends with the slowest replica. One sample is a sizeable step against the gap
     between replicas, so single moves rarely help; swap instead: out of the slow replica's
-    micro-batches whose loss of their lightest sample helps it most (the `tries` best), a
-    sample x against the sample y of each micro-batch of the fastest replica closest below x
-    in work, kept when the slower of the two replicas drops and memory holds. A round costs
-    about m + 2 * tries * m simulations; at most `rounds` rounds."""
-    times = [whole.simulate(b) if b else 0.0 for b in plans]
+    edge micro-batches, the two whose loss of their lightest sample helps it most; their
+    heaviest and median samples x, each against the sample y of an edge micro-batch of the
+    fastest replica that is closest below x in work. A swap is kept when the slower of the
+    two replicas drops and memory holds. At most `budget` trial simulations (a fixed count,
+    not a clock, so every rank plans the same step)."""
+    reps = [_Costed(whole, [list(b) for b in bins]) if bins else None for bins in plans]
+    if sum(r is not None for r in reps) < 2:
+        return plans
     wsum = whole.work.sum(axis=1)
-    for _ in range(rounds):
-        hi = int(np.argmax(times))
-        lo = int(np.argmin(times))
-        if hi == lo or not plans[lo] or times[hi] <= times[lo] * 1.0005:
+    left = budget
+    while left > 0:
+        live = [q for q, r in enumerate(reps) if r is not None]
+        hi = max(live, key=lambda q: reps[q].t)
+        lo = min(live, key=lambda q: reps[q].t)
+        src, dst = reps[hi], reps[lo]
+        if src.t <= dst.t * 1.0005:
             break
-        src, dst = plans[hi], plans[lo]
         gains = []
-        for j, bj in enumerate(src):
-            if len(bj) < 2:
+        for j in _ReplicaPlanner._positions(len(src.bins), edge=4):
+            if len(src.bins[j]) < 2 or left <= 0:
                 continue
-            x = min(bj, key=lambda i: wsum[i])
-            trial = [b if q != j else [i for i in b if i != x] for q, b in enumerate(src)]
-            gains.append((whole.simulate(trial), j))
+            x = min(src.bins[j], key=lambda i: wsum[i])
+            t, _ = src.trial({j: ([x], [])})
+            left -= 1
+            gains.append((t, j))
         gains.sort()
         best = None
-        for t_rm, j in gains[:tries]:
-            if t_rm >= times[hi] - 1e-12:
+        dpos = _ReplicaPlanner._positions(len(dst.bins), edge=4)
+        for t_rm, j in gains[:2]:
+            if t_rm >= src.t - 1e-12:
                 break
-            for x in (max(src[j], key=lambda i: wsum[i]), sorted(src[j], key=lambda i: wsum[i])[len(src[j]) // 2]):
-                for k, bk in enumerate(dst):
-                    lighter = [i for i in bk if wsum[i] < wsum[x]]
+            by = sorted(src.bins[j], key=lambda i: wsum[i])
+            for x in dict.fromkeys((by[-1], by[len(by) // 2])):
+                for k in dpos:
+                    if left <= 0:
+                        break
+                    lighter = [i for i in dst.bins[k] if wsum[i] < wsum[x]]
                     if not lighter:
                         continue
                     y = max(lighter, key=lambda i: wsum[i])
-                    s2 = [b if q != j else [i for i in b if i != x] + [y] for q, b in enumerate(src)]
-                    t_s = whole.simulate(s2)
-                    if t_s >= times[hi] - 1e-12 or (best is not None and t_s >= best[0]):
+                    es = {j: ([x], [y])}
+                    t_s, st_s = src.trial(es)
+                    left -= 1
+                    if t_s >= src.t - 1e-12 or (best is not None and t_s >= best[0]):
                         continue
-                    d2 = [b if q != k else [i for i in b if i != y] + [x] for q, b in enumerate(dst)]
-                    t_d = whole.simulate(d2)
+                    ed = {k: ([y], [x])}
+                    t_d, st_d = dst.trial(ed)
+                    left -= 1
                     v = max(t_s, t_d)
-                    if v < times[hi] - 1e-12 and (best is None or v < best[0]) \
-                            and whole.fits(s2) and whole.fits(d2):
-                        best = (v, s2, d2, t_s, t_d)
+                    if v < src.t - 1e-12 and (best is None or v < best[0]):
+                        best = (v, es, t_s, st_s, ed, t_d, st_d)
         if best is None:
             break
-        _, plans[hi], plans[lo], times[hi], times[lo] = best
-    return plans
+        _, es, t_s, st_s, ed, t_d, st_d = best
+        s_bins = [list(b) for b in src.bins]
+        d_bins = [list(b) for b in dst.bins]
+        for bins, e in ((s_bins, es), (d_bins, ed)):
+            for j, (out, inn) in e.items():
+                bins[j] = [i for i in bins[j] if i not in out] + list(inn)
+        if not (whole.fits(s_bins) and whole.fits(d_bins)):
+            break
+        src.apply(es, t_s, st_s)
+        dst.apply(ed, t_d, st_d)
+    return [r.bins if r is not None else [] for r in reps]
 
 
 def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
@@ -227,6 +296,12 @@ class _WindowMemory:
         self.K = in_flight_counts(P, m)
         self.stages = stages
         self.slack = {s: [budget[s]] * m for s in stages}
+        self.low = {s: budget[s] for s in stages}  # least slack of any window of stage s
+
+    def roomy(self, a: list[float], t: list[float]) -> bool:
+        """Whether the sample fits in every micro-batch (no window is that close to full)."""
+        low = self.low
+        return all(low[s] >= a[s] + t[s] for s in self.stages)
 
     def fits(self, j: int, a: list[float], t: list[float]) -> bool:
         for s in self.stages:
@@ -251,9 +326,15 @@ class _WindowMemory:
         for s in self.stages:
             sl = self.slack[s]
             x = a[s]
-            for q in range(max(0, j - self.K[s] + 1), j + 1):
-                sl[q] -= x
-            sl[j] -= t[s]
+            lw = self.low[s]
+            for q in range(max(0, j - self.K[s] + 1), j):
+                v = sl[q] - x
+                sl[q] = v
+                if v < lw:
+                    lw = v
+            v = sl[j] - x - t[s]
+            sl[j] = v
+            self.low[s] = v if v < lw else lw
 
 
 def _lpt(order: list[int], work: list[list[float]], act: np.ndarray, tr: np.ndarray,
@@ -283,8 +364,9 @@ def _lpt(order: list[int], work: list[list[float]], act: np.ndarray, tr: np.ndar
         w = work[i]
         cands = [heapq.heappop(heap) for _ in range(min(probe, len(heap)))]
         best_k, best_v = -1, float("inf")
+        check = tight and not mem.roomy(al[i], tl[i])
         for k, (_, j) in enumerate(cands):
-            if tight and not mem.fits(j, al[i], tl[i]):
+            if check and not mem.fits(j, al[i], tl[i]):
                 continue
             ld = loads[j]
             v = max(ld[s] + w[s] for s in range(P)) * inv_share[j]
@@ -374,9 +456,16 @@ class _ReplicaPlanner:
         in backward; transients summed over samples, an upper bound) within memory."""
         if not self.tight:
             return True
-        A = np.array([self.act[b].sum(axis=0) for b in bins]).T
-        R = np.array([self.tr[b].sum(axis=0) for b in bins]).T
+        A, R = self._bytes(bins)
         return bool(np.all(window_peaks(A, R) <= self.budget))
+
+    def _bytes(self, bins: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Kept and transient bytes per stage and micro-batch, [P, m] each."""
+        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+        idx = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        return (np.add.reduceat(self.act[idx], starts, axis=0).T,
+                np.add.reduceat(self.tr[idx], starts, axis=0).T)
 
     def simulate(self, bins: list[list[int]]) -> float:
         T, S2 = self._streams(bins)
@@ -461,13 +550,6 @@ class _ReplicaPlanner:
         if share is None:
             return np.inf
         share = share[:, None]
-        if self.tight:
-            # exact 1F1B in-flight peak of the fluid split (windows of consecutive shares)
-            sh = share[:, 0]
-            need = window_peaks(np.outer(self.act.sum(axis=0), sh),
-                                np.outer(self.tr.sum(axis=0), sh))
-            if np.any(need > 0.95 * self.budget):
-                return np.inf  # the micro-batches in flight would not fit in memory
         T = share * self.tokens.sum(axis=0)[None, :]
         S2 = share * self.squares.sum(axis=0)[None, :]
         f, b, sf, sb = self._times(T, S2)
@@ -507,15 +589,46 @@ class _ReplicaPlanner:
         bins = [list(b) for b in bins]
         if search and len(bins) > 1:
             bins = self._local_search(bins, t)
-            # the runner-up profile (another m or ramp) often ends lower after the search
-            ranked = sorted(self.cache, key=self._rank)
-            if len(ranked) > 1:
-                t2, ok2, b2 = self.cache[ranked[1]]
-                if ok2 and len(b2) > 1 and t2 < t * 1.02:
-                    b2 = self._local_search([list(x) for x in b2], t2)
-                    if self.simulate(b2) < self.simulate(bins):
-                        bins = b2
+            bins = self._targeted(bins, TARGETED_BUDGET)
         return bins
+
+    def _targeted(self, bins: list[list[int]], budget: int, givers: int = 3) -> list[list[int]]:
+        """Move samples out of the bottleneck stage's largest micro-batches (the `givers`
+        heaviest on the busiest stage; their lightest and median sample) into any other
+        micro-batch, the best move per pass, while the simulated makespan drops and memory
+        holds; at most `budget` micro-batch simulations."""
+        c = _Costed(self, [list(b) for b in bins])
+        m = len(bins)
+        left = budget
+        wsum = self.work.sum(axis=1)
+        mem_ok = (lambda b: self.fits(b)) if self.tight else (lambda b: True)
+        while left > 0:
+            f, b = c.ts[0], c.ts[1]
+            busy = int(np.argmax((f + b).sum(axis=1)))
+            best = None
+            for j in [int(q) for q in np.argsort(-(f + b)[busy], kind="stable")[:givers]]:
+                if len(c.bins[j]) < 2:
+                    continue
+                by = sorted(c.bins[j], key=lambda i: wsum[i])
+                for x in dict.fromkeys((by[0], by[len(by) // 2])):
+                    for k in range(m):
+                        if k == j or left <= 0:
+                            continue
+                        e = {j: ([x], []), k: ([], [x])}
+                        t, st = c.trial(e)
+                        left -= m
+                        if t < c.t - 1e-12 and (best is None or t < best[0]):
+                            best = (t, e, st)
+            if best is None:
+                break
+            t, e, st = best
+            nb = [list(q) for q in c.bins]
+            for j, (out, inn) in e.items():
+                nb[j] = [i for i in nb[j] if i not in out] + list(inn)
+            if not mem_ok(nb):
+                break
+            c.apply(e, t, st)
+        return c.bins
 
     def _shape(self, m: int, ramp: float, sweeps: int = 2) -> np.ndarray:
         """Coordinate descent on the micro-batch shares under the fluid model: scale one
@@ -560,20 +673,14 @@ class _ReplicaPlanner:
         f, b, sf, sb = self._times(T, S2)
         sched = make_schedule("1f1b", P, m)
         if tight:  # per stage and micro-batch: kept and transient bytes (exact 1F1B check)
-            A = np.array([self.act[bn].sum(axis=0) for bn in bins]).T
-            R = np.array([self.tr[bn].sum(axis=0) for bn in bins]).T
+            A, R = self._bytes(bins)
+            peaks = window_peaks(A, R)
         wsum = self.work.sum(axis=1)
         best = t0
         for _ in range(rounds):
             improved = False
-            # besides its neighbours, a micro-batch may give to the lightest ones on the
-            # busiest stage (where a sample is least felt)
-            busy = int(np.argmax((f + b).sum(axis=1)))
-            light = [int(q) for q in np.argsort((f + b)[busy], kind="stable")[:2]]
             for j in self._positions(m):
-                for k in dict.fromkeys((j - 1, j + 1, *light)):
-                    if k == j:
-                        continue
+                for k in (j - 1, j + 1):
                     # repeat a move that helped: a ramp edge often wants several samples out
                     while 0 <= k < m and len(bins[j]) >= 2:
                         x = min(bins[j], key=lambda i: wsum[i])
@@ -583,8 +690,14 @@ class _ReplicaPlanner:
                             A2[:, k] += self.act[x]
                             R2[:, j] -= self.tr[x]
                             R2[:, k] += self.tr[x]
-                            if np.any(window_peaks(A2, R2) > self.budget):
-                                break
+                            # a peak grows by at most the sample's bytes: check exactly only
+                            # when that could break memory
+                            if np.any(peaks + self.act[x] + self.tr[x] > self.budget):
+                                pk2 = window_peaks(A2, R2)
+                                if np.any(pk2 > self.budget):
+                                    break
+                            else:
+                                pk2 = None
                         Tn = T[[j, k]].copy()
                         Sn = S2[[j, k]].copy()
                         Tn[0] -= self.tokens[x]
@@ -605,6 +718,7 @@ class _ReplicaPlanner:
                         f, b, sf, sb = f2, b2, sf2, sb2
                         if tight:
                             A, R = A2, R2
+                            peaks = window_peaks(A, R) if pk2 is None else pk2
                         improved = True
             if not improved:
                 break

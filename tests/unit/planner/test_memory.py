@@ -1,0 +1,83 @@
+"""Exact 1F1B in-flight memory accounting of the data-aware balancer."""
+
+import numpy as np
+
+from mmpipe.planner.api import plan_stages, plan_step
+from mmpipe.planner.balancer import _lpt, _WindowMemory, window_peaks
+from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
+from mmpipe.planner.features import SampleFeatures
+from mmpipe.planner.schedules import make_schedule
+from mmpipe.planner.simulator import _peak_memory
+from mmpipe.planner.step import evaluate_step
+
+from .helpers import hardware, model
+
+
+def test_window_peaks_match_the_simulated_1f1b_peak():
+    rng = np.random.default_rng(0)
+    for P in (1, 2, 3, 4, 6):
+        for m in (1, 2, 3, 5, 8, 13):
+            act = rng.random((P, m))
+            tr = rng.random((P, m)) * rng.integers(0, 2)
+            want = _peak_memory(make_schedule("1f1b", P, m), act, tr)
+            assert np.allclose(window_peaks(act, tr), want), (P, m)
+
+
+def _conservative_fits(bins, act, tr, budget):
+    """The old check: every micro-batch's own kept bytes times the stage's in-flight count."""
+    P, m = act.shape[1], len(bins)
+    k = np.minimum(np.arange(P, 0, -1), m)
+    return all(np.all(act[b].sum(axis=0) * k + tr[b].sum(axis=0) <= budget) for b in bins if b)
+
+
+def _one_stage_case(acts):
+    # P = 2, memory only on stage 0 (2 micro-batches in flight there), 4 equal bins
+    act = np.array([[a, 0.0] for a in acts])
+    tr = np.zeros_like(act)
+    work = [[a, a] for a in acts]
+    return act, tr, work, np.array([2.5, 10.0]), [4.0] * 4
+
+
+def test_exact_check_admits_a_plan_the_conservative_one_refused():
+    # one large sample beside small ones: 2 x 2.0 > 2.5 per the old rule, but the large
+    # micro-batch is in flight with a 0.4 one only (2.4 <= 2.5)
+    act, tr, work, budget, inv = _one_stage_case([2.0, 0.4, 0.4, 0.4])
+    bins, ok = _lpt([0, 1, 2, 3], work, act, tr, budget, inv)
+    assert ok
+    assert not _conservative_fits(bins, act, tr, budget)
+    A = np.array([act[b].sum(axis=0) for b in bins]).T
+    R = np.array([tr[b].sum(axis=0) for b in bins]).T
+    assert np.all(window_peaks(A, R) <= budget)
+
+
+def test_exact_check_still_refuses_what_is_over_memory():
+    mem = _WindowMemory(2, 4, [2.5, 10.0], [0])
+    big, small, none = [2.0, 0.0], [0.6, 0.0], [0.0, 0.0]
+    mem.add(1, big, none)
+    assert mem.fits(3, small, none)  # micro-batch 3 is never in flight with 1
+    assert not mem.fits(2, small, none)  # 2 is in flight with 1: 2.6 > 2.5
+    assert not mem.fits(0, small, none)  # 0 is in flight with 1 too
+    assert not mem.fits(1, small, none)
+    assert not mem.fits(3, small, [2.0, 0.0])  # its transient on top: 0.6 + 2.0 > 2.5
+    # nothing fits anywhere: the packer says so
+    act, tr, work, budget, inv = _one_stage_case([2.6, 0.1, 0.1, 0.1])
+    _, ok = _lpt([0, 1, 2, 3], work, act, tr, budget, inv)
+    assert not ok
+
+
+def test_memory_bound_plan_fits_under_the_simulator():
+    # everything trainable on an image-heavy slice: the encoder stage's memory binds
+    rng = np.random.default_rng(3)
+    feats = [SampleFeatures(image_positions=(0,), image_tokens=(int(g) // 4,), audio_positions=(),
+                            audio_tokens=(), text_tokens=int(t))
+             for g, t in zip(rng.choice([1024, 2304, 4096], 128), rng.integers(50, 400, 128))]
+    m, hw = model("qwen2-vl-7b"), hardware("h100")
+    cost = build_cost_model(model=m, hardware=hw, trainable=("all",), dp=2)
+    sp = plan_stages(model=m, hardware=hw, pp=4, dp=2, trainable=("all",), sample=feats,
+                     micro_batches=8, policy="data-aware")
+    reps = plan_step(policy="data-aware", features=feats, stage_plan=sp, cost=cost, dp=2,
+                     micro_batches=8)
+    assert sorted(i for r in reps for mb in r for i in mb) == list(range(128))
+    sc = stage_costs(cost, sp.stages, sp.recompute)
+    ev = evaluate_step(sc, sample_table(feats), reps, packing=True)
+    assert ev.fits
