@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec, resolve_path
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
@@ -29,6 +30,9 @@ from mmpipe.planner.features import SampleFeatures, features
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.step import evaluate_step
 from mmpipe.runtime.batch import MicroBatch, collate
+
+if TYPE_CHECKING:
+    from mmpipe.runtime.stages import StageChoice
 
 
 
@@ -68,7 +72,8 @@ def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: Ski
 class StepFeeder:
     """Yields, step after step, the planned micro-batches of one data-parallel replica."""
 
-    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan, media: bool = True,
+    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan: StageChoice,
+                 media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None):
         self.rc = rc
