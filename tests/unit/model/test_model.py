@@ -139,7 +139,7 @@ def test_packed_and_padded_micro_batches_give_equal_loss_and_grads(spec, layers)
         mb = collate(samples, patch=spec.vision.patch, packed=packed, pad_id=0)
         loss = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0 / mb.label_tokens])))
         loss.backward()
-        results.append((float(loss), [p.grad.clone() for l in layers for p in l.parameters()]))
+        results.append((loss.item(), [p.grad.clone() for l in layers for p in l.parameters()]))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
