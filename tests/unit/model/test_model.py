@@ -169,7 +169,7 @@ def test_a_packed_sample_has_the_loss_and_gradient_of_its_unpacked_self(spec, la
             targets[0, len(samples[0].input_ids):] = -100  # keep only sample a's labels
         loss = token_loss(run_layers(layers, mb.carrier), (targets, torch.tensor([1.0])))
         loss.backward()
-        return float(loss), [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        return loss.item(), [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                              for l in layers for p in l.parameters()]
 
     alone_loss, alone_grads = loss_and_grads([a], only_first=False)
