@@ -24,11 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from mmpipe.data.reader import SampleStream, _check_options, _Reader
-from mmpipe.data.skips import SkipCounter
+from mmpipe.data.reader import SampleStream, _Reader
 from mmpipe.data.tario import Shard, count_samples
-from mmpipe.data.tokenizer import Tokenizer
-from mmpipe.model.spec import ModelSpec
 
 LIMIT_MODES = ("first", "random")
 _SOURCE_KEYS = ("name", "path", "weight", "limit", "limit_mode")
@@ -146,49 +143,15 @@ class Mixture(_Reader):
     """
 
     sources: list[MixtureSource]
-    """The datasets (from mixture_from_dicts)."""
-    tokenizer: Tokenizer | None = None
-    """Shared by all sources."""
-    spec: ModelSpec | None = None
-    """The model."""
-    dp_rank: int = 0
-    """This replica."""
-    dp_size: int = 1
-    """parallel.dp."""
-    seed: int = 0
-    """Seeds shuffles and random limits."""
-    epochs: int | None = None
-    """Passes over each source; None: every source repeats forever."""
-    shuffle_buffer: int = 0
-    """Per source, as in SampleStream."""
-    on_error: str = "skip"
-    """skip or raise."""
-    too_long: str = "drop"
-    """drop or truncate."""
-    num_workers: int = 1
-    """Loader workers; each reads its share of every source."""
-    worker_id: int | None = None
-    """As in SampleStream."""
-    root: Path | None = None
-    """Second base for relative paths."""
-    skips: SkipCounter = field(default_factory=SkipCounter)
-    """Drops of all sources together."""
+    """The datasets (from mixture_from_dicts); the other options apply to each of them."""
     streams: list[SampleStream] = field(default_factory=list, init=False)
     """One stream per source."""
     sizes: list[int] = field(default_factory=list, init=False)
     """Samples each source offers in one pass (after its limit, all replicas together)."""
-    resume_mode: str = field(default="start", init=False)
-    """start | exact | approximate (...)."""
-    _start: list = field(default_factory=list, init=False, repr=False)
-    _start_next: int = field(default=0, init=False, repr=False)
-    _start_consumed: int = field(default=0, init=False, repr=False)
-    _cursors: list = field(default_factory=list, init=False, repr=False)
-    _next_worker: int = field(default=0, init=False, repr=False)
-    _consumed: int = field(default=0, init=False, repr=False)
     _realised_base: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_options(self.on_error, self.shuffle_buffer, self.epochs, self.too_long)
+        self._check()
         if not self.sources:
             raise ValueError("data.sources is empty")
         for i, src in enumerate(self.sources):

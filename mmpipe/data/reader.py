@@ -175,14 +175,52 @@ def _read(order: list[Shard], select: Callable[[str], bool] | None) -> Iterator[
 
 # ---------------------------------------------------------------------------- readers
 
+@dataclass(kw_only=True, slots=True)
 class _Reader:
-    """Workers, positions and counting shared by SampleStream and Mixture.
+    """Options, workers, positions and counting shared by SampleStream and Mixture.
 
     Subclasses provide `_worker_items(w, start, make, select)` (the items of worker w from
     cursor `start`, each with .worker, .cursor and .dropped set) and `_layout()`.
     """
 
-    __slots__ = ()
+    tokenizer: Tokenizer | None = None
+    """The tokenizer the shards' meta was counted with (needed for records and samples)."""
+    spec: ModelSpec | None = None
+    """The model (resize rules, audio features, max_seq_len)."""
+    dp_rank: int = 0
+    """This replica's index."""
+    dp_size: int = 1
+    """parallel.dp: replicas sharing the data."""
+    seed: int = 0
+    """Seeds the shard order, buffer shuffles and random mixture limits."""
+    epochs: int | None = None
+    """Passes over the data; None repeats forever (reshuffled each pass)."""
+    shuffle_buffer: int = 0
+    """0 keeps stream order; N shuffles shard order and samples within an N-sample buffer."""
+    on_error: str = "skip"
+    """skip (count in `skips`) or raise."""
+    too_long: str = "drop"
+    """Samples over model.llm.max_seq_len: drop, or truncate the answer tail."""
+    num_workers: int = 1
+    """Loader workers of this replica (data.num_workers); each reads its own shards."""
+    worker_id: int | None = None
+    """Read only this worker's share; None: the DataLoader worker we run in, or all workers
+    interleaved round-robin (the order a DataLoader with batch_size=None gives)."""
+    root: Path | None = None
+    """Second base for relative shard paths (e.g. the project root)."""
+    skips: SkipCounter = field(default_factory=SkipCounter)
+    """Samples dropped so far, by reason."""
+    resume_mode: str = field(default="start", init=False)
+    """start | exact | approximate (...): how the last load_state_dict resumed."""
+    _start: list = field(default_factory=list, init=False, repr=False)
+    _start_next: int = field(default=0, init=False, repr=False)
+    _start_consumed: int = field(default=0, init=False, repr=False)
+    _cursors: list = field(default_factory=list, init=False, repr=False)
+    _next_worker: int = field(default=0, init=False, repr=False)
+    _consumed: int = field(default=0, init=False, repr=False)
+
+    def _check(self) -> None:
+        _check_options(self.on_error, self.shuffle_buffer, self.epochs, self.too_long)
 
     def _begin(self) -> None:
         self._cursors = copy.deepcopy(self._start)
@@ -315,54 +353,19 @@ class SampleStream(_Reader):
 
     path: str
     """data.path: brace list of shard files, or a pipe: command brace list."""
-    tokenizer: Tokenizer | None = None
-    """The tokenizer the shards' meta was counted with (needed for records and samples)."""
-    spec: ModelSpec | None = None
-    """The model (resize rules, audio features, max_seq_len)."""
-    dp_rank: int = 0
-    """This replica's index."""
-    dp_size: int = 1
-    """parallel.dp: replicas sharing the shards."""
-    seed: int = 0
-    """Seeds the shard order and buffer shuffle when shuffle_buffer > 0."""
-    epochs: int | None = None
-    """Passes over the shards; None repeats forever (reshuffled each pass)."""
-    shuffle_buffer: int = 0
-    """0 keeps stream order; N shuffles shard order and samples within an N-sample buffer."""
-    on_error: str = "skip"
-    """skip (count in `skips`) or raise."""
-    too_long: str = "drop"
-    """Samples over model.llm.max_seq_len: drop, or truncate the answer tail."""
-    num_workers: int = 1
-    """Loader workers of this replica (data.num_workers); each reads its own shards."""
-    worker_id: int | None = None
-    """Read only this worker's share; None: the DataLoader worker we run in, or all workers
-    interleaved round-robin (the order a DataLoader with batch_size=None gives)."""
-    root: Path | None = None
-    """Second base for relative shard paths (e.g. the project root)."""
     keep: Callable[[int, int], bool] | None = None
     """Sample filter by (shard index in the full list, position in the shard): mixture limits."""
     name: str = ""
     """Source name in a mixture (set on every record)."""
     key: str = "data.path"
     """How errors name the path setting."""
-    skips: SkipCounter = field(default_factory=SkipCounter)
-    """Samples dropped so far, by reason."""
     shards: list[Shard] = field(default_factory=list, init=False)
     """This replica's shards."""
     all_shards: list[Shard] = field(default_factory=list, init=False)
     """The full, expanded shard list."""
-    resume_mode: str = field(default="start", init=False)
-    """start | exact | approximate (...): how the last load_state_dict resumed."""
-    _start: list = field(default_factory=list, init=False, repr=False)
-    _start_next: int = field(default=0, init=False, repr=False)
-    _start_consumed: int = field(default=0, init=False, repr=False)
-    _cursors: list = field(default_factory=list, init=False, repr=False)
-    _next_worker: int = field(default=0, init=False, repr=False)
-    _consumed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_options(self.on_error, self.shuffle_buffer, self.epochs, self.too_long)
+        self._check()
         self.all_shards = [Shard(u, i) for i, u in enumerate(resolve_urls(self.path, root=self.root))]
         self.shards = shards_for_reader(self.all_shards, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                         num_workers=1, key=self.key)

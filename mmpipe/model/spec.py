@@ -7,7 +7,7 @@ weights, and the runtime builds the tiny CPU model from the same spec. The layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 COMPONENTS = ("vision", "audio", "llm")

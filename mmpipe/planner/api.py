@@ -36,7 +36,7 @@ from mmpipe.planner.features import SampleFeatures
 from mmpipe.planner.hardware import HardwareSpec
 from mmpipe.planner.partition import (StagePlan, balanced_partition, check_pp, hill_climb,
                                       layer_loads, parameters_partition)
-from mmpipe.planner.step import Replicas, evaluate_step
+from mmpipe.planner.step import evaluate_step
 
 POLICIES = ("data-aware",) + BASELINES
 """Every plan.policy value."""

@@ -28,7 +28,6 @@ import torch
 import yaml
 
 from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec
-from mmpipe.model import carrier as C
 from mmpipe.model.layers import build_layers, token_loss
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.cost import build_cost_model

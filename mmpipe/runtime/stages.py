@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec, resolve_path
+from mmpipe.config import RunConfig, hardware_spec
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.api import PACKED_POLICIES, plan_stages, plan_step
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
@@ -39,34 +39,6 @@ def layer_param_counts(spec: ModelSpec) -> list[int]:
             layer = build_layer(spec, name, seed=0, image_token=0, audio_token=0)
             counts.append(sum(p.numel() for p in layer.parameters()))
     return counts
-
-
-def balance_by_parameters(counts: list[int], parts: int) -> list[tuple[int, int]]:
-    """Contiguous non-empty split minimising the largest stage's parameter count (DeepSpeed's
-    `parameters` method, solved exactly by dynamic programming)."""
-    n = len(counts)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} layers into {parts} non-empty stages")
-    prefix = [0]
-    for c in counts:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: smallest max-stage sum covering layers [0, i) with k stages
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, j
-    bounds, i = [], n
-    for k in range(parts, 0, -1):
-        j = cut[k][i]
-        bounds.append((j, i))
-        i = j
-    return bounds[::-1]
 
 
 def workload_sample(rc: RunConfig, tokenizer, *, steps: int = 4) -> list[SampleFeatures]:
