@@ -30,7 +30,8 @@ from mmpipe.planner.api import data_aware_stages  # noqa: E402
 from mmpipe.planner.balancer import balance_step  # noqa: E402
 from mmpipe.planner.command import run_plan  # noqa: E402
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs  # noqa: E402
-from mmpipe.planner.features import features, read_trace  # noqa: E402
+from mmpipe.model.geometry import features  # noqa: E402
+from mmpipe.planner.trace import read_trace  # noqa: E402
 from mmpipe.planner.hardware import hardware_from_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

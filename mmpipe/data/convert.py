@@ -50,7 +50,7 @@ from mmpipe.data.skips import (
 from mmpipe.data.template import HUMAN, count_placeholders, parse_conversation, text_tokens
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.features import SampleMeta, features
+from mmpipe.model.geometry import SampleMeta, features
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SHARD = re.compile(r"^(?P<prefix>.+)-(?P<n>\d{6})\.tar$")

@@ -1,6 +1,6 @@
 """Media decoding: PNG/JPEG bytes to resized pixels, WAV bytes to log-mel features.
 
-Shapes obey the planner's rules in `mmpipe.planner.features`, so the encoder sequence lengths
+Shapes obey the planner's rules in `mmpipe.model.geometry`, so the encoder sequence lengths
 the planner predicts are the ones the model gets:
 
 - an image of h x w pixels becomes uint8 [H, W, 3] with (H, W) = resize_image(vision, h, w)
@@ -26,7 +26,7 @@ from transformers.audio_utils import mel_filter_bank
 
 from mmpipe.data.skips import UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError
 from mmpipe.model.spec import AudioSpec, VisionSpec
-from mmpipe.planner.features import audio_frames, resize_image
+from mmpipe.model.geometry import audio_frames, resize_image
 
 WINDOW_S = 0.025
 """STFT window length in seconds (Whisper: 400 samples at 16 kHz)."""

@@ -34,7 +34,7 @@ from mmpipe.data.skips import CORRUPT_SHARD, SampleError, SkipCounter
 from mmpipe.data.tario import Shard, ShardError, read_shard, shard_name
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.features import SampleMeta
+from mmpipe.model.geometry import SampleMeta
 
 __all__ = [
     "Record", "Sample", "SampleStream", "decode_record", "decode_sample", "iter_meta", "iter_samples",

@@ -30,7 +30,7 @@ from mmpipe.data.skips import (
 from mmpipe.data.template import IGNORE, Templated, Turn, count_placeholders, parse_conversation, template_sample
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.features import SampleMeta, audio_frames, features, meta_from_json, resize_image
+from mmpipe.model.geometry import SampleMeta, audio_frames, features, meta_from_json, resize_image
 
 TOO_LONG_MODES = ("drop", "truncate")
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")

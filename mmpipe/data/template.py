@@ -22,7 +22,7 @@ from mmpipe.data.skips import (
 )
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.features import SampleMeta, audio_tokens, image_tokens
+from mmpipe.model.geometry import SampleMeta, audio_tokens, image_tokens
 
 IGNORE = -100
 """Label of a position that carries no loss."""

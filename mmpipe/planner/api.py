@@ -32,7 +32,7 @@ from mmpipe.planner.baselines import (BASELINES, PACK_TOKENS, ds_default_step,
                                       llava_grouped_step, packed_ffd_step, tune_baseline)
 from mmpipe.planner.cost import (CostModel, SampleTable, build_cost_model, mb_streams,
                                  sample_table, stage_costs, validate_trainable)
-from mmpipe.planner.features import SampleFeatures
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.hardware import HardwareSpec
 from mmpipe.planner.partition import (StagePlan, balanced_partition, check_pp, hill_climb,
                                       layer_loads, parameters_partition)

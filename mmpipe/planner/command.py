@@ -17,7 +17,8 @@ from mmpipe.planner.api import check_policy, data_aware_stages
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, tune_baseline
 from mmpipe.planner.cost import build_cost_model, lower_bound_s, sample_table, stage_costs
-from mmpipe.planner.features import features, read_trace
+from mmpipe.model.geometry import features
+from mmpipe.planner.trace import read_trace
 from mmpipe.planner.hardware import HardwareSpec
 from mmpipe.planner.partition import StagePlan, check_pp, stages_from_names
 from mmpipe.planner.report import plot_timeline, schedule_comparison, stage_table, steps_table

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, is_trainable, layer_names
-from mmpipe.planner.features import SampleFeatures
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.hardware import HardwareSpec
 
 STREAMS = ("vpos", "vtok", "apos", "atok", "llm")

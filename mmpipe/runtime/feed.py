@@ -26,7 +26,7 @@ from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.planner.api import PACKED_POLICIES, plan_step
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
-from mmpipe.planner.features import SampleFeatures, features
+from mmpipe.model.geometry import SampleFeatures, features
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.step import evaluate_step
 from mmpipe.runtime.batch import MicroBatch, collate

@@ -12,7 +12,7 @@ from mmpipe.planner.api import PACKED_POLICIES, plan_stages, plan_step
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.step import evaluate_step
-from mmpipe.planner.features import SampleFeatures, features
+from mmpipe.model.geometry import SampleFeatures, features
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

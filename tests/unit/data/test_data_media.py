@@ -11,7 +11,7 @@ from PIL import Image
 
 from mmpipe.data.media import decode_audio, decode_image
 from mmpipe.data.skips import SampleError
-from mmpipe.planner.features import audio_frames, audio_positions, resize_image
+from mmpipe.model.geometry import audio_frames, audio_positions, resize_image
 
 
 def png(h: int, w: int, mode: str = "RGB") -> bytes:

@@ -16,7 +16,7 @@ from mmpipe.data.reader import SampleStream, iter_meta, iter_samples
 from mmpipe.data.skips import SampleError, SkipCounter
 from mmpipe.data.synth import write_shard
 from mmpipe.data.template import text_tokens
-from mmpipe.planner.features import audio_frames, features
+from mmpipe.model.geometry import audio_frames, features
 
 
 def keys(stream) -> list[str]:

@@ -7,7 +7,7 @@ import pytest
 from mmpipe.data.skips import SampleError
 from mmpipe.data.template import IGNORE, apply_template, parse_conversation, template_sample, text_tokens
 from mmpipe.data.tokenizer import build_tokenizer
-from mmpipe.planner.features import SampleMeta, audio_tokens, features, image_tokens
+from mmpipe.model.geometry import SampleMeta, audio_tokens, features, image_tokens
 
 CORPUS = ["What shape is in the image?", "a red triangle", "What do you hear?", "a rising chirp",
           "And the colour?", "red"] * 10

@@ -5,7 +5,7 @@ from mmpipe.planner.api import plan_stages, plan_step
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import tune_baseline
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
-from mmpipe.planner.features import SampleFeatures
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.api import data_aware_stages
 from mmpipe.planner.step import evaluate_step

@@ -3,7 +3,7 @@ import pytest
 
 from mmpipe.planner.cost import (build_cost_model, mb_streams, micro_batch_costs, sample_table,
                                  stage_costs, validate_trainable)
-from mmpipe.planner.features import SampleFeatures
+from mmpipe.model.geometry import SampleFeatures
 
 from .helpers import hardware, model
 

@@ -5,7 +5,7 @@ import numpy as np
 from mmpipe.planner.api import plan_stages, plan_step
 from mmpipe.planner.balancer import _lpt, _WindowMemory, window_peaks
 from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
-from mmpipe.planner.features import SampleFeatures
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import _peak_memory
 from mmpipe.planner.step import evaluate_step

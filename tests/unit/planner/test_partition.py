@@ -3,7 +3,7 @@ import pytest
 
 from mmpipe.model.spec import layer_names
 from mmpipe.planner.api import plan_stages
-from mmpipe.planner.features import SampleFeatures
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.partition import (StagePlan, packed_ffd_partition, parameters_partition,
                                       stages_from_names)
 

@@ -1,16 +1,16 @@
-"""Per-sample features the planner needs, from metadata alone (no media is decoded).
+"""Per-sample token geometry: how many encoder positions and LLM tokens a sample becomes.
 
-These rules are also what the runtime's preprocessing obeys, so the planner's token counts
-are the tokens the model really sees.
+Computed from metadata alone (text tokens, image sizes, clip durations; no media decoded) and
+the model's architecture figures. The planner costs samples with these rules and the data
+layer resizes images, cuts clips and expands placeholders by the same rules, so the token
+counts the planner predicts are the tokens the model really sees.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from mmpipe.model.spec import AudioSpec, ModelSpec, VisionSpec
 
@@ -142,20 +142,3 @@ def meta_from_json(obj: Any, *, where: str) -> SampleMeta:
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     return SampleMeta(text_tokens=text, images=tuple(images), audio_seconds=tuple(clips))
-
-
-def read_trace(path: str | Path) -> Iterator[SampleMeta]:
-    """Stream a JSONL workload trace; a malformed line is an error naming its number."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path={str(path)!r}: no such trace file")
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path.name} line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
-            yield meta_from_json(obj, where=where)
