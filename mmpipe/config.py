@@ -55,9 +55,17 @@ class TrainConfig:
     optimizer: str = "adamw"
     """adamw | sgd."""
     save_every: int = 0
-    """DeepSpeed checkpoint every N steps (0: only at the end)."""
+    """Committed checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 0
+    """Committed checkpoints to keep (0: all); older ones go after each new commit, never the resumed one."""
     resume: str | None = None
-    """Continue from a checkpoint: its folder (…/checkpoints/step<N>) or a run directory (its latest)."""
+    """Continue from a checkpoint: its folder (…/checkpoints/step<N>) or a run directory (its newest committed)."""
+    resume_unsafe: bool = False
+    """Allow torch.load(weights_only=False) for checkpoint files outside the run directory (runs their code)."""
+    on_nonfinite: str = "stop"
+    """A step with a non-finite loss or gradient norm (its update is withheld): stop (no save) | skip."""
+    save_on_signal: bool = False
+    """On SIGTERM, finish the current step, save a committed checkpoint and exit cleanly."""
     log_every: int = 1
     """Metrics line every N steps."""
     record_samples: bool = False
@@ -68,7 +76,7 @@ class TrainConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"train.{key}={v!r} must be a positive integer")
-        for key in ("warmup_steps", "save_every", "seed"):
+        for key in ("warmup_steps", "save_every", "keep_last", "seed"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train.{key}={v!r} must be a non-negative integer")
@@ -78,6 +86,8 @@ class TrainConfig:
             raise ValueError(f"train.grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"train.optimizer={self.optimizer!r} is unknown; use adamw or sgd")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is unknown; use stop or skip")
         if not self.trainable:
             raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes")
         for t in self.trainable:

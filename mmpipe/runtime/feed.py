@@ -75,7 +75,7 @@ class StepFeeder:
     def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan: StageChoice,
                  media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
-                 steps: int | None = None):
+                 steps: int | None = None, first_step: int = 0):
         self.rc = rc
         self.tokenizer = tokenizer
         self.skips = SkipCounter()
@@ -91,7 +91,8 @@ class StepFeeder:
             hw = dataclasses.replace(hw, memory_gb=max(hw.memory_gb, 1e6))
         self.cost = build_cost_model(model=rc.model, hardware=hw, trainable=rc.train.trainable, dp=rc.parallel.dp)
         self.stage_costs = stage_costs(self.cost, self.stage_plan.stages, self.stage_plan.recompute)
-        self._record = record.open("w") if record else None
+        self._record = record.open("a") if record else None  # a resumed run continues the record
+        self.first_step = first_step
         self.media = media
         self.steps = rc.train.steps if steps is None else steps
         self.stream = make_stream(rc, tokenizer=tokenizer, dp_rank=dp_rank, skips=self.skips)
@@ -145,7 +146,7 @@ class StepFeeder:
                        pad_id=self.tokenizer.pad_id) for g in groups]
         self.steps_made += 1
         if self._record:
-            self._record.write(json.dumps({"step": self.steps_made,
+            self._record.write(json.dumps({"step": self.first_step + self.steps_made,
                                            "micro_batches": [list(m.keys) for m in mbs]}) + "\n")
             self._record.flush()
         t4 = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -35,6 +36,10 @@ class ProgressBar:
         self._bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{samples_per_s:.1f}",
                               tokens_s=f"{tokens_per_s:.0f}", refresh=False)
         self._bar.update(1)
+
+    def note(self, message: str) -> None:
+        """A line above the bar (printed plainly, it would land on the bar's line)."""
+        self._bar.write(message, file=sys.stderr)
 
     def close(self) -> None:
         self._bar.close()

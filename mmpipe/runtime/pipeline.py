@@ -141,6 +141,7 @@ class GlobalGradClip:
     tensor-slice group, not the pipeline), which is not what a single-process run would do.
     This runs as an optimizer step pre-hook, after the data-parallel gradient reduction: each
     stage sums its squared gradients, one all-reduce over the pipeline group gives the norm.
+    A non-finite norm (a non-finite loss makes one) withholds the step's update on every stage.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float, group, device=None) -> None:
@@ -161,6 +162,13 @@ class GlobalGradClip:
         dist.all_reduce(sq, group=self.group)
         norm = float(sq.sqrt())
         self.last_norm = norm
+        if not math.isfinite(norm):
+            # Withhold the whole update. torch optimizers pass over parameters without a
+            # gradient, so weights, moments and step counts stay exactly as they were; zeroed
+            # gradients would not do that (AdamW still moves by its momentum and decay).
+            for p in self._params:
+                p.grad = None
+            return
         if self.max_norm > 0 and norm > self.max_norm:
             coef = self.max_norm / (norm + 1e-6)
             for g in grads:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ from mmpipe.config import RunConfig, resolve_path
 from mmpipe.model.spec import layer_names
 from mmpipe.planner.calibrate import StepCalibration
 from mmpipe.runtime.batch import MicroBatch
+from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerdict, StopRequest, agree_after_step,
+                                       find_checkpoint, truncate_records)
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
@@ -45,6 +49,10 @@ class RunResult:
     """Samples dropped, by reason, all replicas."""
     mixture: dict[str, int] = field(default_factory=dict)
     """Samples drawn from each source of a mixture, all replicas."""
+    nonfinite_skipped: int = 0
+    """Steps whose update was skipped for a non-finite loss or gradient norm (train.on_nonfinite=skip)."""
+    stopped: str = ""
+    """Why and where the run stopped before train.steps (a signal), with its checkpoint."""
 
 
 def _quiet_deepspeed() -> None:
@@ -129,6 +137,7 @@ def _build(rc: RunConfig, tok, stage_plan: StageChoice) -> _Pipeline:
 def train(rc: RunConfig) -> RunResult:
     """Train on this rank; every rank of the job calls this with the same config."""
     _quiet_deepspeed()
+    stop = StopRequest.on_signals(signal.SIGTERM) if rc.train.save_on_signal else None
     rc = _init_distributed(rc)
     rank, run_dir = dist.get_rank(), Path(rc.run_dir)
 
@@ -137,15 +146,20 @@ def train(rc: RunConfig) -> RunResult:
     tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
     check_vocab(tok, rc.model.llm.vocab)
     stage_plan = choose_stages(rc, tok)
+    found = _find_checkpoint(rc, stage_plan)  # a damaged checkpoint is refused before the model is built
     pipe = _build(rc, tok, stage_plan)
-    engine = pipe.engine
-    start, reader_state = _resume(engine, rc, pipe.dp_rank) if rc.train.resume else (0, None)
+    ckpt = _checkpointer(rc, pipe, stage_plan)
+    start, reader_state = ckpt.resume(found) if found else (0, None)
 
     feeder = None
     if pipe.first or pipe.last:
+        record = run_dir / f"samples_rank{rank}.jsonl" if rc.train.record_samples else None
+        if record:
+            truncate_records(record, start)  # steps after the checkpoint are fed again
         feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stage_plan, media=pipe.first,
-                            reader_state=reader_state, steps=rc.train.steps - start,
-                            record=(run_dir / f"samples_rank{rank}.jsonl") if rc.train.record_samples else None)
+                            reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start)
+    if rank == 0 and rc.train.resume:
+        truncate_records(run_dir / "metrics.jsonl", start)
     writer = MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume)) if rank == 0 else None
     bar = None
     if rank == 0:
@@ -154,22 +168,24 @@ def train(rc: RunConfig) -> RunResult:
             print(f"warning: {w}", file=sys.stderr, flush=True)
         bar = ProgressBar(rc.train.steps - start)
     try:
-        result = _run_steps(rc, pipe, feeder, writer, bar, start)
+        result = _run_steps(rc, pipe, feeder, writer, bar, start, ckpt, stop)
     finally:
         if feeder is not None:
             feeder.close()
         if writer is not None:
             writer.close()
+        if bar is not None:
+            bar.close()  # before any error line, which would land on the bar's line
     result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
                                                          shared=rc.plan.across_replicas)
     if rank == 0:
-        bar.close()
         _summary(rc, result, run_dir)
     dist.barrier()
     return result
 
 
-def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) -> RunResult:
+def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, ckpt: Checkpointer,
+               stop: StopRequest | None) -> RunResult:
     engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
     result = RunResult()
     timer = StageTimer(engine)
@@ -221,15 +237,39 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) 
                    "predicted_step_time": pred, "simulated_step_time": raw,
                    "calibration": list(calibration.coef), "predicted_busy_s": list(planned.predicted_busy),
                    "prediction_error": (t2 - t1) / pred - 1.0 if pred > 0 else None,
-                   "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds}
-            if step % rc.train.log_every == 0 or step == rc.train.steps:
+                   "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds,
+                   "update_skipped": not (math.isfinite(loss) and math.isfinite(pipe.clip.last_norm))}
+            if step % rc.train.log_every == 0 or step == rc.train.steps or rec["update_skipped"]:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
-        if rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
-            _save(engine, run_dir, step, pipe.first, pipe.dp_rank, last_state)
+        verdict = agree_after_step(loss=loss, grad_norm=pipe.clip.last_norm, stop=stop, device=dev)
+        _on_nonfinite(rc, verdict, step, loss, pipe, ckpt, result, bar)
+        if verdict.stop or rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
+            folder = ckpt.save(step, last_state)
+        if verdict.stop:
+            result.stopped = (f"stopped on {stop.reason if stop and stop.reason else 'request'} after step {step}: "
+                              f"checkpoint {folder} committed; continue with train.resume={run_dir}")
+            result.seconds = time.perf_counter() - t_start
+            return result
     result.seconds = time.perf_counter() - t_start
-    _save(engine, run_dir, rc.train.steps, pipe.first, pipe.dp_rank, last_state)
+    ckpt.save(rc.train.steps, last_state)
     return result
+
+
+def _on_nonfinite(rc: RunConfig, verdict: StepVerdict, step: int, loss: float, pipe: _Pipeline, ckpt: Checkpointer,
+                  result: RunResult, bar: ProgressBar | None) -> None:
+    """A step whose loss or gradient norm was not finite had its update withheld (GlobalGradClip);
+    stop before anything is saved, or count the skip and go on."""
+    if not verdict.nonfinite:
+        return
+    what = f"step {step}: loss {loss}, gradient norm {pipe.clip.last_norm}"
+    if rc.train.on_nonfinite == "stop":
+        newest = f"the newest checkpoint is {ckpt.newest}" if ckpt.newest else "no checkpoint was saved"
+        raise RunStopped(f"{what}: stopped without saving (train.on_nonfinite=stop); {newest}; lower train.lr "
+                         f"(now {rc.train.lr}) or set train.on_nonfinite=skip to drop such steps")
+    result.nonfinite_skipped += 1
+    if bar is not None:
+        bar.note(f"warning: {what}: update skipped (train.on_nonfinite=skip)")
 
 
 def _stage_of_every_rank(stage: int, world: int, device) -> list[int]:
@@ -258,35 +298,25 @@ def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module
         {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}))
 
 
-def _save(engine, run_dir: Path, step: int, first: bool, dp_rank: int, reader_state: dict | None) -> None:
-    """DeepSpeed's checkpoint, plus each replica's reader position (from its first stage)."""
-    folder = run_dir / "checkpoints"
-    engine.save_checkpoint(str(folder), tag=f"step{step}", client_state={"step": step})
-    if first and reader_state is not None:
-        (folder / f"step{step}" / f"data_state_dp{dp_rank}.json").write_text(json.dumps(reader_state))
+def _topology(rc: RunConfig, stage_plan: StageChoice) -> dict:
+    """What a checkpoint must match to load: DeepSpeed's files are per stage, positions per replica."""
+    return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages]}
 
 
-def _resume(engine, rc: RunConfig, dp_rank: int) -> tuple[int, dict | None]:
-    """Load the checkpoint named by train.resume; return its step and this replica's reader state."""
-    path = Path(resolve_path(rc.train.resume))
-    if (path / "checkpoints" / "latest").is_file():
-        path = path / "checkpoints"
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    if not path.is_dir():
-        raise FileNotFoundError(f"train.resume={rc.train.resume!r}: no checkpoint folder there "
-                                f"(give …/checkpoints/step<N> or a run directory)")
-    _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
-    if client is None or "step" not in client:
-        raise ValueError(f"train.resume={rc.train.resume!r}: not an mmpipe checkpoint (no step recorded)")
-    state_file = path / f"data_state_dp{dp_rank}.json"
-    state = json.loads(state_file.read_text()) if state_file.is_file() else None
-    if state is None:
-        log.warning("no reader position in %s; data restarts from the beginning", path)
-    if int(client["step"]) >= rc.train.steps:
-        raise ValueError(f"train.resume: the checkpoint is at step {client['step']}, not below "
-                         f"train.steps={rc.train.steps}; raise train.steps to train further")
-    return int(client["step"]), state
+def _find_checkpoint(rc: RunConfig, stage_plan: StageChoice) -> Found | None:
+    """The checked checkpoint named by train.resume (None without it)."""
+    if not rc.train.resume:
+        return None
+    return find_checkpoint(Path(resolve_path(rc.train.resume)), given=rc.train.resume, run_dir=Path(rc.run_dir),
+                           topology=_topology(rc, stage_plan), steps=rc.train.steps)
+
+
+def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StageChoice) -> Checkpointer:
+    t = rc.train
+    return Checkpointer(engine=pipe.engine, run_dir=Path(rc.run_dir), first=pipe.first,
+                        reads_data=pipe.first or pipe.last, dp_rank=pipe.dp_rank, keep_last=t.keep_last,
+                        resume_unsafe=t.resume_unsafe, topology=_topology(rc, stage_plan),
+                        schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps})
 
 
 def _gather_data_report(feeder, first: bool, dp_group, *, shared: bool = False
@@ -320,9 +350,12 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         f"done: {len(r.losses)} steps in {r.seconds:.1f}s | loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} "
         f"(mean of first 3 {head:.3f}, last 3 {tail:.3f}) | {r.samples / r.seconds:.1f} samples/s, "
         f"{r.tokens / r.seconds:.0f} tokens/s | skipped {skipped} samples ({why}) | "
-        f"metrics {run_dir / 'metrics.jsonl'} | checkpoint {run_dir / 'checkpoints'}",
+        f"metrics {run_dir / 'metrics.jsonl'} | checkpoint {run_dir / 'checkpoints'}"
+        + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),
         flush=True,
     )
+    if r.stopped:
+        print(r.stopped, flush=True)
     if r.mixture:
         total = sum(r.mixture.values())
         print("mixture realised: " + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in r.mixture.items()),

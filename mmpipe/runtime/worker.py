@@ -8,13 +8,18 @@ from pathlib import Path
 import yaml
 
 from mmpipe.config import run_config_from_dict
+from mmpipe.runtime.checkpoint import RunStopped
 from mmpipe.runtime.train import train
 
 
 def main(path: str) -> int:
     cfg = yaml.safe_load(Path(path).read_text())
     rc = run_config_from_dict(cfg, run_dir=str(Path(path).parent))
-    train(rc)
+    try:
+        train(rc)
+    except RunStopped as err:  # every rank agreed on it: one line, the same on each rank
+        print(f"mmpipe train: error: {err}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -67,6 +67,8 @@ def test_process_count_must_match_pp_times_dp(capsys):
     (["plan.policy=fastest"], "plan.policy='fastest' is unknown"),
     (["train.trainable=[visoin]"], "train.trainable entry 'visoin' is unknown"),
     (["data.on_error=ignore"], "data.on_error='ignore' is unknown; use skip or raise"),
+    (["train.on_nonfinite=ignore"], "train.on_nonfinite='ignore' is unknown; use stop or skip"),
+    (["train.keep_last=-1"], "train.keep_last=-1 must be a non-negative integer"),
     (["model.llm.heads=5"], "model.llm.hidden=128 is not divisible by model.llm.heads=5"),
 ])
 def test_config_mistakes_fail_before_launch(overrides, message, capsys):
