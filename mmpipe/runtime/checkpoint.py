@@ -347,16 +347,18 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
         step, files = int(record["step"]), record["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{key}: the commit record {folder / MARKER} is unreadable ({err}); the checkpoint is damaged"
-    missing = [n for n in _required(topology) if n not in files]
+    saved = record.get("topology")
+    missing = [n for n in _required(saved) if n not in files] if isinstance(saved, dict) else ["its topology"]
     if record.get("format") != FORMAT or missing:
         return (f"{key}: {folder} is not an mmpipe checkpoint of this version (format {record.get('format')}, "
                 f"lacks {', '.join(missing) or 'nothing'})")
-    saved = record.get("topology", {})
-    if saved != topology:
-        return (f"{key}: the checkpoint was written with parallel.pp={saved.get('pp')}, parallel.dp="
-                f"{saved.get('dp')} and stages {saved.get('stages')}; this run has parallel.pp={topology['pp']}, "
-                f"parallel.dp={topology['dp']} and stages {topology['stages']}; resume with the same (plan.stages "
-                f"fixes the stages)")
+    if (saved["pp"], saved["stages"]) != (topology["pp"], topology["stages"]):
+        return (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
+                f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}; "
+                f"DeepSpeed's optimizer files are per stage: resume with the same (plan.stages fixes the stages)")
+    if saved["dp"] != topology["dp"]:
+        warnings.append(f"parallel.dp={topology['dp']} differs from the checkpoint's {saved['dp']}: the data "
+                        f"continues approximately (see docs/data.md) and random states start afresh")
     if step >= steps:
         return (f"{key}: the checkpoint is at step {step}, not below train.steps={steps}; raise train.steps to "
                 f"train further")
@@ -489,13 +491,16 @@ class Checkpointer:
         safe = self.engine.checkpoint_engine
         safe.trusted = self.resume_unsafe or folder.resolve().is_relative_to(self.run_dir.resolve())
         problem, reader_state = None, None
+        saved_dp = found.record["topology"]["dp"]
         try:
             _, client = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
             if client is None or client.get("step") != step:
                 problem = f"checkpoint {folder}: DeepSpeed found no model states for step {step}"
-            set_rng_state(torch.load(folder / f"rng_rank{rank}.pt", weights_only=True))
-            if self.reads_data:
-                reader_state = json.loads((folder / f"data_state_dp{self.dp_rank}.json").read_text())
+            if saved_dp == self.topology["dp"]:
+                set_rng_state(torch.load(folder / f"rng_rank{rank}.pt", weights_only=True))
+            if self.reads_data:  # with another dp, any replica's position serves the approximate resume
+                state_file = folder / f"data_state_dp{self.dp_rank % saved_dp}.json"
+                reader_state = json.loads(state_file.read_text())
         except CheckpointError as err:
             problem = str(err)
         except Exception as err:  # noqa: BLE001 - verified files that still do not load: say which checkpoint
@@ -513,7 +518,7 @@ class Checkpointer:
 
     def _announce(self, found: Found, lr: float) -> None:
         positions = []
-        for d in range(self.topology["dp"]):
+        for d in range(found.record["topology"]["dp"]):
             state = json.loads((found.folder / f"data_state_dp{d}.json").read_text()) or {}
             positions.append(f"replica {d} after {state.get('consumed', '?')} samples")
         print(f"resumed from step {found.step} (checkpoint {found.folder}), sample position: {', '.join(positions)}",

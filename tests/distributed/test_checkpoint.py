@@ -139,7 +139,7 @@ def test_nonfinite_skip_withholds_the_whole_update(run_mmpipe):
     # Skipped means untouched: the weights and the optimizer's moments and step counts of
     # step 3 are those of step 1 (zeroed gradients would still move AdamW by its momentum).
     ckpt = run.run_dir / "checkpoints"
-    for one in sorted((ckpt / "step1").glob("*_model_states.pt")):
+    for one in sorted((ckpt / "step1").glob("*model_states.pt")):
         a = torch.load(one, weights_only=True)
         b = torch.load(ckpt / "step3" / one.name, weights_only=True)
         if one.name.startswith("mp_rank"):
