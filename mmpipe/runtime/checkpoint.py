@@ -252,7 +252,8 @@ def _agree(problem: str | None, kind: type[RunStopped] = CheckpointError) -> Non
         raise kind(found[0])
 
 
-def _first_nonfinite(module, optimizer) -> str | None:
+def first_nonfinite(module, optimizer) -> str | None:
+    """The first parameter or optimizer state of this rank that holds a NaN or an infinity."""
     for name, p in module.named_parameters():
         if not bool(torch.isfinite(p.detach()).all()):
             return f"parameter {name}"
@@ -263,7 +264,32 @@ def _first_nonfinite(module, optimizer) -> str | None:
     return None
 
 
-# -- finding and checking a checkpoint (before the model is built) --------------------
+# -- committing, finding and checking a checkpoint -------------------------------------
+
+
+def commit(folder: Path, *, step: int, files: dict, topology: dict, schedule: dict) -> None:
+    """Write the marker that makes `folder` a checkpoint; `files` maps every other file of it
+    to its size and sha256, all already fsynced."""
+    import deepspeed
+
+    fsync_path(folder)  # the entries of every file, before the marker that names them
+    record = {"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "topology": topology, "schedule": schedule,
+              "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}, "files": files}
+    write_atomic(folder / MARKER, json.dumps(record, indent=1).encode())
+    fsync_path(folder.parent)
+
+
+def refuse_other_history(run_dir: Path) -> None:
+    """A run that does not resume must not save next to another run's committed checkpoints:
+    a later resume would pick their newest and mix two histories; collective."""
+    problem = None
+    if dist.get_rank() == 0:
+        steps = [p.name for _, p in _step_folders(run_dir / "checkpoints") if (p / MARKER).is_file()]
+        if steps:
+            problem = (f"{run_dir} already holds committed checkpoints of another run ({', '.join(steps)}); continue "
+                       f"it with train.resume={run_dir}, or train in a new run directory (hydra.run.dir=NEW)")
+    _agree(problem)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -419,7 +445,7 @@ class Checkpointer:
         """Write checkpoint `step` from every rank, then commit it (rank 0); collective."""
         rank, world = dist.get_rank(), dist.get_world_size()
         folder = self.root / f"step{step}"
-        bad = _first_nonfinite(self.engine.module, self.engine.optimizer)
+        bad = first_nonfinite(self.engine.module, self.engine.optimizer)
         _agree(f"not saving step {step}: {bad} of rank {rank} is not finite" if bad else None, RunStopped)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -458,14 +484,7 @@ class Checkpointer:
         return folder
 
     def _commit(self, folder: Path, step: int, files: dict) -> None:
-        import deepspeed
-
-        fsync_path(folder)  # the entries of every file, before the marker that names them
-        record = {"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "topology": self.topology, "schedule": self.schedule,
-                  "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}, "files": files}
-        write_atomic(folder / MARKER, json.dumps(record, indent=1).encode())
-        fsync_path(self.root)
+        commit(folder, step=step, files=files, topology=self.topology, schedule=self.schedule)
         write_atomic(self.root / "latest", folder.name.encode())  # for DeepSpeed's tools; mmpipe reads markers
         self._prune()
 

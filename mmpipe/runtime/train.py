@@ -22,7 +22,7 @@ from mmpipe.model.spec import layer_names
 from mmpipe.planner.calibrate import StepCalibration
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerdict, StopRequest, agree_after_step,
-                                       find_checkpoint, truncate_records)
+                                       find_checkpoint, refuse_other_history, truncate_records)
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
@@ -304,8 +304,10 @@ def _topology(rc: RunConfig, stage_plan: StageChoice) -> dict:
 
 
 def _find_checkpoint(rc: RunConfig, stage_plan: StageChoice) -> Found | None:
-    """The checked checkpoint named by train.resume (None without it)."""
+    """The checked checkpoint named by train.resume; without it None, once the run directory
+    is known to hold no other run's checkpoints."""
     if not rc.train.resume:
+        refuse_other_history(Path(rc.run_dir))
         return None
     return find_checkpoint(Path(resolve_path(rc.train.resume)), given=rc.train.resume, run_dir=Path(rc.run_dir),
                            topology=_topology(rc, stage_plan), steps=rc.train.steps)
