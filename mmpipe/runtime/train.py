@@ -244,9 +244,10 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
         verdict = agree_after_step(loss=loss, grad_norm=pipe.clip.last_norm, stop=stop, device=dev)
         _on_nonfinite(rc, verdict, step, loss, pipe, ckpt, result, bar)
-        if verdict.stop or rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
+        stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
+        if stopping or rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
             folder = ckpt.save(step, last_state)
-        if verdict.stop:
+        if stopping:
             result.stopped = (f"stopped on {stop.reason if stop and stop.reason else 'request'} after step {step}: "
                               f"checkpoint {folder} committed; continue with train.resume={run_dir}")
             result.seconds = time.perf_counter() - t_start
