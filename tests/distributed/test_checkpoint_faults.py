@@ -57,8 +57,10 @@ def _copy_checkpoint(reference, dest, step: int):
 
 
 def _one_error_line(out: str) -> str:
-    lines = {l for l in out.splitlines() if "error:" in l}
-    assert len(lines) == 1, lines  # the same line from every rank
+    # Every rank prints the same line (the launcher passes all ranks' output through, so a
+    # line may start after rank 0's progress bar).
+    lines = {l[l.index("mmpipe train: error:"):] for l in out.splitlines() if "mmpipe train: error:" in l}
+    assert len(lines) == 1, lines
     assert "Traceback" not in out
     return lines.pop()
 
