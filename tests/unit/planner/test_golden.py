@@ -18,8 +18,10 @@ import os
 import pytest
 
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import PACKED_POLICIES, plan_stages, plan_step
-from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
+from mmpipe.planner.api import PACKED_POLICIES, StagePlan, StepPlanner, plan_stages, plan_step
+from mmpipe.planner.cost import build_cost_model
+from mmpipe.planner.samples import sample_table
+from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import evaluate_step
 from mmpipe.planner.trace import read_trace
 
@@ -85,3 +87,21 @@ def test_plan_unchanged(case):
         assert g["replicas"] == w["replicas"], f"step {k}: micro-batches differ"
         assert g["step_time"] == w["step_time"], f"step {k}"
         assert g["busy"] == w["busy"], f"step {k}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_planner_gives_the_pinned_steps(case):
+    """The runtime's entry (`StepPlanner`, built once) plans and predicts the pinned steps."""
+    want = json.loads(GOLDEN.read_text())[case]
+    mname, workload, trainable, pp, dp, policy, memory_gb = CASES[case]
+    m = model(mname)
+    metas = itertools.islice(read_trace(ROOT / "data" / "workloads" / f"{workload}.jsonl"), 2 * STEP)
+    feats = [features(m, meta) for meta in metas]
+    planner = StepPlanner(model=m, hardware=dataclasses.replace(hardware("h100"), memory_gb=memory_gb),
+                          trainable=trainable, dp=dp, policy=policy, micro_batches=8,
+                          stage_plan=StagePlan(stages=want["stages"], recompute=want["recompute"]))
+    for k, w in enumerate(want["steps"]):
+        step = planner.plan(feats[k * STEP:(k + 1) * STEP])
+        assert step.replicas == w["replicas"], f"step {k}"
+        assert _r(step.step_time) == w["step_time"]
+        assert [[_r(b) for b in busy] for busy in step.busy] == w["busy"]
