@@ -15,7 +15,7 @@ from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-from mmpipe.planner.api import POLICIES  # noqa: E402 - the planner owns the policy names
+from mmpipe.planner.api import POLICIES, hardware_from_dict  # noqa: E402 - the planner owns both
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -367,8 +367,6 @@ def check_run(rc: RunConfig) -> None:
 
 def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
-    from mmpipe.planner.hardware import hardware_from_dict
-
     hw = dict(rc.hardware)
     measured_for = hw.pop("measured_for", None)
     if measured_for is not None and measured_for != rc.model.name:
