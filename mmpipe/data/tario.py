@@ -1,10 +1,11 @@
-"""Streaming tar reading for webdataset shards: local files and `pipe:` commands.
+"""Strict streaming tar parsing for webdataset shards: members, and members grouped into samples.
 
 A small tar parser of our own (USTAR, GNU long names, pax `path`) rather than Python's
 `tarfile` in stream mode, for three reasons: it tells a clean end of archive from garbage or
 a cut in the middle of a shard (tarfile takes a garbage header for the end), it can skip the
 bytes of members nobody asked for (metadata-only reading seeks past the media), and it lets a
-`pipe:` command's exit status be checked once its output is read.
+`pipe:` command's exit status be checked once its output is read (see mmpipe.data.shards,
+which opens the shards and feeds them here).
 
 Members are grouped into samples as webdataset does: `dir/KEY.suffix` has key `dir/KEY`
 (everything before the first dot of the file name) and suffix `suffix` (lower-cased);
@@ -15,19 +16,11 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
-import subprocess
-import tempfile
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Callable, Iterator
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]+)$")
-_SIGPIPE = (-13, 141)
-"""Exit statuses of a command killed by SIGPIPE because we stopped reading."""
 
 
 class ShardError(Exception):
@@ -37,33 +30,6 @@ class ShardError(Exception):
         super().__init__(detail)
         self.member = member
         """The member being read when the data ended ('' inside a header)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """One shard of the full, expanded shard list."""
-
-    url: str
-    """A local path or `pipe:COMMAND` (whose stdout is the tar)."""
-    index: int
-    """Position in the full shard list (limits and resume refer to it)."""
-
-    @property
-    def name(self) -> str:
-        """Short name for logs: the file name, or for a command the last `*.tar*` word in it."""
-        if not self.url.startswith("pipe:"):
-            return Path(self.url).name
-        try:
-            words = shlex.split(self.url[5:])
-        except ValueError:
-            words = self.url[5:].split()
-        tars = [w for w in words if ".tar" in w]
-        return Path(tars[-1]).name if tars else self.url[:48]
-
-
-def shard_name(url: str) -> str:
-    """Short name of a shard URL for logs (see Shard.name)."""
-    return Shard(url, 0).name
 
 
 def _number(field: bytes) -> int:
@@ -90,7 +56,8 @@ def _read(f: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _skip(f: IO[bytes], n: int, seekable: bool) -> None:
+def skip_bytes(f: IO[bytes], n: int, seekable: bool) -> None:
+    """Pass n bytes of the stream (seek when it can, else read and drop them; stops at its end)."""
     if seekable:
         f.seek(n, os.SEEK_CUR)
     else:
@@ -170,11 +137,11 @@ def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
                     raise ShardError(f"unexpected end of data in member {name} at byte {at}", member=name)
                 yield name, data[:size]
             else:
-                _skip(f, padded, seekable)
+                skip_bytes(f, padded, seekable)
                 yield name, None
         else:  # directories, links, global pax headers: nothing a sample needs
             long_name = None
-            _skip(f, padded, seekable)
+            skip_bytes(f, padded, seekable)
         at += padded
 
 
@@ -211,74 +178,3 @@ def iter_groups(members: Iterator[tuple[str, bytes | None]]) -> Iterator[dict]:
         raise
     if cur is not None:
         yield cur
-
-
-@contextmanager
-def open_shard(url: str) -> Iterator[tuple[IO[bytes], bool, Callable[[], None]]]:
-    """(stream, seekable, finish) for a local path or a `pipe:` command.
-
-    `finish()` is called after a complete read: for a command it reads what is left and
-    raises ShardError on a non-zero exit status. A ShardError inside the block is re-raised
-    naming the command's status and stderr when the command failed.
-    """
-    if not url.startswith("pipe:"):
-        try:
-            fh = open(url, "rb", buffering=1 << 20)
-        except OSError as err:
-            raise ShardError(f"cannot open: {err.strerror or err}") from None
-        with fh:
-            yield fh, True, lambda: None
-        return
-    cmd = url[5:].strip()
-    with tempfile.TemporaryFile() as err_file:
-        proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.PIPE, stderr=err_file, bufsize=1 << 20)
-        assert proc.stdout is not None
-
-        def failure(status: int) -> ShardError:
-            err_file.seek(0)
-            tail = err_file.read()[-400:].decode("utf-8", "replace").strip().replace("\n", " | ")
-            return ShardError(f"command {cmd!r} exited with status {status}" + (f": {tail}" if tail else ""))
-
-        def finish() -> None:
-            _skip(proc.stdout, 1 << 62, False)  # the tar's end padding; a writer must not get SIGPIPE
-            status = proc.wait()
-            if status != 0:
-                raise failure(status)
-
-        try:
-            yield proc.stdout, False, finish
-        except ShardError:
-            proc.stdout.close()
-            try:
-                status = proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                status = None
-            if status not in (None, 0, *_SIGPIPE):
-                raise failure(status) from None
-            raise
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
-
-
-def read_shard(shard: Shard, *, select: Callable[[str], bool] | None = None) -> Iterator[dict]:
-    """The samples of one shard, each with `__key__`, `__url__`, `__shard__` (index) and
-    `__ordinal__` (position in the shard).
-
-    Raises:
-        ShardError: after yielding the samples before the damage.
-    """
-    with open_shard(shard.url) as (f, seekable, finish):
-        for ordinal, sample in enumerate(iter_groups(iter_members(f, select=select, seekable=seekable))):
-            sample["__url__"] = shard.url
-            sample["__shard__"] = shard.index
-            sample["__ordinal__"] = ordinal
-            yield sample
-        finish()
-
-
-def count_samples(shard: Shard) -> int:
-    """Samples in a shard, from the headers alone (member data is skipped, not read)."""
-    return sum(1 for _ in read_shard(shard, select=lambda name: False))

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec, resolve_path
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
-from mmpipe.data.reader import Record, SampleStream, loader
-from mmpipe.data.records import decode_record
+from mmpipe.data.loader import loader
+from mmpipe.data.reader import SampleStream
+from mmpipe.data.records import Record, decode_record
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.planner.api import PACKED_POLICIES, plan_step
