@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from mmpipe.data.options import check_options
+from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
 
@@ -108,10 +108,12 @@ class DataConfig:
     """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
     sources: tuple[Mapping[str, Any], ...] | None = None
     """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see conf/data/mixture.yaml)."""
+    caption_prompt: str = CAPTION_PROMPT
+    """Human turn of image-caption samples (img2dataset shards: KEY.jpg + KEY.txt); one <image>."""
 
     def __post_init__(self) -> None:
         check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
-                      epochs=self.epochs, num_workers=self.num_workers)
+                      epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
         if self.sources is not None:
             from mmpipe.data.mixture import mixture_from_dicts
 

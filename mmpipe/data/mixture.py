@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from mmpipe.data.reader import Reader, SampleStream
-from mmpipe.data.shards import Shard, count_samples
+from mmpipe.data.shards import Shard, count_samples, is_local
 
 LIMIT_MODES = ("first", "random")
 _SOURCE_KEYS = ("name", "path", "weight", "limit", "limit_mode")
@@ -38,7 +38,7 @@ class MixtureSource:
     name: str
     """Label in logs and realised counts."""
     path: str
-    """Shard brace list (or pipe: command list)."""
+    """Shard URL list, as data.path (brace lists, `::`, pipe:, http(s)://, ...)."""
     weight: float = 1.0
     """Share of the picks, relative to the other sources."""
     limit: int | None = None
@@ -85,7 +85,7 @@ def mixture_from_dicts(sources: Sequence[Mapping[str, Any]]) -> list[MixtureSour
 def shard_sizes(shards: Sequence[Shard]) -> list[int]:
     """Samples per shard: from an index.json next to local shards when it lists them all, else
     counted from the tar headers."""
-    local = [Path(s.url) for s in shards if not s.url.startswith("pipe:")]
+    local = [Path(s.url) for s in shards if is_local(s.url)]
     if len(local) == len(shards) and local:
         listed: dict[str, int] = {}
         for idx in {p.parent / "index.json" for p in local}:
@@ -158,6 +158,7 @@ class Mixture(Reader):
             s = SampleStream(path=src.path, tokenizer=self.tokenizer, spec=self.spec, dp_rank=self.dp_rank,
                              dp_size=self.dp_size, seed=self.seed, epochs=self.epochs,
                              shuffle_buffer=self.shuffle_buffer, on_error=self.on_error, too_long=self.too_long,
+                             caption_prompt=self.caption_prompt,
                              num_workers=self.num_workers, worker_id=self.worker_id, root=self.root,
                              name=src.name, key=f"data.sources[{i}].path", skips=self.skips)
             sizes = shard_sizes(s.all_shards) if src.limit is not None else []

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from mmpipe.data.options import check_options
+from mmpipe.data.captions import as_conversation, metadata_member
+from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.data.records import Record, Sample, decode_record, make_record, meta_record
 from mmpipe.data.shards import Shard, read_shard, resolve_urls, shard_name, shards_for_reader
 from mmpipe.data.skips import CORRUPT_SHARD, SampleError, SkipCounter
@@ -97,6 +98,8 @@ class Reader:
     """skip (count in `skips`) or raise."""
     too_long: str = "drop"
     """Samples over model.llm.max_seq_len: drop, or truncate the answer tail."""
+    caption_prompt: str = CAPTION_PROMPT
+    """The human turn given to image-caption samples (img2dataset shards; see mmpipe.data.captions)."""
     num_workers: int = 1
     """Loader workers of this replica (data.num_workers); each reads its own shards."""
     worker_id: int | None = None
@@ -118,7 +121,7 @@ class Reader:
     def check(self) -> None:
         """Validate the options (the same messages as the config)."""
         check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
-                      epochs=self.epochs, num_workers=self.num_workers)
+                      epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
 
     def reset(self) -> None:
         """Start from the beginning: every worker at its first sample, nothing consumed."""
@@ -196,11 +199,11 @@ class Reader:
             return None
 
     def _make_record(self, raw: dict) -> Record:
-        return make_record(raw, self.tokenizer, self.spec, too_long=self.too_long)
+        return make_record(as_conversation(raw, self.caption_prompt), self.tokenizer, self.spec,
+                           too_long=self.too_long)
 
     def _make_sample(self, raw: dict) -> Sample:
-        return decode_record(make_record(raw, self.tokenizer, self.spec, too_long=self.too_long),
-                             self.tokenizer, self.spec)
+        return decode_record(self._make_record(raw), self.tokenizer, self.spec)
 
     @property
     def cursors(self) -> list:
@@ -250,7 +253,8 @@ def _no_usable(shards: list[Shard], errors: list[SampleError]) -> ValueError:
     for e in errors:
         counter.add(e)
     names = ", ".join(s.name for s in shards)
-    return ValueError(f"no usable sample in shard(s) {names}: {counter.summary()}")
+    first = f"; first: {counter.examples[0]}" if counter.examples else ""
+    return ValueError(f"no usable sample in shard(s) {names}: {counter.summary()}{first}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -277,7 +281,7 @@ class SampleStream(Reader):
 
     def __post_init__(self) -> None:
         self.check()
-        self.all_shards = [Shard(u, i) for i, u in enumerate(resolve_urls(self.path, root=self.root))]
+        self.all_shards = [Shard(u, i) for i, u in enumerate(resolve_urls(self.path, root=self.root, key=self.key))]
         self.shards = shards_for_reader(self.all_shards, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                         num_workers=1, key=self.key)
         for w in range(self.num_workers):  # validates the worker split too
@@ -367,10 +371,6 @@ class _MetaItem:
     source: str = ""
 
 
-def _json_only(name: str) -> bool:
-    return name.endswith(".json")
-
-
 # ---------------------------------------------------------------------------- functions
 
 def iter_samples(
@@ -389,12 +389,13 @@ def iter_samples(
     too_long: str = "drop",
     num_workers: int = 1,
     worker_id: int | None = None,
+    caption_prompt: str = CAPTION_PROMPT,
 ) -> Iterator[Sample]:
     """Stream decoded samples of replica `dp_rank`; pass `skips` to read the drop counts."""
     stream = SampleStream(path=path, tokenizer=tokenizer, spec=spec, dp_rank=dp_rank, dp_size=dp_size,
                           seed=seed, epochs=epochs, shuffle_buffer=shuffle_buffer, on_error=on_error,
                           root=root, skips=skips if skips is not None else SkipCounter(), too_long=too_long,
-                          num_workers=num_workers, worker_id=worker_id)
+                          num_workers=num_workers, worker_id=worker_id, caption_prompt=caption_prompt)
     return iter(stream)
 
 
@@ -414,6 +415,7 @@ def iter_meta(
     tokenizer: Tokenizer | None = None,
     num_workers: int = 1,
     worker_id: int | None = None,
+    caption_prompt: str = CAPTION_PROMPT,
 ) -> Iterator[tuple[str, SampleMeta]]:
     """(key, SampleMeta) of each sample from the .json members only (media bytes are skipped).
 
@@ -421,15 +423,19 @@ def iter_meta(
     applied (conversation, placeholder counts, too long when `spec` is given), so only
     samples with broken media are yielded here yet dropped by iter_samples. With
     too_long=truncate give `tokenizer` too: the meta is then the truncated one.
+    img2dataset caption samples store no meta: for them the caption and the image are read
+    too (the image's header gives its size) and the text tokens are counted with `tokenizer`,
+    which must then be given (else each is a counted `missing meta`).
     """
     if too_long == "truncate" and spec is not None and tokenizer is None:
         raise ValueError("iter_meta(too_long='truncate') needs the tokenizer to find where to cut")
     stream = SampleStream(path=path, spec=spec, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
                           epochs=epochs, shuffle_buffer=shuffle_buffer, on_error=on_error, root=root,
                           skips=skips if skips is not None else SkipCounter(), too_long=too_long,
-                          num_workers=num_workers, worker_id=worker_id)
+                          num_workers=num_workers, worker_id=worker_id, caption_prompt=caption_prompt)
 
     def make(raw: dict[str, Any]) -> _MetaItem:
+        raw = as_conversation(raw, caption_prompt, meta_with=tokenizer, need_meta=True)
         return _MetaItem(str(raw["__key__"]), meta_record(raw, spec=spec, tok=tokenizer, too_long=too_long))
 
-    return ((m.key, m.meta) for m in stream._iterate(make, _json_only))
+    return ((m.key, m.meta) for m in stream._iterate(make, metadata_member))

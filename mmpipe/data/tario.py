@@ -18,9 +18,17 @@ import os
 import re
 from typing import IO, Callable, Iterator
 
+from mmpipe.data.skips import UNSAFE_NAME, SampleError
+
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]+)$")
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f\\]|^/|^[A-Za-z]:|(?:^|/)\.\.(?:/|$)")
+"""Anything unsafe_name refuses, except a `__` suffix."""
+_SUFFIXES = re.compile(r"(\.\w+)+$")
+"""The suffixes of a member name (`.0.png`): what is left is the key it would have had."""
 
 
 class ShardError(Exception):
@@ -44,7 +52,7 @@ def _cstr(field: bytes) -> str:
     return field.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def _read(f: IO[bytes], n: int) -> bytes:
+def read_upto(f: IO[bytes], n: int) -> bytes:
     """Up to n bytes (fewer only at end of stream); pipes may return short reads."""
     chunks, got = [], 0
     while got < n:
@@ -98,7 +106,7 @@ def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
     at = 0
     long_name: str | None = None
     while True:
-        hdr = _read(f, BLOCK)
+        hdr = read_upto(f, BLOCK)
         if not hdr:
             if at == 0:
                 raise ShardError("unexpected end of data: the shard is empty")
@@ -123,7 +131,7 @@ def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
         at += BLOCK
         padded = -(-size // BLOCK) * BLOCK
         if kind in (b"L", b"x"):
-            data = _read(f, padded)
+            data = read_upto(f, padded)
             if len(data) < padded:
                 raise ShardError(f"unexpected end of data in a long-name header at byte {at}")
             long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "replace") if kind == b"L" \
@@ -132,7 +140,7 @@ def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
             name = long_name or name
             long_name = None
             if select is None or select(name):
-                data = _read(f, padded)
+                data = read_upto(f, padded)
                 if len(data) < size:
                     raise ShardError(f"unexpected end of data in member {name} at byte {at}", member=name)
                 yield name, data[:size]
@@ -151,15 +159,53 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2).lower()) if m else None
 
 
-def iter_groups(members: Iterator[tuple[str, bytes | None]]) -> Iterator[dict]:
+def unsafe_name(name: str) -> str | None:
+    """Why a member name must never become a sample key or a path (None: it is safe).
+
+    A key travels into logs, recorded sample lists and whatever tools later build paths from
+    them, so a name that climbs out of its folder, is absolute, holds control characters, or
+    whose suffix would overwrite the reader's own `__key__`-style fields is refused, not
+    cleaned up.
+    """
+    if _UNSAFE.search(name) is None and "__" not in name:
+        return None  # the common case, in one regex pass (this runs for every member)
+    if _CONTROL.search(name):
+        return "it holds a NUL or another control character"
+    if name.startswith("/") or _DRIVE.match(name):
+        return "it is an absolute path"
+    if "\\" in name:
+        return "it holds a backslash"
+    if ".." in name.split("/"):
+        return "it has a '..' path component"
+    parts = split_name(name)
+    if parts is not None and parts[1].startswith("__"):
+        return "its suffix starts with '__' (reserved for the reader's fields)"
+    return None
+
+
+def iter_groups(members: Iterator[tuple[str, bytes | None]]) -> Iterator[dict | SampleError]:
     """Samples: consecutive members with the same key, as {"__key__", suffix: bytes, ...}.
 
     Unselected members still mark a sample (so metadata-only reading counts the same samples
-    as full reading) but carry no data. A sample cut by a ShardError is not yielded.
+    as full reading) but carry no data. A sample cut by a ShardError is not yielded. A member
+    with an unsafe name (see `unsafe_name`) is never used: consecutive such members of one
+    would-be key give one SampleError (`unsafe member name`) in the sample's place.
     """
     cur: dict | None = None
+    bad: str | None = None
     try:
         for name, data in members:
+            why = unsafe_name(name)
+            if why is not None:
+                if cur is not None:
+                    yield cur
+                    cur = None
+                would_be = _SUFFIXES.sub("", name)
+                if bad != would_be:
+                    bad = would_be
+                    yield SampleError(UNSAFE_NAME, f"member {name[:200]!r}: {why}; it is not used")
+                continue
+            bad = None
             parts = split_name(name)
             if parts is None:
                 continue
