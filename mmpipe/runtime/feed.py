@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmpipe.config import RunConfig, hardware_spec
-from mmpipe.data.reader import Record, loader
-from mmpipe.data.records import decode_record
+from mmpipe.data.loader import loader
+from mmpipe.data.records import Record, decode_record
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
