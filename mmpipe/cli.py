@@ -122,7 +122,8 @@ def cmd_shards(rc: RunConfig) -> int:
         raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
     return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
                        model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
-                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix)
+                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix, limits=rc.data.limits,
+                       allow_outside_roots=s.allow_outside_roots)
 
 
 def cmd_profile(rc: RunConfig) -> int:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import braceexpand
 
+from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits
 from mmpipe.data.records import (
     TOO_LONG_MODES, Record, Sample, decode_record, make_record, meta_record,
 )
@@ -210,6 +211,8 @@ class _Reader:
     """Second base for relative shard paths (e.g. the project root)."""
     skips: SkipCounter = field(default_factory=SkipCounter)
     """Samples dropped so far, by reason."""
+    limits: MediaLimits = DEFAULT_LIMITS
+    """Media sizes refused before decoding (data.max_image_pixels, max_member_mb, max_audio_seconds)."""
     resume_mode: str = field(default="start", init=False)
     """start | exact | approximate (...): how the last load_state_dict resumed."""
     _start: list = field(default_factory=list, init=False, repr=False)
@@ -282,7 +285,7 @@ class _Reader:
         """decode_record for this stream; an undecodable medium is counted (or raised) and
         gives None."""
         try:
-            return decode_record(rec, self.tokenizer, self.spec, media=media)
+            return decode_record(rec, self.tokenizer, self.spec, media=media, limits=self.limits)
         except SampleError as err:
             if self.on_error == "raise":
                 raise
@@ -290,11 +293,10 @@ class _Reader:
             return None
 
     def _make_record(self, raw: dict) -> Record:
-        return make_record(raw, self.tokenizer, self.spec, too_long=self.too_long)
+        return make_record(raw, self.tokenizer, self.spec, too_long=self.too_long, limits=self.limits)
 
     def _make_sample(self, raw: dict) -> Sample:
-        return decode_record(make_record(raw, self.tokenizer, self.spec, too_long=self.too_long),
-                             self.tokenizer, self.spec)
+        return decode_record(self._make_record(raw), self.tokenizer, self.spec, limits=self.limits)
 
     @property
     def consumed(self) -> int:

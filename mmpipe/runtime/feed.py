@@ -62,7 +62,7 @@ def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: Ski
     dp_rank = 0 if rc.plan.across_replicas else dp_rank
     common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=dp_size,
                   seed=rc.train.seed, epochs=d.epochs, shuffle_buffer=d.shuffle_buffer, on_error=d.on_error,
-                  too_long=d.too_long, num_workers=d.num_workers, root=PROJECT_ROOT, skips=skips)
+                  too_long=d.too_long, num_workers=d.num_workers, root=PROJECT_ROOT, skips=skips, limits=d.limits)
     if d.sources:
         sources = [dict(s, path=resolve_path(s["path"])) for s in d.sources]
         return Mixture(sources=mixture_from_dicts(sources), **common)
@@ -78,7 +78,7 @@ class StepFeeder:
                  steps: int | None = None):
         self.rc = rc
         self.tokenizer = tokenizer
-        self.skips = SkipCounter()
+        self.skips = SkipCounter.for_run(rc.run_dir, dp_rank=dp_rank) if media else SkipCounter()  # first stage logs
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
@@ -157,7 +157,8 @@ class StepFeeder:
         """The first stage decodes media; the last stage needs only ids and labels. Media that
         fail behind a valid header become zeros of the planned shape (and are counted), so
         both stages keep the same samples in the same micro-batches."""
-        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True)
+        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True,
+                               limits=self.stream.limits)
         if self.media:
             for err in sample.dropped[len(rec.dropped):]:  # new here; earlier drops are counted
                 if self.rc.data.on_error == "raise":
