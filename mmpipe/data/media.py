@@ -105,8 +105,9 @@ def open_image(data: bytes, limits: MediaLimits,
     limits.check_bytes(data, "image")
     try:
         img = Image.open(io.BytesIO(data), formats=formats)
-    except Image.DecompressionBombError as err:  # PIL's own ceiling, above ours when ours is raised
-        raise SampleError(MEDIA_TOO_LARGE, f"image refused by PIL ({err})") from None
+    except Image.DecompressionBombError as err:  # PIL's own ceiling (2 x Image.MAX_IMAGE_PIXELS), read first
+        raise SampleError(MEDIA_TOO_LARGE, f"image refused as a decompression bomb ({err}); "
+                                           f"data.max_image_pixels={limits.max_image_pixels:,}") from None
     except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's problem
         raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_say(err)})") from None
     w, h = img.size
