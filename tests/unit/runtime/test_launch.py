@@ -104,6 +104,15 @@ sys.exit(launch({argv!r}, nproc=2, log_dir={logs!r}, grace_s=1.5))
 """
 
 
+def wait_ready(proc: subprocess.Popen, logs: Path) -> None:
+    """Until both stub ranks have said `ready` in their logs."""
+    deadline = time.monotonic() + 60
+    while not all((logs / f"rank{r}.log").is_file() and "ready" in (logs / f"rank{r}.log").read_text()
+                  for r in (0, 1)):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])  # SIGHUP takes the same path
 def test_a_stop_signal_reaches_every_rank_and_leaves_no_process(tmp_path, sig) -> None:
     # Rank 0 exits on SIGTERM; rank 1 notes it and carries on, so the launcher must SIGKILL it.
@@ -119,11 +128,7 @@ def test_a_stop_signal_reaches_every_rank_and_leaves_no_process(tmp_path, sig) -
     logs = str(tmp_path / "logs")
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER.format(root=str(ROOT), argv=argv, logs=logs)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not all((Path(logs) / f"rank{r}.log").is_file() and "ready" in (Path(logs) / f"rank{r}.log").read_text()
-                  for r in (0, 1)):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
+    wait_ready(proc, Path(logs))
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + int(sig), err
@@ -143,11 +148,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path) -> None:
     """)
     logs = str(tmp_path / "logs")
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER.format(root=str(ROOT), argv=argv, logs=logs)])
-    deadline = time.monotonic() + 60
-    while len([l for l in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-               if marker in l]) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
+    wait_ready(proc, Path(logs))
     proc.kill()
     proc.wait()
     assert alive(marker) == []
