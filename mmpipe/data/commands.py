@@ -30,11 +30,12 @@ def run_convert(*, json_path: str, out: str, tokenizer: str, model: ModelSpec, i
                          prefix=prefix, progress=sys.stderr.isatty() if progress is None else progress,
                          limits=limits, allow_outside_roots=allow_outside_roots)
     except SampleError as err:
-        print(f"error: {err} (on_error=raise; use skip to leave such samples out)", file=sys.stderr)
+        print(f"mmpipe shards: error: {err} (data.on_error=raise; use skip to leave such samples out)",
+              file=sys.stderr)
         return 1
     print(report.summary())
     if not report.samples:
-        print("error: no sample was written", file=sys.stderr)
+        print("mmpipe shards: error: no sample was written", file=sys.stderr)
         return 1
     lens = report.index.get("model", {})
     if lens.get("over_max_seq_len"):

@@ -224,9 +224,9 @@ def read_media(rel: str, root: Path, kind: str, *, limits: MediaLimits = DEFAULT
     """
     joined = os.path.join(root, rel)  # an absolute rel stays absolute
     if not allow_outside and not _inside(joined, root):
-        how = "is absolute" if os.path.isabs(rel) else "leads out of it" + (
-            " through a symlink" if ".." not in Path(rel).parts else "")
-        raise SampleError(UNSAFE_PATH, f"{kind} file {rel!r} {how} (root {root}); keep media inside the root, "
+        how = ("is an absolute path outside" if os.path.isabs(rel) else
+               "leads out of" if ".." in Path(rel).parts else "leads through a symlink out of")
+        raise SampleError(UNSAFE_PATH, f"{kind} file {rel!r} {how} {kind}_root {root}; keep media inside it, "
                                        f"or set shards.allow_outside_roots=true")
     real = os.path.realpath(joined)
     try:
