@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, open_image, read_audio
 from mmpipe.data.skips import (
-    BAD_CONVERSATION, MEDIA_TOO_LARGE, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_AUDIO, UNDECODABLE_IMAGE,
+    BAD_CONVERSATION, MEDIA_TOO_LARGE, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE,
     UNSAFE_PATH, SampleError, SkipCounter,
 )
 from mmpipe.data.template import GPT, HUMAN, count_placeholders, parse_conversation, text_tokens

@@ -218,7 +218,8 @@ def read_header(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIM
     except SampleError:
         raise
     except Exception as err:  # noqa: BLE001 - libsndfile's errors, and anything else it raises
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})") from None
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})"
+                          ) from None
 
 
 def read_audio(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMITS,
@@ -240,7 +241,8 @@ def read_audio(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMI
     except SampleError:
         raise
     except Exception as err:  # noqa: BLE001
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})") from None
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})"
+                          ) from None
     if len(x) < want:
         raise SampleError(UNDECODABLE_AUDIO, f"the header promises {head.frames} samples but the data ends after "
                                              f"{len(x)}")

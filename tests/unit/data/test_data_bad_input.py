@@ -10,7 +10,6 @@ import zlib
 
 import numpy as np
 import pytest
-import soundfile
 from PIL import Image
 
 from mmpipe.data.media import MediaLimits
@@ -77,7 +76,8 @@ CASES = {
 }
 # Hostile media: each becomes a counted reason, whatever the decoder raises.
 HOSTILE = {
-    "decompression bomb": ("media too large", [js("k", "<image>\nWhat?", "red"), ("k.0.png", png_header(20000, 20000))]),
+    "decompression bomb": ("media too large", [js("k", "<image>\nWhat?", "red"),
+                                               ("k.0.png", png_header(20000, 20000))]),
     "over max_image_pixels": ("media too large", [js("k", "<image>\nWhat?", "red"),
                                                   ("k.0.png", png_header(9000, 9000))]),
     "truncated image": ("undecodable image", [js("k", "<image>\nWhat?", "red"), ("k.0.png", png(60, 60)[:90])]),
