@@ -40,3 +40,16 @@ def qwen2_vl(hf_root):
 @pytest.fixture(scope="session")
 def qwen2_audio(hf_root):
     return H.write_qwen2_audio(hf_root, seed=15)
+
+
+@pytest.fixture(scope="session")
+def unimodal(hf_root):
+    """Unimodal checkpoints by kind, written on first use."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = H.write_unimodal(hf_root, kind, seed=20 + len(made))
+        return made[kind]
+
+    return get

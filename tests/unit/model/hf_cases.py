@@ -12,16 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
-from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, MistralConfig,
+from transformers import (AutoImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, MistralConfig,
                           Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2Config, Qwen2VLConfig,
                           Qwen2VLForConditionalGeneration, SiglipVisionConfig, WhisperFeatureExtractor)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
+from mmpipe.model.geometry import image_tokens
+from mmpipe.model.hf.media import preprocess_audio, preprocess_image
 from mmpipe.model.hf.skeleton import owned_keys
+from mmpipe.runtime.batch import collate_hf
 from mmpipe.model.layers import run_layers, token_loss
 
 VOCAB, IMAGE, AUDIO, VSTART, VEND = 300, 290, 291, 292, 293
@@ -165,3 +169,106 @@ def grad_differences(spec, layers, hf_model) -> tuple[float, int]:
     if worst > 1e-4:
         print(f"worst gradient: {where}")
     return worst, count
+
+
+# ----------------------------------------------------------------------------- unimodal checkpoints
+
+
+def write_unimodal(root: Path, kind: str, *, seed: int) -> Path:
+    """A CLIP vision model, a full CLIP model, a SigLIP vision model, a Llama / Qwen2 causal LM
+    or a Whisper model, with the processor files a user's folder would hold."""
+    from transformers import (CLIPConfig, CLIPModel, CLIPVisionModel, LlamaForCausalLM, Qwen2ForCausalLM,
+                              SiglipVisionModel, WhisperConfig, WhisperForConditionalGeneration)
+
+    torch.manual_seed(seed)
+    v = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+             patch_size=7)
+    folder = root / kind
+    if kind == "clip-vision":
+        model = CLIPVisionModel(CLIPVisionConfig(**v))
+    elif kind == "clip":
+        model = CLIPModel(CLIPConfig(vision_config=v, text_config=dict(hidden_size=16, intermediate_size=32,
+                                                                        num_hidden_layers=1, num_attention_heads=2)))
+    elif kind == "siglip-vision":
+        model = SiglipVisionModel(SiglipVisionConfig(**v))
+    elif kind == "llama":
+        model = LlamaForCausalLM(_llm("llama", rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                      rms_norm_eps=1e-5))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(_llm("qwen2", hidden_size=48, intermediate_size=96))
+    elif kind == "whisper":
+        model = WhisperForConditionalGeneration(WhisperConfig(
+            vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+            max_source_positions=200, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=1))
+    else:
+        raise KeyError(kind)
+    perturb(model, seed)
+    model.save_pretrained(folder)
+    if kind in ("clip-vision", "clip"):
+        CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+    elif kind == "siglip-vision":
+        SiglipImageProcessorPil(size={"height": 28, "width": 28}).save_pretrained(folder)
+    elif kind == "whisper":
+        WhisperFeatureExtractor(feature_size=16, chunk_length=4).save_pretrained(folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------- parity runs
+
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4  # fp32, relative to the largest gradient of each tensor
+
+
+def padded(samples, key):
+    t = max(len(getattr(s, key)) for s in samples)
+    fill = 0 if key == "input_ids" else -100
+    return torch.tensor([getattr(s, key) + [fill] * (t - len(getattr(s, key))) for s in samples])
+
+
+def mask(samples):
+    t = max(len(s.input_ids) for s in samples)
+    return torch.tensor([[1] * len(s.input_ids) + [0] * (t - len(s.input_ids)) for s in samples])
+
+
+def load_reference(cls, folder):
+    """The transformers model, with the parameters its modules declare frozen kept frozen
+    (from_pretrained in transformers 5.24 loses `requires_grad_(False)`, e.g. on Whisper's and
+    Qwen2-Audio's position table; mmpipe keeps what the module declares)."""
+    model = cls.from_pretrained(folder, local_files_only=True, attn_implementation="eager")
+    with torch.device("meta"):
+        fresh = cls(model.config)
+    frozen = {n for n, p in fresh.named_parameters() if not p.requires_grad}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    return model
+
+
+def compare(spec, layers, hf_model, hf_loss, samples, *, packed):
+    hf_loss.backward()
+    ours = [Sample(s.key, s.input_ids, s.labels, [preprocess_image(spec, b) for b in s.images],
+                     [preprocess_audio(spec, w, 16000) for w in s.audio]) for s in samples]
+    mb = collate_hf(ours, spec=spec, packed=packed, pad_id=0)
+    loss = our_loss_and_grads(layers, mb)
+    assert loss == pytest.approx(hf_loss.item(), rel=LOSS_RTOL)
+    worst, count = grad_differences(spec, layers, hf_model)
+    assert count > 0
+    assert worst < GRAD_RTOL, f"largest relative gradient difference {worst:.2e}"
+    print(f"\n{spec.name} packed={packed}: loss {loss:.6f} vs {hf_loss.item():.6f} "
+          f"(rel {abs(loss - hf_loss.item()) / abs(hf_loss.item()):.1e}); max rel grad diff {worst:.1e} over {count} tensors")
+
+
+def llava_samples(spec, rng):
+    n = image_tokens(spec.vision, 1, 1)
+    imgs = [random_image(rng, 40, 60), random_image(rng, 28, 28), random_image(rng, 90, 33)]
+    return [sample("a", [text(rng, 3), [IMAGE] * n, text(rng, 5), [IMAGE] * n, text(rng, 12)],
+                     images=imgs[:2]),
+            sample("b", [text(rng, 4), [IMAGE] * n, text(rng, 9)], images=imgs[2:])]
+
+
+def processed_images(folder, images: list[bytes]):
+    """What the folder's own image processor (transformers' AutoImageProcessor) makes of the images."""
+    proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    return proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
