@@ -223,25 +223,6 @@ def _audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) ->
                      max_seconds=fe.n_samples / rate, proj=(text.hidden_size,))
 
 
-def _audio(config: PretrainedConfig, fe: Mapping[str, Any] | None, what: str) -> AudioSpec:
-    ac, text = config.audio_config, config.get_text_config()
-    fe = dict(fe or {})
-    rate, hop = int(fe.get("sampling_rate", 16000)), int(fe.get("hop_length", 160))
-    chunk = fe.get("chunk_length", 30)
-    if rate % hop:
-        raise ValueError(f"{what}: feature extractor hop_length={hop} does not divide sampling_rate={rate}")
-    if fe.get("feature_size", ac.num_mel_bins) != ac.num_mel_bins:
-        raise ValueError(f"{what}: the feature extractor makes {fe['feature_size']} mel bins but the audio tower "
-                         f"takes num_mel_bins={ac.num_mel_bins}")
-    if chunk * rate // hop != 2 * ac.max_source_positions:
-        raise ValueError(f"{what}: the feature extractor pads clips to {chunk * rate // hop} frames but the audio "
-                         f"tower takes 2 x max_source_positions = {2 * ac.max_source_positions}")
-    return AudioSpec(blocks=ac.encoder_layers, hidden=ac.d_model, mlp=ac.encoder_ffn_dim,
-                     heads=ac.encoder_attention_heads, mel_bins=ac.num_mel_bins, sample_rate=rate,
-                     frames_per_s=rate // hop, conv_stride=2, pool=2, pool_ceil=False, max_seconds=float(chunk),
-                     proj=(text.hidden_size,))
-
-
 def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
     """The processor config transformers' own defaults give a tower (for an inline config)."""
     if config.model_type == "qwen2_vl":
