@@ -30,7 +30,7 @@ class TiedEmbedding:
     """How `llm.embed` and `llm.head` share one weight (transformers' tie_word_embeddings)."""
 
     key: str
-    """DeepSpeed TiedLayerSpec key."""
+    """DeepSpeed TiedLayerSpec key (a module name: no dots)."""
     layers: tuple[str, str]
     """The tied pipeline layers: the owner (built) and the one that reuses it."""
     weight_attr: str
@@ -49,7 +49,7 @@ def tied_embedding(spec: ModelSpec) -> TiedEmbedding | None:
     """
     if spec.hf is None or not ties_embeddings(spec.hf):
         return None
-    return TiedEmbedding(key="llm.tied_embedding", layers=("llm.embed", "llm.head"), weight_attr="embed.weight",
+    return TiedEmbedding(key="llm_tied_embedding", layers=("llm.embed", "llm.head"), weight_attr="embed.weight",
                          head_forward=L.tied_head_forward)
 
 
