@@ -180,7 +180,8 @@ def load_layer(layer: nn.Module, spec: ModelSpec, name: str) -> LoadReport:
     projector of a composition. Anything else missing is an error naming the key and folder.
     """
     src = spec.hf
-    assert src is not None
+    if src is None:
+        raise ValueError(f"model {spec.name} is mmpipe's own assembly; it has no Hugging Face checkpoint")
     start = time.perf_counter()
     index = checkpoint_index(src)
     state = layer.state_dict(keep_vars=True)

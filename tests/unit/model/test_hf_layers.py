@@ -80,3 +80,19 @@ def test_text_only_micro_batch_runs_no_encoder_work(case, request):
     full = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0])))
     llm_only = token_loss(run_layers(layers[first_llm:], mb.carrier), (mb.targets, torch.tensor([1.0])))
     assert full.item() == pytest.approx(llm_only.item(), rel=1e-6)
+
+
+def test_a_new_layer_is_the_same_whoever_builds_it(unimodal):
+    """A composition's new projector (random) depends on (seed, layer name) only, so every
+    stage that builds it builds the same weights."""
+    from mmpipe.model.hf.build import build_layer
+    from mmpipe.model.hf.compose import spec_from_compose
+
+    spec = spec_from_compose(name="c", vision=str(unimodal("clip-vision")), llm=str(unimodal("llama")),
+                             image_token_id=H.IMAGE)
+    a, b = build_layer(spec, "vision.proj", seed=3), build_layer(spec, "vision.proj", seed=3)
+    other = build_layer(spec, "vision.proj", seed=4)
+    for (k, v), w, u in zip(a.state_dict().items(), b.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(v, w), k
+    assert not torch.equal(a.projector.linear_1.weight, other.projector.linear_1.weight)
+    assert float(a.projector.linear_1.weight.detach().std()) == pytest.approx(0.02, rel=0.2)  # transformers' init range
