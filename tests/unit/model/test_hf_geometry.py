@@ -105,3 +105,24 @@ def test_preprocessed_images_are_the_processors_arrays(qwen2_vl, llava_clip_llam
         np.testing.assert_array_equal(ours.pixels, pixels if "image_grid_thw" in theirs else pixels[0])
         if "image_grid_thw" in theirs:
             assert ours.grid == tuple(theirs["image_grid_thw"][0].tolist())
+
+
+def test_mrope_positions_are_get_rope_index(qwen2_vl):
+    """Qwen2-VL's 3-D positions of a sample equal transformers' own get_rope_index."""
+    from mmpipe.model.hf.media import mrope_positions
+    from mmpipe.model.hf.skeleton import skeleton
+
+    spec = spec_from_folder(qwen2_vl)
+    model = skeleton(spec.hf).model  # get_rope_index needs no weights
+    rng = np.random.default_rng(9)
+    grids = [(1, 4, 6), (1, 8, 2), (1, 2, 2)]
+    for images in ([], [0], [1, 2], [2, 0, 1]):
+        ids = H.text(rng, 3)
+        for k in images:
+            t, h, w = grids[k]
+            ids += [H.VSTART] + [H.IMAGE] * (t * h * w // 4) + [H.VEND] + H.text(rng, int(rng.integers(1, 5)))
+        ours = mrope_positions(ids, [grids[k] for k in images], image_token=H.IMAGE, merge=2)
+        x = torch.tensor([ids])
+        theirs, _ = model.get_rope_index(x, mm_token_type_ids=(x == H.IMAGE).int(),
+                                         image_grid_thw=torch.tensor([grids[k] for k in images]) if images else None)
+        assert np.array_equal(ours, theirs[:, 0].numpy()), images
