@@ -142,7 +142,11 @@ class AudioEmbed(HFLayer):
         limit = self.embed_positions.weight.shape[0] * 2
         out = []
         for i, p in enumerate(audio_positions(frames).tolist()):
-            x = feats[i:i + 1, :, :min(2 * p + 1, limit)]
+            need = min(2 * p + 1, limit)
+            if feats.shape[2] < need:
+                raise ValueError(f"audio clip {i} carries {feats.shape[2]} mel frames but its {p} positions read "
+                                 f"{need}; make its features with mmpipe.model.hf.media.preprocess_audio")
+            x = feats[i:i + 1, :, :need]
             x = F.gelu(self.conv1(x))
             x = F.gelu(self.conv2(x))[0, :, :p].transpose(0, 1)
             out.append(x + self.embed_positions.weight[:p])
