@@ -1,6 +1,6 @@
 """Convert a LLaVA-style JSON dataset into webdataset shards the reader reads.
 
-    mmpipe shards convert --json llava.json --out data/llava/ --tokenizer data/tokenizer.json
+    mmpipe shards convert --json llava.json --out data/llava/ --tokenizer data/tokenizer.json|CHECKPOINT_DIR
         [--image-root DIR] [--audio-root DIR] [--maxcount 1000] [--maxsize-mb 512] [--strict]
 
 Input: a JSON list of {"id", "image" | "images", "audio" (a path or a list),
@@ -9,6 +9,8 @@ relative to --image-root / --audio-root, else to the JSON file's folder.
 
 Output in OUT/: `train-000000.tar ...` (KEY.json with the conversation and `meta`, KEY.0.png /
 .jpg, KEY.0.wav) and `index.json` (samples per shard, totals by modality, what was skipped).
+`meta.text_tokens` is counted with the given templater and `meta.tokenizer` names it by its
+fingerprint: a run with another tokenizer counts again (records.hint_applies).
 Shards close at `maxcount` samples or before passing `maxsize` bytes. The same input always
 gives byte-identical shards (input order; members json, images, clips; tar mtime 0, uid/gid
 0, no owner names, mode 0644).
@@ -47,7 +49,7 @@ from mmpipe.data.skips import (
     BAD_CONVERSATION, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError,
     SkipCounter,
 )
-from mmpipe.data.template import HUMAN, count_placeholders, parse_conversation, text_tokens
+from mmpipe.data.template import HUMAN, Templater, as_templater, count_placeholders, parse_conversation
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
 from mmpipe.model.geometry import SampleMeta, features
@@ -183,7 +185,8 @@ def sample_key(raw_id: Any, index: int) -> str:
     return key[:80]
 
 
-def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, audio_root: Path) -> _Converted:
+def convert_sample(item: Any, key: str, tok: Templater | Tokenizer, *, image_root: Path,
+                   audio_root: Path) -> _Converted:
     """One JSON entry as tar members and meta.
 
     Raises:
@@ -194,8 +197,9 @@ def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, aud
         raise SampleError(BAD_CONVERSATION, f"entry must be an object, got {type(item).__name__}")
     images = _paths(item, "image", "images")
     clips = _paths(item, "audio", "audios")
+    tpl = as_templater(tok)
     conv = item.get("conversations")
-    turns = parse_conversation(conv)
+    turns = parse_conversation(conv, system=tpl.system)
     n_img, n_aud = count_placeholders(turns)
     conv = [{"from": t["from"], "value": t["value"]} for t in conv]
     prepend = (f"{IMAGE}\n" * len(images) if images and n_img == 0 else "") + \
@@ -206,7 +210,8 @@ def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, aud
         if first is None:
             raise SampleError(BAD_CONVERSATION, "media but no human turn to put the placeholders in")
         conv[first]["value"] = prepend + conv[first]["value"]
-        n_img, n_aud = count_placeholders(parse_conversation(conv))
+        turns = parse_conversation(conv, system=tpl.system)
+        n_img, n_aud = count_placeholders(turns)
     if (n_img, n_aud) != (len(images), len(clips)):
         raise SampleError(PLACEHOLDER_MISMATCH, f"the text has {n_img} {IMAGE} and {n_aud} {AUDIO} placeholders "
                                                 f"but the entry lists {len(images)} image(s) and {len(clips)} clip(s)")
@@ -220,9 +225,10 @@ def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, aud
         data, sec = _audio_member(_find(rel, audio_root, "audio"), rel)
         members.append((f"{key}.{i}.wav", data))
         seconds.append(sec)
-    meta = SampleMeta(text_tokens=text_tokens(conv, tok), images=tuple(sizes), audio_seconds=tuple(seconds))
+    meta = SampleMeta(text_tokens=tpl.text_tokens(turns), images=tuple(sizes), audio_seconds=tuple(seconds))
     obj = {"id": str(item.get("id", key)), "conversations": conv,
-           "meta": {"text_tokens": meta.text_tokens, "images": [list(s) for s in sizes], "audio_seconds": seconds}}
+           "meta": {"text_tokens": meta.text_tokens, "tokenizer": tpl.fingerprint, "images": [list(s) for s in sizes],
+                    "audio_seconds": seconds}}
     js = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     kinds = [k for k, v in (("image", sizes), ("audio", seconds)) if v]
     return _Converted(key=key, members=[(f"{key}.json", js)] + members, meta=meta,
@@ -278,7 +284,7 @@ def convert(
     *,
     json_path: str | Path,
     out: str | Path,
-    tokenizer: Tokenizer,
+    tokenizer: Templater | Tokenizer,
     spec: ModelSpec | None = None,
     image_root: str | Path | None = None,
     audio_root: str | Path | None = None,
@@ -291,6 +297,8 @@ def convert(
     """Convert a LLaVA-style JSON file into shards in `out` (see the module docstring).
 
     Args:
+        tokenizer: counts meta.text_tokens (a Templater, or an mmpipe Tokenizer for its tiny
+            template); its fingerprint goes into meta.tokenizer and index.json.
         spec: when given, index.json also counts LLM tokens under this model and samples
             longer than its max_seq_len (they are kept: data.too_long decides at read time).
         maxcount: samples per shard at most; maxsize_mb: megabytes per shard at most (a
@@ -380,7 +388,7 @@ def convert(
         "by_modality": by_mod,
         "skipped": report.skips.as_dict(),
         "prepended_placeholders": report.prepended,
-        "tokenizer": {"vocab_size": tokenizer.vocab_size},
+        "tokenizer": {"vocab_size": tokenizer.vocab_size, "fingerprint": as_templater(tokenizer).fingerprint},
     }
     if spec is not None and lens:
         report.index["model"] = {"name": spec.name, "llm_tokens": {"min": min(lens), "max": max(lens),
