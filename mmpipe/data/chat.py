@@ -32,8 +32,9 @@ string renders do not extend one another) cannot follow the convention: an error
 checkpoint when the templater is made, or a `bad conversation` skip when only some
 conversations do it.
 
-**Media tokens.** The image / audio token id is the checkpoint config's (`image_token_index` /
-`image_token_id`, `audio_token_index` / `audio_token_id`), else the tokenizer's `image_token` /
+**Media tokens.** The image / audio token id is the model config's (`image_token_id` /
+`image_token_index`, `audio_token_id` / `audio_token_index`: the spec's `hf.config` when the
+model has one, else the folder's config.json), else the tokenizer's `image_token` /
 `audio_token`. After tokenization each occurrence (one per item, in order) is repeated as many
 times as the encoder gives that medium tokens, which is the text a model's own processor
 tokenizes (LlavaProcessor, Qwen2VLProcessor, Qwen2AudioProcessor repeat the same token in the
@@ -125,7 +126,7 @@ class ChatTemplate:
                 no token for a medium the model encodes, or a template that breaks the label
                 convention.
         """
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         where = f"{key}={str(folder)!r}"
         try:
@@ -141,15 +142,10 @@ class ChatTemplate:
             template = json.loads(legacy.read_text()).get("chat_template")
         if not template:
             raise no_template_error(folder, key)
-        config = None
-        if (folder / "config.json").is_file():
-            try:
-                config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-            except Exception as err:  # an unknown model_type, a broken file
-                raise ValueError(f"{where}: config.json does not load ({str(err).splitlines()[0]})") from None
+        config = _model_config(spec, folder, where)
         ids: dict[str, int] = {}
         for kind, names in CONFIG_IDS.items():
-            tid = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+            tid = next((config[n] for n in names if isinstance(config.get(n), int)), None)
             if tid is None and getattr(tok, f"{kind}_token", None):
                 tid = tok.convert_tokens_to_ids(getattr(tok, f"{kind}_token"))
             if tid is not None:
@@ -158,9 +154,9 @@ class ChatTemplate:
             if enc is not None and kind not in ids:
                 raise ValueError(
                     f"{where}: model {spec.name} has an {kind} encoder but the "
-                    f"checkpoint has no {kind} token (config.json has no {CONFIG_IDS[kind][0]} or "
+                    f"checkpoint has no {kind} token (the model config has no {CONFIG_IDS[kind][0]} or "
                     f"{CONFIG_IDS[kind][1]}, the tokenizer no {kind}_token); add the token to the tokenizer "
-                    f"as a special token and its id to config.json")
+                    f"as a special token and its id to the config")
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         plain = tok("a", add_special_tokens=False)["input_ids"]
         full = tok("a", add_special_tokens=True)["input_ids"]
@@ -396,9 +392,26 @@ def _strip_edges(items: list[dict[str, Any]], *, end: bool = False) -> None:
             return
 
 
+def _model_config(spec: ModelSpec, folder: Path, where: str) -> dict[str, Any]:
+    """The model's config as its JSON fields: the spec's (a model built from transformers
+    classes, compositions included), else the folder's config.json, else empty."""
+    text, origin = (spec.hf.config, "model.hf.config") if spec.hf is not None and spec.hf.config else (None, "")
+    if text is None and (folder / "config.json").is_file():
+        text, origin = (folder / "config.json").read_text(), str(folder / "config.json")
+    if text is None:
+        return {}
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: {origin} is not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: {origin} must hold a JSON object")
+    return cfg
+
+
 def _check_token(tok: Any, tid: int, kind: str, where: str) -> int:
     text = tok.convert_ids_to_tokens(tid) if 0 <= tid < len(tok) else None
     if text is None or tok(text, add_special_tokens=False)["input_ids"] != [tid]:
-        raise ValueError(f"{where}: the {kind} token id {tid} (config.json) is not a single token of the tokenizer "
+        raise ValueError(f"{where}: the {kind} token id {tid} of the model config is not a single token of the tokenizer "
                          f"({text!r}); add it to the tokenizer as a special token")
     return tid
