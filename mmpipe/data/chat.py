@@ -139,7 +139,10 @@ class ChatTemplate:
             template = template.get("default")
         legacy = folder / "chat_template.json"  # a processor's file: the tokenizer does not read it
         if template is None and legacy.is_file():
-            template = json.loads(legacy.read_text()).get("chat_template")
+            try:
+                template = json.loads(legacy.read_text()).get("chat_template")
+            except (json.JSONDecodeError, AttributeError):
+                raise ValueError(f"{where}: {legacy} is not a JSON object with a chat_template") from None
         if not template:
             raise no_template_error(folder, key)
         config = _model_config(spec, folder, where)
@@ -173,6 +176,7 @@ class ChatTemplate:
 
     def _probe_content(self, where: str) -> bool:
         """Whether the template reads list content (else string content)."""
+        failed = ""
         for list_content in (True, False):
             def content(text: str) -> Any:
                 return [{"type": "text", "text": text}] if list_content else text
@@ -180,11 +184,12 @@ class ChatTemplate:
                 out = self._render([[{"role": "user", "content": content(_PROBE_Q)},
                                      {"role": "assistant", "content": content(_PROBE_A)}]], gen=False)[0]
             except SampleError as err:
-                raise ValueError(f"{where}: the chat template fails on a two-message conversation ({err.detail})") from None
+                failed = f" ({err.detail})"
+                continue
             if _PROBE_Q in out and _PROBE_A in out and "'type'" not in out:
                 return list_content
-        raise ValueError(f"{where}: the chat template renders neither list nor string message content "
-                         f"(the probe text never appears)")
+        raise ValueError(f"{where}: the chat template renders neither list nor string content of a user and an "
+                         f"assistant message{failed}")
 
     def _probe_placed(self, kind: str, tid: int, where: str) -> bool:
         """Whether the template emits the medium's token for a content item (exactly once)."""
@@ -205,10 +210,15 @@ class ChatTemplate:
         turns = [Turn(role=HUMAN, text=first), Turn(role=GPT, text=_PROBE_A),
                  Turn(role=HUMAN, text=_PROBE_Q), Turn(role=GPT, text=_PROBE_A)]
         try:
-            self.template(turns, image_tokens=[2] * ("image" in self.media), audio_tokens=[2] * ("audio" in self.media))
+            t = self.template(turns, image_tokens=[2] * ("image" in self.media),
+                              audio_tokens=[2] * ("audio" in self.media))
         except SampleError as err:
             raise ValueError(f"{where}: the chat template cannot follow mmpipe's label convention on a two-round "
                              f"probe conversation: {err.detail}") from None
+        specials = set(self.tokenizer.all_special_ids)
+        if not any(y in specials for y in t.labels):
+            log.warning("%s: the chat template ends answers with no special token, so no end-of-turn token is "
+                        "labelled and the model is not taught to stop (docs/data.md)", where)
 
     @property
     def fingerprint(self) -> str:
@@ -306,21 +316,21 @@ class ChatTemplate:
     # ------------------------------------------------------------------ helpers
 
     def _human_content(self, text: str) -> Any:
-        def inline(m: Any) -> str:
-            kind = KINDS[m.group(0)]
-            if kind not in self.media:
-                raise SampleError(NO_ENCODER, f"the sample has an {kind} but {self.path} has no {kind} token")
-            return m.group(0) if self.media[kind].placed else self.media[kind].text
-
-        text = PLACEHOLDER.sub(inline, text)
-        if not self.list_content:
-            return text
         items: list[dict[str, Any]] = []
-        for piece in PLACEHOLDER.split(text):
-            if piece in KINDS:
-                items.append({"type": KINDS[piece], KINDS[piece]: None})
+        for n, piece in enumerate(PLACEHOLDER.split(text)):
+            kind = KINDS[piece] if n % 2 else None  # split() puts the placeholders at odd positions
+            if kind is not None and kind not in self.media:
+                raise SampleError(NO_ENCODER, f"the sample has an {kind} but {self.path} has no {kind} token")
+            if kind is not None and self.media[kind].placed:
+                items.append({"type": kind, kind: None})
+                continue
+            piece = self.media[kind].text if kind is not None else piece
+            if items and items[-1]["type"] == "text":
+                items[-1]["text"] += piece
             else:
                 items.append({"type": "text", "text": piece})
+        if not self.list_content:  # then no medium is placed: one text
+            return "".join(it["text"] for it in items)
         _strip_edges(items)
         _strip_edges(items[::-1], end=True)
         return [it for it in items if it["type"] != "text" or it["text"]]
@@ -331,7 +341,8 @@ class ChatTemplate:
         try:
             out = self.tokenizer.apply_chat_template(convs, chat_template=self.chat_template, tokenize=False,
                                                      add_generation_prompt=gen)
-        except TemplateError as err:  # raise_exception() in a template, or an undefined value
+        except (TemplateError, TypeError) as err:  # raise_exception() in a template; content of a type it
+            # does not handle (jinja raises TypeError, e.g. adding a list to a string)
             raise SampleError(BAD_CONVERSATION, f"the chat template of {self.path} rejects it ({err})") from None
         return [out] if isinstance(out, str) else list(out)
 

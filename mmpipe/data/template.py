@@ -141,6 +141,9 @@ def apply_template(
         SampleError: `placeholder mismatch` when the placeholders and media differ in number.
     """
     check_media_counts(turns, image_tokens, audio_tokens)
+    if any(t.role == SYSTEM for t in turns):
+        raise SampleError(BAD_CONVERSATION, "the conversation has a 'system' turn; mmpipe's tiny template has no "
+                                            "system role (a checkpoint's chat template may have one)")
     ids: list[int] = [tok.bos_id]
     labels: list[int] = [IGNORE]
     media = 0

@@ -139,6 +139,8 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     image = llava.convert_tokens_to_ids("<image>")
     save("llava", llava, LLAVA_TEMPLATE, LlavaConfig(image_token_index=image))
     save("llava-space", llava, LLAVA_SPACE_TEMPLATE, LlavaConfig(image_token_index=image))
+    save("llava-noeos", llava, LLAVA_TEMPLATE.replace("</s>{% endif %}", "{{ ' ' }}{% endif %}"),
+         LlavaConfig(image_token_index=image))
     qwen = _qwen_tokenizer()
     ids = {t: qwen.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     save("qwen2-vl", qwen, QWEN2_VL_TEMPLATE, Qwen2VLConfig(
@@ -153,6 +155,11 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # A text LLM whose tokenizer got <image> / <audio> added for a composition with encoders.
     text = _qwen_tokenizer(extra=("<image>", "<audio>"), named={"image_token": "<image>", "audio_token": "<audio>"})
     save("qwen2-text", text, QWEN2_TEXT_TEMPLATE)
+    # Qwen2-VL's template (it ignores audio items) with <audio> added for a composition with an audio encoder.
+    vl_audio = _qwen_tokenizer(extra=("<audio>",), named={"audio_token": "<audio>"})
+    save("qwen2-vl+audio", vl_audio, QWEN2_VL_TEMPLATE, Qwen2VLConfig(
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"]))
     return out
 
 
@@ -174,4 +181,5 @@ def hf_specs(tiny_spec: ModelSpec) -> dict[str, ModelSpec]:
             "qwen2-vl": ModelSpec(name="qwen2-vl-test", llm=llm, vision=qwen_vl),
             "qwen2-audio": ModelSpec(name="qwen2-audio-test", llm=llm, audio=whisper),
             "text": ModelSpec(name="text-test", llm=llm),
+            "qwen2-vl+audio": ModelSpec(name="qwen2-vl-audio-test", llm=llm, vision=qwen_vl, audio=whisper),
             "tiny": replace(tiny_spec, llm=replace(tiny_spec.llm, max_seq_len=8192))}

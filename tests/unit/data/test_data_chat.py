@@ -269,3 +269,25 @@ def test_templater_for_picks_by_path(mini_data, hf_dirs, hf_specs, tiny_spec) ->
     assert isinstance(templater_for(hf_dirs["qwen2-omni"], hf_specs["tiny"]), ChatTemplate)
     with pytest.raises(FileNotFoundError, match=r"^data.tokenizer='nope': no such file or folder"):
         templater_for("nope", tiny_spec)
+
+
+def test_a_medium_the_template_ignores_gets_its_token_in_the_text(hf_dirs, hf_specs, hf_tok) -> None:
+    tpl = templater_for(hf_dirs["qwen2-vl+audio"], hf_specs["qwen2-vl+audio"])
+    assert tpl.media["image"].placed and not tpl.media["audio"].placed
+    turns = parse_conversation([human("<image>\n<audio>\nDescribe the picture and the sound."), gpt("red")])
+    assert tpl.messages(turns)[0]["content"] == [IMG | {"image": None},
+                                                 text("<audio>\nDescribe the picture and the sound.")]
+    t = tpl.template(turns, image_tokens=[4], audio_tokens=[9])
+    assert t.input_ids.count(tpl.image_id) == 4 and t.input_ids.count(tpl.audio_id) == 9
+    rendered = hf_tok["qwen2-vl+audio"].decode(collapse(t.input_ids, {tpl.image_id, tpl.audio_id}))
+    assert "<|vision_end|><audio>\nDescribe the picture" in rendered
+
+
+def test_a_template_without_an_end_of_turn_token_is_warned_about(hf_dirs, hf_specs, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="mmpipe.data.chat"):
+        ChatTemplate.from_checkpoint(hf_dirs["llava-noeos"], hf_specs["llava"])
+    assert "not taught to stop" in caplog.text and str(hf_dirs["llava-noeos"]) in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mmpipe.data.chat"):
+        ChatTemplate.from_checkpoint(hf_dirs["llava"], hf_specs["llava"])
+    assert "not taught to stop" not in caplog.text

@@ -109,3 +109,15 @@ def test_fingerprints_name_the_tokenizer_and_template_not_the_folder(tmp_path, h
     # workers of a DataLoader may receive the templater pickled
     turns = parse_conversation(CONV)
     assert pickle.loads(pickle.dumps(omni)).template(turns) == omni.template(turns)
+
+
+def test_a_system_turn_is_the_chat_templates_and_a_skip_under_the_tiny_one(tmp_path, omni, hf_specs, mini_tok) -> None:
+    conv = [{"from": "system", "value": "Answer briefly."}] + CONV
+    write_shard(tmp_path / "s-0.tar", [("k.json", json.dumps({"id": "k", "conversations": conv}).encode()),
+                                       ("z.json", json.dumps({"id": "z", "conversations": CONV}).encode())])
+    stream = SampleStream(path=str(tmp_path / "s-0.tar"), tokenizer=omni, spec=hf_specs["tiny"], epochs=1)
+    rec = next(stream.records())
+    assert omni.tokenizer.decode(rec.input_ids).startswith("<|im_start|>system\nAnswer briefly.<|im_end|>")
+    stream = SampleStream(path=str(tmp_path / "s-0.tar"), tokenizer=mini_tok, spec=hf_specs["tiny"], epochs=1)
+    assert [r.key for r in stream.records()] == ["z"] and stream.skips.as_dict() == {"bad conversation": 1}
+    assert "from='system'" in stream.skips.examples[0]
