@@ -198,7 +198,8 @@ class ChatTemplate:
         try:
             out = self._render([msgs], gen=False)[0]
         except SampleError as err:
-            raise ValueError(f"{where}: the chat template fails on a message with an {kind} item ({err.detail})") from None
+            raise ValueError(f"{where}: the chat template fails on a message with an {kind} item "
+                             f"({err.detail})") from None
         n = self._encode([out])[0].count(tid)
         if n > 1:
             raise ValueError(f"{where}: the chat template emits {n} {kind} tokens for one {kind} item; "
@@ -423,6 +424,7 @@ def _model_config(spec: ModelSpec, folder: Path, where: str) -> dict[str, Any]:
 def _check_token(tok: Any, tid: int, kind: str, where: str) -> int:
     text = tok.convert_ids_to_tokens(tid) if 0 <= tid < len(tok) else None
     if text is None or tok(text, add_special_tokens=False)["input_ids"] != [tid]:
-        raise ValueError(f"{where}: the {kind} token id {tid} of the model config is not a single token of the tokenizer "
+        raise ValueError(f"{where}: the {kind} token id {tid} of the model config is not a single token of the "
+                         f"tokenizer "
                          f"({text!r}); add it to the tokenizer as a special token")
     return tid

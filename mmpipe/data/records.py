@@ -9,8 +9,9 @@ Record is made — JSON, conversation, placeholder counts, media members present
 headers (sizes and durations against the stored meta), length — so both stages agree on which
 samples exist. Text tokens are counted with the run's templater when the Record is made; the
 stored `meta.text_tokens` is a hint that is checked (and, reading metadata only, used) when
-`meta.tokenizer` names this templater's fingerprint (see `hint_applies`). Only pixel data that is corrupt behind
-a valid header is found at decode time, on the first stage alone (see docs/data.md).
+`meta.tokenizer` names this templater's fingerprint (see `hint_applies`). Only pixel data that
+is corrupt behind a valid header is found at decode time, on the first stage alone (see
+docs/data.md).
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec, *, text: b
         raise SampleError(META_MISMATCH, "; ".join(problems) + " (regenerate the shards or the meta)")
 
 
-def fit_length(t: Templated, tok: Templater | Tokenizer, spec: ModelSpec, too_long: str) -> tuple[list[int], list[int], int]:
+def fit_length(t: Templated, tok: Templater | Tokenizer, spec: ModelSpec,
+               too_long: str) -> tuple[list[int], list[int], int]:
     """(input_ids, labels, tokens cut) within model.llm.max_seq_len.
 
     `truncate` cuts the tail (answer text, or whole later turns) as long as every media token

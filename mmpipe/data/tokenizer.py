@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from mmpipe.data.template import Templater
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
@@ -143,8 +146,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(tok, path=path)
 
 
-def check_vocab(tok: Tokenizer, vocab: int) -> None:
-    """Raise if the tokenizer has more entries than the model's embedding has rows."""
+def check_vocab(tok: "Tokenizer | Templater", vocab: int) -> None:
+    """Raise if the tokenizer (or a templater's) has more entries than the model's embedding has rows."""
     if tok.vocab_size > vocab:
         where = f" ({tok.path})" if tok.path else ""
         raise ValueError(

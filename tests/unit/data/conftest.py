@@ -72,7 +72,8 @@ def chatml(items: str) -> str:
 
 
 VL_ITEM = "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
-AUDIO_ITEM = ("{% if content['type'] == 'audio' or 'audio' in content %}{% set audio_count.value = audio_count.value + 1 %}"
+AUDIO_ITEM = ("{% if content['type'] == 'audio' or 'audio' in content %}"
+              "{% set audio_count.value = audio_count.value + 1 %}"
               "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n")
 TEXT_ITEM = "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
 QWEN2_VL_TEMPLATE = chatml(VL_ITEM + TEXT_ITEM)

@@ -198,7 +198,8 @@ def test_qwen2_vl_expansion_follows_the_image_grid_rule(templaters, hf_specs, hf
     ("<image>\nWhat is it?", [IMG, text("What is it?")]),
     ("What is it?\n<image>", [text("What is it?"), IMG]),
     ("  <image>\n <image>\n\nCompare them. ", [IMG, IMG, text("Compare them. ")]),
-    ("Image 1: <image>\nImage 2: <image>\nWhich?", [text("Image 1: "), IMG, text("\nImage 2: "), IMG, text("\nWhich?")]),
+    ("Image 1: <image>\nImage 2: <image>\nWhich?",
+     [text("Image 1: "), IMG, text("\nImage 2: "), IMG, text("\nWhich?")]),
     ("Is <image> red?", [text("Is "), IMG, text(" red?")]),
 ])
 def test_whitespace_next_to_a_placeholder(said, items, templaters) -> None:
@@ -266,7 +267,12 @@ def test_templater_for_picks_by_path(mini_data, hf_dirs, hf_specs, tiny_spec) ->
     from mmpipe.data.template import TinyTemplate
 
     assert isinstance(templater_for(mini_data / "tokenizer.json", tiny_spec), TinyTemplate)
-    assert isinstance(templater_for(hf_dirs["qwen2-omni"], hf_specs["tiny"]), ChatTemplate)
+    omni = templater_for(hf_dirs["qwen2-omni"], hf_specs["tiny"])
+    assert isinstance(omni, ChatTemplate)
+    from mmpipe.data.tokenizer import check_vocab
+
+    with pytest.raises(ValueError, match=rf"the tokenizer \({hf_dirs['qwen2-omni']}\) has {omni.vocab_size} entries"):
+        check_vocab(omni, 100)
     with pytest.raises(FileNotFoundError, match=r"^data.tokenizer='nope': no such file or folder"):
         templater_for("nope", tiny_spec)
 

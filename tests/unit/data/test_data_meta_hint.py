@@ -47,7 +47,8 @@ def test_shards_made_with_the_project_tokenizer_train_a_checkpoint_tokenizer(min
 
 
 def _shard(tmp_path, metas: dict[str, dict]) -> str:
-    members = [(f"{k}.json", json.dumps({"id": k, "conversations": CONV, "meta": m}).encode()) for k, m in metas.items()]
+    members = [(f"{k}.json", json.dumps({"id": k, "conversations": CONV, "meta": m}).encode())
+               for k, m in metas.items()]
     write_shard(tmp_path / "h-0.tar", members)
     return str(tmp_path / "h-0.tar")
 
@@ -74,7 +75,8 @@ def test_a_stored_count_is_checked_and_used_only_under_the_templater_that_counte
                                                            "other": right, "legacy": right}
     # under the project tokenizer the legacy count is its own again, and checked as before
     tiny = mini_tok.fingerprint
-    path = _shard(tmp_path, {"legacy": {"text_tokens": 999}, "chat": {"text_tokens": 999, "tokenizer": omni.fingerprint},
+    path = _shard(tmp_path, {"legacy": {"text_tokens": 999},
+                             "chat": {"text_tokens": 999, "tokenizer": omni.fingerprint},
                              "tiny": {"text_tokens": 999, "tokenizer": f"tiny:{tiny}"}})
     stream = SampleStream(path=path, tokenizer=mini_tok, spec=spec, epochs=1)
     assert [r.key for r in stream.records()] == ["chat"]
