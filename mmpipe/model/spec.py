@@ -7,7 +7,7 @@ weights, and the runtime builds the tiny CPU model from the same spec. The layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 COMPONENTS = ("vision", "audio", "llm")
@@ -161,14 +161,14 @@ class HFSource:
 
     architecture: str
     """The transformers class the model is and exports as, e.g. `LlavaForConditionalGeneration`."""
-    config: str
+    config: str = field(repr=False)
     """That class's configuration as JSON (what its config.json holds)."""
     weights: tuple[tuple[str, str], ...] = ()
     """(part, folder) to load weights from: `model` for a whole checkpoint; `vision`, `audio`,
     `llm`, `projector` for a composition; empty for a random initialisation."""
-    image_processor: str = ""
+    image_processor: str = field(default="", repr=False)
     """The image processor's configuration as JSON (empty without a vision tower)."""
-    feature_extractor: str = ""
+    feature_extractor: str = field(default="", repr=False)
     """The audio feature extractor's configuration as JSON (empty without an audio tower)."""
 
 

@@ -1,0 +1,1 @@
+"""Models built from Hugging Face transformers classes and checkpoints (see docs/hf.md)."""
