@@ -91,6 +91,13 @@ RERENDER_TEMPLATE = QWEN2_TEXT_TEMPLATE.replace(
     "{% if message['role'] != 'assistant' or loop.last %}{{ message['content'] }}{% endif %}<|im_end|>")
 
 
+SMALL_CLIP = {"model_type": "clip_vision_model", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+              "num_attention_heads": 1, "image_size": 28, "patch_size": 14}
+SMALL_LLM = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1}
+SMALL_CLIP_PROCESSOR = {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}}
+
+
 def _llava_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -124,7 +131,7 @@ def _qwen_tokenizer(extra: tuple[str, ...] = (), named: dict[str, str] | None = 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Checkpoint folders (tokenizer, chat template, config.json) by family name."""
-    from transformers import LlavaConfig, Qwen2AudioConfig, Qwen2VLConfig
+    from transformers import CLIPImageProcessorPil, LlavaConfig, Qwen2AudioConfig, Qwen2VLConfig
 
     root = tmp_path_factory.mktemp("hf")
     out: dict[str, Path] = {}
@@ -138,7 +145,9 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     llava = _llava_tokenizer()
     image = llava.convert_tokens_to_ids("<image>")
-    save("llava", llava, LLAVA_TEMPLATE, LlavaConfig(image_token_index=image))
+    save("llava", llava, LLAVA_TEMPLATE, LlavaConfig(
+        image_token_index=image, vision_config=SMALL_CLIP, text_config=dict(SMALL_LLM, vocab_size=len(llava))))
+    CLIPImageProcessorPil(**SMALL_CLIP_PROCESSOR).save_pretrained(root / "llava")
     save("llava-space", llava, LLAVA_SPACE_TEMPLATE, LlavaConfig(image_token_index=image))
     save("llava-noeos", llava, LLAVA_TEMPLATE.replace("</s>{% endif %}", "{{ ' ' }}{% endif %}"),
          LlavaConfig(image_token_index=image))
@@ -161,7 +170,15 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save("qwen2-vl+audio", vl_audio, QWEN2_VL_TEMPLATE, Qwen2VLConfig(
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"]))
+    # A text LLM's tokenizer with <image> added for a composition: the id is only in the model config.
+    save("qwen2-llm", _qwen_tokenizer(extra=("<image>",)), QWEN2_TEXT_TEMPLATE)
     return out
+
+
+@pytest.fixture(scope="session")
+def small_llava() -> dict[str, dict]:
+    """Configs of a small LLaVA: vision tower, LLM, image processor (4 image tokens)."""
+    return {"vision": SMALL_CLIP, "llm": SMALL_LLM, "processor": SMALL_CLIP_PROCESSOR}
 
 
 @pytest.fixture(scope="session")

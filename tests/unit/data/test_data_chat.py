@@ -297,3 +297,43 @@ def test_a_template_without_an_end_of_turn_token_is_warned_about(hf_dirs, hf_spe
     with caplog.at_level(logging.WARNING, logger="mmpipe.data.chat"):
         ChatTemplate.from_checkpoint(hf_dirs["llava"], hf_specs["llava"])
     assert "not taught to stop" not in caplog.text
+
+
+def test_the_model_sides_specs_and_the_templater_agree(tmp_path, hf_dirs, hf_tok, small_llava) -> None:
+    """A checkpoint folder's spec (mmpipe.model.hf) and its templater make records whose image
+    tokens are the geometry's; a composition's image token id comes from its model config."""
+    import io
+    import json
+
+    from transformers import LlavaConfig
+
+    from mmpipe.data.reader import SampleStream
+    from mmpipe.data.synth import write_shard
+    from mmpipe.model.geometry import features
+    from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
+    from mmpipe.model.spec import ModelSpec
+
+    spec = spec_from_folder(hf_dirs["llava"])
+    tpl = templater_for(hf_dirs["llava"], spec)
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 0, 0)).save(buf, format="PNG")
+    conv = [human("<image>\nWhat shape is in the image?"), gpt("a red triangle")]
+    write_shard(tmp_path / "l-0.tar", [("k.json", json.dumps({"conversations": conv}).encode()),
+                                       ("k.0.png", buf.getvalue())])
+    rec = next(SampleStream(path=str(tmp_path / "l-0.tar"), tokenizer=tpl, spec=spec, epochs=1).records())
+    assert rec.input_ids.count(tpl.image_id) == sum(features(spec, rec.meta).image_tokens) == 4
+    assert rec.llm_len == features(spec, rec.meta).llm_len
+
+    llm = hf_tok["qwen2-llm"]
+    image = llm.convert_tokens_to_ids("<image>")
+    composed = spec_from_config(LlavaConfig(vision_config=small_llava["vision"], image_token_id=image,
+                                            text_config=dict(small_llava["llm"], vocab_size=len(llm))),
+                                name="compose-test", image_processor={"image_processor_type": "CLIPImageProcessor",
+                                                                      **small_llava["processor"]})
+    tpl = templater_for(hf_dirs["qwen2-llm"], composed)
+    assert tpl.image_id == image and not tpl.media["image"].placed
+    t = template_sample(parse_conversation(conv), tpl, composed, SampleMeta(text_tokens=0, images=((30, 40),)))
+    assert llm.decode(collapse(t.input_ids, {image})).startswith(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<image>\nWhat shape")
+    with pytest.raises(ValueError, match="has an image encoder but the checkpoint has no image token"):
+        templater_for(hf_dirs["qwen2-llm"], ModelSpec(name="no-id", llm=composed.llm, vision=composed.vision))
