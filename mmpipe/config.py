@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-from mmpipe.planner.api import POLICIES  # noqa: E402 - the planner owns the policy names
+from mmpipe.planner.api import POLICIES, hardware_from_dict  # noqa: E402 - the planner owns both
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,12 +108,12 @@ class DataConfig:
     """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
     sources: tuple[Mapping[str, Any], ...] | None = None
     """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see conf/data/mixture.yaml)."""
+    caption_prompt: str = CAPTION_PROMPT
+    """Human turn of image-caption samples (img2dataset shards: KEY.jpg + KEY.txt); one <image>."""
 
     def __post_init__(self) -> None:
-        if self.too_long not in ("drop", "truncate"):
-            raise ValueError(f"data.too_long={self.too_long!r} is unknown; use drop or truncate")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"data.num_workers={self.num_workers!r} must be a positive integer")
+        check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
+                      epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
         if self.sources is not None:
             from mmpipe.data.mixture import mixture_from_dicts
 
@@ -121,12 +122,6 @@ class DataConfig:
             raise ValueError(f"data.kind={self.kind!r} is unknown; use shards or trace")
         if not self.path or self.path == "???":
             raise ValueError("data.path is not set; give data.path=FILE (a shard brace list or trace)")
-        if self.on_error not in ("skip", "raise"):
-            raise ValueError(f"data.on_error={self.on_error!r} is unknown; use skip or raise")
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} must be >= 0")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"data.epochs={self.epochs} must be >= 1, or null to repeat the data forever")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -367,8 +362,6 @@ def check_run(rc: RunConfig) -> None:
 
 def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
-    from mmpipe.planner.hardware import hardware_from_dict
-
     hw = dict(rc.hardware)
     measured_for = hw.pop("measured_for", None)
     if measured_for is not None and measured_for != rc.model.name:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mmpipe.data.media import decode_audio, decode_image, probe_audio, probe_image
-from mmpipe.data.tario import shard_name
+from mmpipe.data.shards import shard_name
 from mmpipe.data.skips import (
     BAD_JSON, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, MISSING_META, NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG,
     SampleError,

@@ -13,7 +13,7 @@ from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
 
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
-    from mmpipe.data.reader import check_shards
+    from mmpipe.data.shards import check_shards
     from mmpipe.data.tokenizer import check_vocab, load_tokenizer
 
     if rc.data.kind != "shards":
