@@ -36,8 +36,10 @@ import yaml  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mmpipe.data.reader import SampleStream, iter_meta, resolve_shards  # noqa: E402
-from mmpipe.data.template import PLACEHOLDER, TinyTemplate, templater_for  # noqa: E402
+from mmpipe.data.chat import templater_for  # noqa: E402
+from mmpipe.data.reader import SampleStream, iter_meta  # noqa: E402
+from mmpipe.data.shards import resolve_urls  # noqa: E402
+from mmpipe.data.template import PLACEHOLDER, TinyTemplate  # noqa: E402
 from mmpipe.data.tokenizer import load_tokenizer  # noqa: E402
 from mmpipe.model.spec import spec_from_dict  # noqa: E402
 
@@ -55,7 +57,7 @@ TEMPLATE = (
 
 def texts(path: str) -> list[str]:
     out = []
-    for shard in resolve_shards(path, root=ROOT):
+    for shard in resolve_urls(path, root=ROOT):
         with tarfile.open(shard) as tar:
             for m in tar.getmembers():
                 if m.name.endswith(".json"):

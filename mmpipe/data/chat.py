@@ -1,6 +1,7 @@
-"""A Hugging Face checkpoint's own tokenizer and chat template, as a Templater.
+"""A Hugging Face checkpoint's own tokenizer and chat template, as a Templater; and
+`templater_for`, which picks the run's templater (this one or mmpipe's tiny template).
 
-    templater = ChatTemplate.from_checkpoint(Path("ckpt/llava-1.5-7b-hf"), spec)
+    templater = templater_for("ckpt/llava-1.5-7b-hf", spec)   # or "data/tokenizer.json"
     t = templater.template(turns, image_tokens=[576], audio_tokens=[])   # Templated
 
 **Messages.** LLaVA turns become chat messages: `human` -> `user`, `gpt` -> `assistant`, a
@@ -56,9 +57,9 @@ from typing import Any, Sequence
 
 from mmpipe.data.skips import BAD_CONVERSATION, EMPTY_ANSWER, NO_ENCODER, PLACEHOLDER_MISMATCH, SampleError
 from mmpipe.data.template import (
-    GPT, HUMAN, IGNORE, PLACEHOLDER, SYSTEM, Templated, Turn, check_media_counts,
+    GPT, HUMAN, IGNORE, PLACEHOLDER, SYSTEM, Templated, Templater, TinyTemplate, Turn, check_media_counts,
 )
-from mmpipe.data.tokenizer import AUDIO, IMAGE
+from mmpipe.data.tokenizer import AUDIO, IMAGE, load_tokenizer
 from mmpipe.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,28 @@ class MediaToken:
     placed: bool
     """True: the template emits the token (and its markers) for a content item; False: the
     token is written into the message text in place of the placeholder."""
+
+
+def templater_for(source: str | Path, spec: ModelSpec, *, key: str = "data.tokenizer") -> Templater:
+    """The run's templater: mmpipe's `tokenizer.json` (a file) or a Hugging Face checkpoint
+    folder (its tokenizer, chat template and config; see mmpipe.data.chat).
+
+    Args:
+        source: the file or folder.
+        spec: the model (which media tokens the templater must have).
+        key: the setting `source` came from, named in errors.
+    Raises:
+        FileNotFoundError / ValueError: one line naming `key`, the value and the fix.
+    """
+    path = Path(source)
+    if path.is_dir():
+        return ChatTemplate.from_checkpoint(path, spec, key=key)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{key}={str(path)!r}: no such file or folder; give mmpipe's tokenizer.json (made by "
+            f"`python -m mmpipe.data.synth --out data/`) or a Hugging Face checkpoint folder")
+    return TinyTemplate(load_tokenizer(path))
+
 
 
 def no_template_error(folder: Path, key: str) -> ValueError:
@@ -118,7 +141,7 @@ class ChatTemplate:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_checkpoint(cls, folder: Path, spec: ModelSpec, *, key: str = "data.tokenizer") -> "ChatTemplate":
+    def from_checkpoint(cls, folder: Path, spec: ModelSpec, *, key: str = "data.tokenizer") -> ChatTemplate:
         """Load and probe a checkpoint folder (tokenizer files, chat template, config.json).
 
         Raises:
@@ -131,7 +154,7 @@ class ChatTemplate:
         where = f"{key}={str(folder)!r}"
         try:
             tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except Exception as err:  # transformers raises OSError, ValueError, KeyError... by cause
+        except (OSError, ValueError, KeyError, TypeError) as err:  # missing files, unknown or broken formats
             raise ValueError(f"{where}: no Hugging Face tokenizer loads from this folder "
                              f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
         template = tok.chat_template
@@ -178,11 +201,10 @@ class ChatTemplate:
         """Whether the template reads list content (else string content)."""
         failed = ""
         for list_content in (True, False):
-            def content(text: str) -> Any:
-                return [{"type": "text", "text": text}] if list_content else text
+            q, a = ([{"type": "text", "text": t}] if list_content else t for t in (_PROBE_Q, _PROBE_A))
             try:
-                out = self._render([[{"role": "user", "content": content(_PROBE_Q)},
-                                     {"role": "assistant", "content": content(_PROBE_A)}]], gen=False)[0]
+                out = self._render([[{"role": "user", "content": q}, {"role": "assistant", "content": a}]],
+                                   gen=False)[0]
             except SampleError as err:
                 failed = f" ({err.detail})"
                 continue

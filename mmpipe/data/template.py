@@ -4,7 +4,7 @@ A `Templater` turns a checked conversation into `input_ids` and `labels`, expand
 media placeholder into as many image / audio token ids as the encoder hands the LLM for that
 medium. Two implementations: `TinyTemplate` here (mmpipe's own tokenizer) and
 `mmpipe.data.chat.ChatTemplate` (a Hugging Face checkpoint's tokenizer and chat template);
-`templater_for` picks one from the run's tokenizer setting.
+`mmpipe.data.chat.templater_for` picks one from the run's tokenizer setting.
 
 The tiny template:
 
@@ -258,34 +258,9 @@ class TinyTemplate:
         return f"TinyTemplate({self.tok!r})"
 
 
-def as_templater(tok: "Templater | Tokenizer") -> Templater:
+def as_templater(tok: Templater | Tokenizer) -> Templater:
     """A Templater; mmpipe's Tokenizer stands for its tiny template."""
     return TinyTemplate(tok) if isinstance(tok, Tokenizer) else tok
-
-
-def templater_for(source: str | Path, spec: ModelSpec, *, key: str = "data.tokenizer") -> Templater:
-    """The run's templater: mmpipe's `tokenizer.json` (a file) or a Hugging Face checkpoint
-    folder (its tokenizer, chat template and config; see mmpipe.data.chat).
-
-    Args:
-        source: the file or folder.
-        spec: the model (which media tokens the templater must have).
-        key: the setting `source` came from, named in errors.
-    Raises:
-        FileNotFoundError / ValueError: one line naming `key`, the value and the fix.
-    """
-    path = Path(source)
-    if path.is_dir():
-        from mmpipe.data.chat import ChatTemplate
-
-        return ChatTemplate.from_checkpoint(path, spec, key=key)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{key}={str(path)!r}: no such file or folder; give mmpipe's tokenizer.json (made by "
-            f"`python -m mmpipe.data.synth --out data/`) or a Hugging Face checkpoint folder")
-    from mmpipe.data.tokenizer import load_tokenizer
-
-    return TinyTemplate(load_tokenizer(path))
 
 
 def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int]]:
@@ -303,7 +278,7 @@ def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int
     return img, aud
 
 
-def template_sample(turns: Sequence[Turn], tok: "Templater | Tokenizer", spec: ModelSpec,
+def template_sample(turns: Sequence[Turn], tok: Templater | Tokenizer, spec: ModelSpec,
                     meta: SampleMeta) -> Templated:
     """Template a conversation for a model: placeholders expand by the geometry rules.
 

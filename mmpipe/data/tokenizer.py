@@ -10,14 +10,12 @@ decodes every encoded string back exactly, whitespace and newlines included.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-
-if TYPE_CHECKING:
-    from mmpipe.data.template import Templater
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
@@ -146,7 +144,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(tok, path=path)
 
 
-def check_vocab(tok: "Tokenizer | Templater", vocab: int) -> None:
+class Vocabulary(Protocol):
+    """What check_vocab reads: a Tokenizer, or any Templater (mmpipe.data.template)."""
+
+    vocab_size: int
+    path: Path | None
+
+
+def check_vocab(tok: Vocabulary, vocab: int) -> None:
     """Raise if the tokenizer (or a templater's) has more entries than the model's embedding has rows."""
     if tok.vocab_size > vocab:
         where = f" ({tok.path})" if tok.path else ""

@@ -10,10 +10,11 @@ import pickle
 import pytest
 from PIL import Image
 
+from mmpipe.data.chat import templater_for
 from mmpipe.data.convert import convert
 from mmpipe.data.reader import SampleStream, iter_meta
 from mmpipe.data.synth import write_shard
-from mmpipe.data.template import parse_conversation, template_sample, templater_for
+from mmpipe.data.template import parse_conversation, template_sample
 from mmpipe.model.geometry import features
 
 CONV = [{"from": "human", "value": "What is 2 plus 2?"}, {"from": "gpt", "value": "4"}]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmpipe.data.chat import ChatTemplate
-from mmpipe.data.template import IGNORE, parse_conversation, template_sample, templater_for
+from mmpipe.data.chat import ChatTemplate, templater_for
+from mmpipe.data.template import IGNORE, parse_conversation, template_sample
 from mmpipe.model.geometry import SampleMeta
 
 
