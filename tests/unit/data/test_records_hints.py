@@ -124,3 +124,18 @@ def test_a_system_turn_is_the_chat_templates_and_a_skip_under_the_tiny_one(tmp_p
     stream = SampleStream(path=str(tmp_path / "s-0.tar"), tokenizer=mini_tok, spec=hf_specs["tiny"], epochs=1)
     assert [r.key for r in stream.records()] == ["z"] and stream.skips.as_dict() == {"bad conversation": 1}
     assert "from='system'" in stream.skips.examples[0]
+
+
+def test_img2dataset_captions_are_counted_by_the_run_templater(tmp_path, omni, hf_specs) -> None:
+    import io
+
+    import webdataset as wds
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (20, 120, 220)).save(buf, format="JPEG")
+    with wds.TarWriter(str(tmp_path / "c-0.tar")) as tw:
+        tw.write({"__key__": "k", "jpg": buf.getvalue(), "txt": "a blue square", "json": {"caption": "a blue square"}})
+    path, spec = str(tmp_path / "c-0.tar"), hf_specs["tiny"]
+    rec = next(SampleStream(path=path, tokenizer=omni, spec=spec, epochs=1).records())
+    assert omni.tokenizer.decode(rec.labels[-4:]).endswith("<|im_end|>\n")
+    assert [m for _, m in iter_meta(path=path, spec=spec, tokenizer=omni)] == [rec.meta]
