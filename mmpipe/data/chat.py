@@ -112,6 +112,17 @@ def templater_for(source: str | Path, spec: ModelSpec, *, key: str = "data.token
 
 
 
+def checkpoint_folder(spec: ModelSpec) -> Path | None:
+    """The folder whose tokenizer and chat template a Hugging Face model trains with: the
+    checkpoint's (`model.hf.path`), or a composition's LLM (`model.hf.compose.llm`); None for
+    mmpipe's own models and configs without weights."""
+    if spec.hf is None:
+        return None
+    parts = dict(spec.hf.weights)
+    folder = parts.get("model") or parts.get("llm")
+    return Path(folder) if folder else None
+
+
 def no_template_error(folder: Path, key: str) -> ValueError:
     return ValueError(
         f"{key}={str(folder)!r}: the checkpoint has no chat template (no chat_template.jinja, no chat_template in "

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmpipe.data.chat import ChatTemplate, templater_for
+from mmpipe.data.chat import ChatTemplate, checkpoint_folder, templater_for
 from mmpipe.data.template import IGNORE, parse_conversation, template_sample
 from mmpipe.model.geometry import SampleMeta
 
@@ -299,7 +299,7 @@ def test_a_template_without_an_end_of_turn_token_is_warned_about(hf_dirs, hf_spe
     assert "not taught to stop" not in caplog.text
 
 
-def test_the_model_sides_specs_and_the_templater_agree(tmp_path, hf_dirs, hf_tok, small_llava) -> None:
+def test_the_model_sides_specs_and_the_templater_agree(tmp_path, hf_dirs, hf_tok, hf_specs, small_llava) -> None:
     """A checkpoint folder's spec (mmpipe.model.hf) and its templater make records whose image
     tokens are the geometry's; a composition's image token id comes from its model config."""
     import io
@@ -314,7 +314,8 @@ def test_the_model_sides_specs_and_the_templater_agree(tmp_path, hf_dirs, hf_tok
     from mmpipe.model.spec import ModelSpec
 
     spec = spec_from_folder(hf_dirs["llava"])
-    tpl = templater_for(hf_dirs["llava"], spec)
+    assert checkpoint_folder(spec) == hf_dirs["llava"] and checkpoint_folder(hf_specs["llava"]) is None
+    tpl = templater_for(checkpoint_folder(spec), spec)
     buf = io.BytesIO()
     Image.new("RGB", (40, 30), (200, 0, 0)).save(buf, format="PNG")
     conv = [human("<image>\nWhat shape is in the image?"), gpt("a red triangle")]
@@ -329,8 +330,10 @@ def test_the_model_sides_specs_and_the_templater_agree(tmp_path, hf_dirs, hf_tok
     composed = spec_from_config(LlavaConfig(vision_config=small_llava["vision"], image_token_id=image,
                                             text_config=dict(small_llava["llm"], vocab_size=len(llm))),
                                 name="compose-test", image_processor={"image_processor_type": "CLIPImageProcessor",
-                                                                      **small_llava["processor"]})
-    tpl = templater_for(hf_dirs["qwen2-llm"], composed)
+                                                                      **small_llava["processor"]},
+                                weights=(("vision", str(tmp_path)), ("llm", str(hf_dirs["qwen2-llm"]))))
+    assert checkpoint_folder(composed) == hf_dirs["qwen2-llm"]
+    tpl = templater_for(checkpoint_folder(composed), composed)
     assert tpl.image_id == image and not tpl.media["image"].placed
     t = template_sample(parse_conversation(conv), tpl, composed, SampleMeta(text_tokens=0, images=((30, 40),)))
     assert llm.decode(collapse(t.input_ids, {image})).startswith(
