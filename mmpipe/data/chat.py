@@ -111,7 +111,6 @@ def templater_for(source: str | Path, spec: ModelSpec, *, key: str = "data.token
     return TinyTemplate(load_tokenizer(path))
 
 
-
 def checkpoint_folder(spec: ModelSpec) -> Path | None:
     """The folder whose tokenizer and chat template a Hugging Face model trains with: the
     checkpoint's (`model.hf.path`), or a composition's LLM (`model.hf.compose.llm`); None for
@@ -313,8 +312,12 @@ class ChatTemplate:
         offsets = None
         for k, j in enumerate(answers):
             p, t = prompts[k], through.get(j, full)
-            if not (t.startswith(p) and full.startswith(t)):
-                raise SampleError(BAD_CONVERSATION, f"the chat template of {self.path} renders the turns before "
+            if not t.startswith(p):
+                raise SampleError(BAD_CONVERSATION, f"the chat template of {self.path} does not start answer turn {j} "
+                                  f"with its generation prompt; mmpipe's label convention needs each render to "
+                                  f"extend the one before (docs/data.md)")
+            if not full.startswith(t):
+                raise SampleError(BAD_CONVERSATION, f"the chat template of {self.path} renders the conversation up to "
                                   f"turn {j} differently once later turns follow; mmpipe's label convention needs "
                                   f"each render to extend the one before (docs/data.md)")
             pi, ti = p_ids[k], t_ids.get(j, full_ids)

@@ -232,11 +232,14 @@ def test_a_tokenizer_merging_across_the_prompt_boundary_labels_by_characters(hf_
     assert [tok.decode(r).strip() for r in spans] == ["a red triangle</s>", "red</s>"]
 
 
-def test_a_template_that_renders_history_differently_is_refused_naming_the_checkpoint(hf_dirs, hf_specs) -> None:
+@pytest.mark.parametrize("folder, why", [("qwen2-rerender", "differently once later turns follow"),
+                                         ("qwen2-genprompt", "with its generation prompt")])
+def test_a_template_that_breaks_the_convention_is_refused_naming_the_checkpoint(hf_dirs, hf_specs, folder,
+                                                                                 why) -> None:
     with pytest.raises(ValueError) as err:
-        ChatTemplate.from_checkpoint(hf_dirs["qwen2-rerender"], hf_specs["text"])
+        ChatTemplate.from_checkpoint(hf_dirs[folder], hf_specs["text"])
     msg = str(err.value)
-    assert "\n" not in msg and str(hf_dirs["qwen2-rerender"]) in msg and "label convention" in msg
+    assert "\n" not in msg and str(hf_dirs[folder]) in msg and "label convention" in msg and why in msg
 
 
 def test_a_checkpoint_without_a_chat_template_is_a_one_line_error(hf_dirs, hf_specs) -> None:
