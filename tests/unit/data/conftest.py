@@ -220,8 +220,8 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save("qwen2-nochat", qwen, None)
     save("qwen2-rerender", qwen, RERENDER_TEMPLATE)
     # A generation prompt that is not how the template starts an answer.
-    save("qwen2-genprompt", qwen, QWEN2_TEXT_TEMPLATE.replace("{% if add_generation_prompt %}<|im_start|>assistant\n",
-                                                              "{% if add_generation_prompt %}<|im_start|>assistant\n\n"))
+    gen = "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    save("qwen2-genprompt", qwen, QWEN2_TEXT_TEMPLATE.replace(gen, gen + "\n"))
     # No config.json: the media tokens are the tokenizer's own image_token / audio_token.
     omni = _qwen_tokenizer(named={"image_token": "<|image_pad|>", "audio_token": "<|AUDIO|>"})
     save("qwen2-omni", omni, OMNI_TEMPLATE)
