@@ -19,8 +19,8 @@ from torch import nn
 
 from mmpipe.model.hf import layers as L
 from mmpipe.model.hf.arch import hf_config
-from mmpipe.model.hf.skeleton import layer_parts, materialise, model_type, ties_embeddings
-from mmpipe.model.hf.weights import load_layer
+from mmpipe.model.hf.skeleton import layer_parts, materialise, model_type, owned_keys, ties_embeddings
+from mmpipe.model.hf.weights import checkpoint_index, load_layer
 from mmpipe.model.layers import layer_seed
 from mmpipe.model.spec import ModelSpec, layer_names
 
@@ -96,11 +96,14 @@ def build_layer(spec: ModelSpec, name: str, *, seed: int, load: bool = True) -> 
         head = L.TiedHead(build_layer(spec, "llm.embed", seed=seed, load=load))
         head.name = name
         return head
+    load = load and bool(spec.hf.weights)
+    # weights no source holds (a composition's new projector) keep transformers' random init
+    fresh = not load or any(k not in checkpoint_index(spec.hf) for k in owned_keys(spec, name).values())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, name))
-        parts = {attr: materialise(spec.hf, path) for attr, path in layer_parts(spec, name)}
+        parts = {attr: materialise(spec.hf, path, init_weights=fresh) for attr, path in layer_parts(spec, name)}
     layer = _make(spec, name, parts)
-    if load and spec.hf.weights:
+    if load:
         load_layer(layer, spec, name)
     layer.name = name
     return layer

@@ -111,14 +111,13 @@ def preprocess_image(spec: ModelSpec, image: bytes | Image.Image | np.ndarray) -
     img = _pil(image)
     out = image_processor(spec.hf)(images=[img], return_tensors="np")
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-    if "image_grid_thw" in out:
+    if "image_grid_thw" in out:  # Qwen2-VL: flattened patches of all frames, grid (t, rows, cols)
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        planned = image_grid(spec.vision, img.height, img.width)
         got = grid[1:]
-    else:
+    else:  # LLaVA towers: one [C, S, S] image
         pixels = pixels[0]
         grid = got = (pixels.shape[1] // spec.vision.patch, pixels.shape[2] // spec.vision.patch)
-        planned = image_grid(spec.vision, img.height, img.width)
+    planned = image_grid(spec.vision, img.height, img.width)
     if tuple(got) != tuple(planned):
         raise ValueError(f"the image processor made a {got} patch grid of a {img.height}x{img.width} image but "
                          f"the model's geometry says {planned}; the processor config and the spec disagree")

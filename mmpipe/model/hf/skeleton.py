@@ -155,9 +155,14 @@ def _owner(model: PreTrainedModel, path: str) -> PreTrainedModel:
     return owner
 
 
-def materialise(src: HFSource, path: str) -> nn.Module:
+def materialise(src: HFSource, path: str, *, init_weights: bool = True) -> nn.Module:
     """A real copy of one module of the meta model, initialised by transformers' own init
-    (random weights drawn from the current torch RNG; buffers computed from the config)."""
+    (random weights drawn from the current torch RNG; buffers computed from the config).
+
+    With `init_weights=False` (every weight is about to be loaded) only modules holding
+    non-persistent buffers (rotary tables, position ids) are initialised; other weights are
+    left as allocated, which saves drawing billions of random numbers per 7B stage.
+    """
     model = skeleton(src)
     meta = model.get_submodule(path)
     memo = {id(c): c for c in _configs(model)}  # parts share the one config, as in the model
@@ -166,5 +171,6 @@ def materialise(src: HFSource, path: str) -> nn.Module:
     owner = _owner(model, path)
     with torch.no_grad():
         for module in part.modules():
-            owner._init_weights(module)
+            if init_weights or module._non_persistent_buffers_set:
+                owner._init_weights(module)
     return part

@@ -57,7 +57,7 @@ class LoadReport:
     seconds: float
     """Wall time of the reads and copies."""
     peak_rss_mb: float
-    """The process's peak resident memory after the load (ru_maxrss)."""
+    """The process's peak resident memory after the load (VmHWM)."""
 
 
 LOAD_LOG: list[LoadReport] = []
@@ -160,7 +160,15 @@ def checkpoint_index(src: HFSource) -> dict[str, TensorRef]:
     return index
 
 
-def _rss_peak_mb() -> float:
+def memory_mb(field: str = "VmHWM") -> float:
+    """This process's peak (VmHWM) or current (VmRSS) resident memory in MB. /proc is read
+    because ru_maxrss survives exec, so a spawned process would report its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -172,7 +180,8 @@ def load_layer(layer: nn.Module, spec: ModelSpec, name: str) -> LoadReport:
     projector of a composition. Anything else missing is an error naming the key and folder.
     """
     src = spec.hf
-    assert src is not None
+    if src is None:
+        raise ValueError(f"model {spec.name} is mmpipe's own assembly; it has no Hugging Face checkpoint")
     start = time.perf_counter()
     index = checkpoint_index(src)
     state = layer.state_dict(keep_vars=True)
@@ -200,7 +209,7 @@ def load_layer(layer: nn.Module, spec: ModelSpec, name: str) -> LoadReport:
                 tensors += 1
                 nbytes += t.numel() * t.element_size()
     report = LoadReport(layer=name, tensors=tensors, bytes=nbytes, seconds=time.perf_counter() - start,
-                        peak_rss_mb=_rss_peak_mb())
+                        peak_rss_mb=memory_mb())
     LOAD_LOG.append(report)
     return report
 

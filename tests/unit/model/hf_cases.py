@@ -246,18 +246,22 @@ def load_reference(cls, folder):
     return model
 
 
-def compare(spec, layers, hf_model, hf_loss, samples, *, packed):
+def compare(spec, layers, hf_model, hf_loss, samples, *, packings=(True, False)):
+    """Our loss and gradients on the samples, packed into one row and padded, equal the
+    transformers model's (one backward of `hf_loss`)."""
     hf_loss.backward()
     ours = [Sample(s.key, s.input_ids, s.labels, [preprocess_image(spec, b) for b in s.images],
-                     [preprocess_audio(spec, w, 16000) for w in s.audio]) for s in samples]
-    mb = collate_hf(ours, spec=spec, packed=packed, pad_id=0)
-    loss = our_loss_and_grads(layers, mb)
-    assert loss == pytest.approx(hf_loss.item(), rel=LOSS_RTOL)
-    worst, count = grad_differences(spec, layers, hf_model)
-    assert count > 0
-    assert worst < GRAD_RTOL, f"largest relative gradient difference {worst:.2e}"
-    print(f"\n{spec.name} packed={packed}: loss {loss:.6f} vs {hf_loss.item():.6f} "
-          f"(rel {abs(loss - hf_loss.item()) / abs(hf_loss.item()):.1e}); max rel grad diff {worst:.1e} over {count} tensors")
+                   [preprocess_audio(spec, w, 16000) for w in s.audio]) for s in samples]
+    for packed in packings:
+        mb = collate_hf(ours, spec=spec, packed=packed, pad_id=0)
+        loss = our_loss_and_grads(layers, mb)
+        assert loss == pytest.approx(hf_loss.item(), rel=LOSS_RTOL)
+        worst, count = grad_differences(spec, layers, hf_model)
+        assert count > 0
+        assert worst < GRAD_RTOL, f"largest relative gradient difference {worst:.2e} (packed={packed})"
+        print(f"\n{spec.name} packed={packed}: loss {loss:.6f} vs {hf_loss.item():.6f} (rel "
+              f"{abs(loss - hf_loss.item()) / abs(hf_loss.item()):.1e}); max rel grad diff {worst:.1e} "
+              f"over {count} tensors")
 
 
 def llava_samples(spec, rng):

@@ -44,7 +44,7 @@ def test_composed_vision_model_is_a_transformers_llava(unimodal):
     pixels = H.processed_images(vision, [b for s in samples for b in s.images])["pixel_values"]
     out = ref(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples), pixel_values=pixels,
               labels=H.padded(samples, "labels"))
-    H.compare(spec, layers, ref, out.loss, samples, packed=True)
+    H.compare(spec, layers, ref, out.loss, samples)
 
 
 def test_composed_audio_model_is_a_transformers_qwen2_audio(unimodal):
@@ -73,7 +73,7 @@ def test_composed_audio_model_is_a_transformers_qwen2_audio(unimodal):
     out = ref(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples),
               input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"],
               labels=H.padded(samples, "labels"))
-    H.compare(spec, layers, ref, out.loss, samples, packed=True)
+    H.compare(spec, layers, ref, out.loss, samples)
 
 
 @pytest.mark.parametrize("kind,cls,prefix", [("clip", CLIPModel, "vision_model."),

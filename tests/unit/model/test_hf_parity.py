@@ -15,23 +15,20 @@ from mmpipe.model.hf.arch import spec_from_folder
 from mmpipe.model.hf.build import build_layers
 
 
-@pytest.mark.parametrize("case,packings", [("llava_clip_llama", (True,)), ("llava_siglip_qwen2", (True,)),
-                                           ("llava_clip_mistral", (True, False))])
-def test_llava_layers_equal_transformers(case, packings, request):
+@pytest.mark.parametrize("case", ["llava_clip_llama", "llava_siglip_qwen2", "llava_clip_mistral"])
+def test_llava_layers_equal_transformers(case, request):
     folder = request.getfixturevalue(case)
     spec = spec_from_folder(folder)
     samples = H.llava_samples(spec, np.random.default_rng(0))
     pixels = H.processed_images(folder, [b for s in samples for b in s.images])["pixel_values"]
-    layers = build_layers(spec, seed=0)
-    for packed in packings:
-        hf = H.load_reference(LlavaForConditionalGeneration, folder)
-        out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples), pixel_values=pixels,
-                 labels=H.padded(samples, "labels"))
-        H.compare(spec, layers, hf, out.loss, samples, packed=packed)
+    hf = H.load_reference(LlavaForConditionalGeneration, folder)
+    out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples), pixel_values=pixels,
+             labels=H.padded(samples, "labels"))
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
 
 
 def test_qwen2_vl_layers_equal_transformers(qwen2_vl):
-    """Two images of different sizes in one sample, and a packed micro-batch of two samples."""
+    """Two images of different sizes in one sample; two samples packed in one row, and padded."""
     spec = spec_from_folder(qwen2_vl)
     rng = np.random.default_rng(1)
     sizes = [(56, 90), (30, 120), (70, 70)]
@@ -50,11 +47,11 @@ def test_qwen2_vl_layers_equal_transformers(qwen2_vl):
     out = hf(input_ids=ids, attention_mask=H.mask(samples), pixel_values=inputs["pixel_values"],
              image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(ids == H.IMAGE).int(),
              labels=H.padded(samples, "labels"))
-    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples, packed=True)
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
 
 
 def test_qwen2_audio_layers_equal_transformers(qwen2_audio):
-    """Two clips of different lengths in one sample (and one past the 4-s cut) in a packed batch."""
+    """Two clips of different lengths in one sample, one past the 4-s cut in another; packed and padded."""
     spec = spec_from_folder(qwen2_audio)
     rng = np.random.default_rng(2)
     clips = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (20_800, 46_410, 70_000)]
@@ -69,4 +66,4 @@ def test_qwen2_audio_layers_equal_transformers(qwen2_audio):
     out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples),
              input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"],
              labels=H.padded(samples, "labels"))
-    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples, packed=True)
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
