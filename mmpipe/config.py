@@ -110,8 +110,24 @@ class DataConfig:
     """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see conf/data/mixture.yaml)."""
     caption_prompt: str = CAPTION_PROMPT
     """Human turn of image-caption samples (img2dataset shards: KEY.jpg + KEY.txt); one <image>."""
+    max_image_pixels: int = 64_000_000
+    """An image whose header gives more pixels (height x width) is refused undecoded (`media too large`)."""
+    max_member_mb: float = 100.0
+    """An image or clip of more megabytes is refused undecoded (`media too large`); `mmpipe shards`
+    reads no more than this of any media file."""
+    max_audio_seconds: float = 600.0
+    """A clip whose header gives a longer duration is refused undecoded (`media too large`)."""
+
+    @property
+    def limits(self):
+        """The media limits as the data layer takes them (mmpipe.data.media.MediaLimits)."""
+        from mmpipe.data.media import MediaLimits
+
+        return MediaLimits(max_image_pixels=self.max_image_pixels, max_member_bytes=int(self.max_member_mb * 2**20),
+                           max_audio_seconds=float(self.max_audio_seconds))
 
     def __post_init__(self) -> None:
+        self.limits  # validates the three limits, naming the key
         check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
                       epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
         if self.sources is not None:
@@ -156,8 +172,13 @@ class LauncherConfig:
     """auto | gloo | nccl."""
     master_port: int = 0
     """Rendezvous port (0: a free one)."""
+    grace_s: float = 10.0
+    """When ranks are stopped (one failed, or the launcher got SIGTERM/SIGINT/SIGHUP): seconds
+    between SIGTERM and SIGKILL."""
 
     def __post_init__(self) -> None:
+        if not self.grace_s >= 0:
+            raise ValueError(f"launcher.grace_s={self.grace_s!r} must be >= 0 (seconds before SIGKILL)")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"launcher.backend={self.backend!r} is unknown; use auto, gloo or nccl")
         if self.nproc is not None and self.nproc < 1:
@@ -192,6 +213,9 @@ class ShardsConfig:
     """Shard size limit in MB (null: count only)."""
     prefix: str = "train"
     """Shard file prefix: <prefix>-000000.tar."""
+    allow_outside_roots: bool = False
+    """Let media paths lead out of image_root / audio_root (`..`, absolute paths, symlinks);
+    by default such an entry is skipped as `outside root`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -160,7 +160,7 @@ class Mixture(Reader):
                              shuffle_buffer=self.shuffle_buffer, on_error=self.on_error, too_long=self.too_long,
                              caption_prompt=self.caption_prompt,
                              num_workers=self.num_workers, worker_id=self.worker_id, root=self.root,
-                             name=src.name, key=f"data.sources[{i}].path", skips=self.skips)
+                             name=src.name, key=f"data.sources[{i}].path", skips=self.skips, limits=self.limits)
             sizes = shard_sizes(s.all_shards) if src.limit is not None else []
             if src.limit is not None:
                 s.keep = make_limit(sizes, src.limit, src.limit_mode, self.seed, src.name)

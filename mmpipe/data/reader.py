@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from mmpipe.data.captions import as_conversation, metadata_member
+from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.data.records import Record, Sample, decode_record, make_record, meta_record
 from mmpipe.data.shards import Shard, read_shard, resolve_urls, shard_name, shards_for_reader
@@ -109,6 +110,8 @@ class Reader:
     """Second base for relative shard paths (e.g. the project root)."""
     skips: SkipCounter = field(default_factory=SkipCounter)
     """Samples dropped so far, by reason."""
+    limits: MediaLimits = DEFAULT_LIMITS
+    """Media sizes refused before decoding (data.max_image_pixels, max_member_mb, max_audio_seconds)."""
     resume_mode: str = field(default="start", init=False)
     """start | exact | approximate (...): how the last load_state_dict resumed."""
     _start: list = field(default_factory=list, init=False, repr=False)
@@ -191,7 +194,7 @@ class Reader:
         """decode_record for this stream; an undecodable medium is counted (or raised) and
         gives None."""
         try:
-            return decode_record(rec, self.tokenizer, self.spec, media=media)
+            return decode_record(rec, self.tokenizer, self.spec, media=media, limits=self.limits)
         except SampleError as err:
             if self.on_error == "raise":
                 raise
@@ -200,10 +203,10 @@ class Reader:
 
     def _make_record(self, raw: dict) -> Record:
         return make_record(as_conversation(raw, self.caption_prompt), self.tokenizer, self.spec,
-                           too_long=self.too_long)
+                           too_long=self.too_long, limits=self.limits)
 
     def _make_sample(self, raw: dict) -> Sample:
-        return decode_record(self._make_record(raw), self.tokenizer, self.spec)
+        return decode_record(self._make_record(raw), self.tokenizer, self.spec, limits=self.limits)
 
     @property
     def cursors(self) -> list:

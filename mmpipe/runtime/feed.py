@@ -54,7 +54,7 @@ class StepFeeder:
                  steps: int | None = None):
         self.rc = rc
         self.tokenizer = tokenizer
-        self.skips = SkipCounter()
+        self.skips = SkipCounter.for_run(rc.run_dir, dp_rank=dp_rank) if media else SkipCounter()  # first stage logs
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
@@ -130,7 +130,8 @@ class StepFeeder:
         """The first stage decodes media; the last stage needs only ids and labels. Media that
         fail behind a valid header become zeros of the planned shape (and are counted), so
         both stages keep the same samples in the same micro-batches."""
-        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True)
+        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True,
+                               limits=self.stream.limits)
         if self.media:
             for err in sample.dropped[len(rec.dropped):]:  # new here; earlier drops are counted
                 if self.rc.data.on_error == "raise":

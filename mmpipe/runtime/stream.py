@@ -19,7 +19,7 @@ def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: Ski
     common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=dp_size,
                   seed=rc.train.seed, epochs=d.epochs, shuffle_buffer=d.shuffle_buffer, on_error=d.on_error,
                   too_long=d.too_long, num_workers=d.num_workers, caption_prompt=d.caption_prompt, root=PROJECT_ROOT,
-                  skips=skips)
+                  skips=skips, limits=d.limits)
     if d.sources:
         sources = [dict(s, path=resolve_path(s["path"])) for s in d.sources]
         return Mixture(sources=mixture_from_dicts(sources), **common)

@@ -269,14 +269,9 @@ def _save(engine, run_dir: Path, step: int, first: bool, dp_rank: int, reader_st
 
 def _resume(engine, rc: RunConfig, dp_rank: int) -> tuple[int, dict | None]:
     """Load the checkpoint named by train.resume; return its step and this replica's reader state."""
-    path = Path(resolve_path(rc.train.resume))
-    if (path / "checkpoints" / "latest").is_file():
-        path = path / "checkpoints"
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    if not path.is_dir():
-        raise FileNotFoundError(f"train.resume={rc.train.resume!r}: no checkpoint folder there "
-                                f"(give …/checkpoints/step<N> or a run directory)")
+    from mmpipe.runtime.preflight import checkpoint_dir
+
+    path = checkpoint_dir(rc.train.resume)
     _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
     if client is None or "step" not in client:
         raise ValueError(f"train.resume={rc.train.resume!r}: not an mmpipe checkpoint (no step recorded)")

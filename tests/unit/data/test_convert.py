@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import tarfile
 import wave
 
 import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 
 from mmpipe.data.commands import run_convert
 from mmpipe.data.convert import convert
+from mmpipe.data.media import MediaLimits
 from mmpipe.data.reader import SampleStream
 from mmpipe.data.skips import SampleError
 
@@ -126,3 +130,129 @@ def test_run_convert_prints_the_report_and_the_data_path(llava, mini_data, tiny_
                      model=tiny_spec, image_root=str(llava / "images"), audio_root=None, maxcount=100,
                      maxsize_mb=None, on_error="raise")
     assert rc == 1 and "bad-1: missing media" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- confinement
+
+@pytest.fixture
+def rooted(tmp_path):
+    """An image root with one good image, an image beside it (outside), and a converter call."""
+    root = tmp_path / "root"
+    root.mkdir()
+    write_png(root / "in.png", 20, 30)
+    write_png(tmp_path / "outside.png", 20, 30)
+    return tmp_path
+
+
+class Hung(Exception):
+    pass
+
+
+def convert_one(tmp_path, path: str, mini_tok, **kw):
+    """Convert an entry with image `path` and a good one; a conversion that reads /dev/zero or
+    waits on a FIFO raises Hung after 30 s instead of hanging the tests."""
+    items = [{"id": "x", "image": path, "conversations": turn("<image>\nWhat?", "x")},
+             {"id": "ok", "image": "in.png", "conversations": turn("<image>\nWhat?", "x")}]
+    (tmp_path / "in.json").write_text(json.dumps(items))
+
+    def hung(signum, frame):
+        raise Hung(path)
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        return convert(json_path=tmp_path / "in.json", out=tmp_path / "o", tokenizer=mini_tok,
+                       image_root=tmp_path / "root", progress=False, **kw)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("dotdot", "image file '../outside.png' leads out of image_root "),
+    ("absolute", "is an absolute path outside image_root "),
+    ("symlink out", "image file 'link.png' leads through a symlink out of image_root "),
+    ("symlink to /dev/zero", "image file 'link.png' leads through a symlink out of image_root "),
+    ("/dev/zero", "image file '/dev/zero' is an absolute path outside image_root "),
+    ("fifo", "image file 'pipe.png' is not a regular file"),
+])
+def test_media_paths_must_stay_inside_their_root(rooted, mini_tok, case, says) -> None:
+    root = rooted / "root"
+    path = {"dotdot": "../outside.png", "absolute": str(rooted / "outside.png"), "symlink out": "link.png",
+            "symlink to /dev/zero": "link.png", "/dev/zero": "/dev/zero", "fifo": "pipe.png"}[case]
+    if case == "symlink out":
+        (root / "link.png").symlink_to(rooted / "outside.png")
+    if case == "symlink to /dev/zero":
+        (root / "link.png").symlink_to("/dev/zero")
+    if case == "fifo":
+        os.mkfifo(root / "pipe.png")  # opening it for reading would wait for a writer forever
+    r = convert_one(rooted, path, mini_tok)
+    assert r.skipped_ids == {"unsafe path": ["x"]} and r.samples == 1
+    assert says in r.skips.examples[0]
+    with tarfile.open(rooted / "o" / "train-000000.tar") as tar:
+        assert tar.getnames() == ["ok.json", "ok.0.png"]
+    with pytest.raises(SampleError, match="in.json sample x: unsafe path: "):
+        convert_one(rooted, path, mini_tok, on_error="raise")
+
+
+def test_allow_outside_roots_reads_outside_files_but_never_devices(rooted, mini_tok) -> None:
+    r = convert_one(rooted, "../outside.png", mini_tok, allow_outside_roots=True)
+    assert r.samples == 2 and not r.skipped_ids
+    r = convert_one(rooted, "/dev/zero", mini_tok, allow_outside_roots=True)
+    assert r.skipped_ids == {"unsafe path": ["x"]} and "is not a regular file" in r.skips.examples[0]
+
+
+def test_a_file_over_max_member_mb_is_refused(rooted, mini_tok) -> None:
+    big = rooted / "root" / "big.png"
+    big.write_bytes((rooted / "root" / "in.png").read_bytes())
+    os.truncate(big, 64 * 2**30)  # sparse: 64 GB that must not be read whole
+    r = convert_one(rooted, "big.png", mini_tok, limits=MediaLimits(max_member_bytes=2**20))
+    assert r.skipped_ids == {"media too large": ["x"]}
+    assert "image file 'big.png' is larger than data.max_member_mb=1" in r.skips.examples[0]
+
+
+# ---------------------------------------------------------------------------- input shapes and formats
+
+def test_onevision_sharegpt_and_messages_shapes(tmp_path, mini_tok, tiny_spec) -> None:
+    write_png(tmp_path / "a.png", 40, 64)
+    write_png(tmp_path / "b.jpg", 48, 32, "JPEG")
+    x = (0.3 * np.sin(np.arange(12000) / 5)).astype(np.float32)
+    soundfile.write(tmp_path / "tone.flac", x, 8000, subtype="PCM_24")
+    soundfile.write(tmp_path / "float.wav", x, 16000, subtype="FLOAT")
+    user = lambda *parts: {"role": "user", "content": list(parts)}  # noqa: E731
+    items = [
+        {"id": "ov", "image": ["a.png", "b.jpg"],  # LLaVA-OneVision multi-image
+         "conversations": turn("<image>\n<image>\nSame shape?", "no")},
+        {"id": "m1", "images": ["b.jpg"],  # messages with typed parts, paths at the top
+         "messages": [user({"type": "image"}, {"type": "text", "text": "Colour?"}),
+                      {"role": "assistant", "content": [{"type": "text", "text": "green"}]}]},
+        {"id": "m2", "messages": [user({"type": "image", "path": "a.png"}, {"type": "audio", "path": "tone.flac"},
+                                       {"type": "text", "text": "What?"}),
+                                  {"role": "assistant", "content": "a tone"}]},
+        {"id": "sg", "audio": "float.wav",  # ShareGPT user/assistant speakers
+         "conversations": [{"from": "user", "value": "<audio>\nLoud?"}, {"from": "assistant", "value": "no"}]},
+        {"id": "sys", "messages": [{"role": "system", "content": "Be brief."}, user({"type": "text", "text": "Hi"}),
+                                   {"role": "assistant", "content": "Hi"}]},
+        {"id": "twice", "images": ["a.png"], "messages": [user({"type": "image", "path": "a.png"}),
+                                                          {"role": "assistant", "content": "x"}]},
+        {"id": "neither", "image": "a.png"},
+    ]
+    (tmp_path / "in.json").write_text(json.dumps(items))
+    r = convert(json_path=tmp_path / "in.json", out=tmp_path / "o", tokenizer=mini_tok, spec=tiny_spec,
+                progress=False)
+    assert r.skipped_ids == {"bad conversation": ["sys", "twice", "neither"]}
+    got = {s.key: s for s in SampleStream(path=r.path, tokenizer=mini_tok, spec=tiny_spec, epochs=1,
+                                          on_error="raise")}
+    assert list(got) == ["ov", "m1", "m2", "sg"]
+    assert got["ov"].meta.images == ((40, 64), (48, 32))
+    assert got["m1"].meta.images == ((48, 32),)
+    assert got["m2"].modality == "image+audio" and got["m2"].meta.audio_seconds == (1.5,)
+    assert got["sg"].meta.audio_seconds == (0.75,)
+    with tarfile.open(tmp_path / "o" / "train-000000.tar") as tar:
+        names = tar.getnames()
+        m2 = json.loads(tar.extractfile("m2.json").read())
+        assert tar.extractfile("m2.0.flac").read() == (tmp_path / "tone.flac").read_bytes()  # stored as it is
+        assert tar.extractfile("sg.0.wav").read() == (tmp_path / "float.wav").read_bytes()
+    assert "m2.0.flac" in names and "sg.0.wav" in names
+    assert m2["conversations"] == [{"from": "human", "value": "<image>\n<audio>\nWhat?"},
+                                   {"from": "gpt", "value": "a tone"}]
