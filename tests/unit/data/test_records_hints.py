@@ -88,12 +88,16 @@ def test_convert_names_the_templater_that_counted(tmp_path, omni, hf_specs, mini
     Image.new("RGB", (40, 30), (200, 0, 0)).save(tmp_path / "a.png")
     items = [{"id": "t", "conversations": CONV},
              {"id": "i", "image": "a.png", "conversations": [{"from": "human", "value": "<image>\nWhat colour?"},
-                                                            {"from": "gpt", "value": "red"}]}]
+                                                            {"from": "gpt", "value": "red"}]},
+             {"id": "s", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "Hi"}]}]
     (tmp_path / "in.json").write_text(json.dumps(items))
     for tpl, fingerprint in ((omni, omni.fingerprint), (mini_tok, f"tiny:{mini_tok.fingerprint}")):
         out = tmp_path / fingerprint[:4]
         r = convert(json_path=tmp_path / "in.json", out=out, tokenizer=tpl, spec=hf_specs["tiny"], progress=False)
         assert r.index["tokenizer"]["fingerprint"] == fingerprint
+        # a system turn is the chat template's; mmpipe's tiny template has none
+        assert r.skipped_ids == ({} if tpl is omni else {"bad conversation": ["s"]})
         stream = SampleStream(path=r.path, tokenizer=tpl, spec=hf_specs["tiny"], epochs=1, on_error="raise")
         for rec in stream.records():
             obj = json.loads(rec.raw["json"])
