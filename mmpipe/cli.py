@@ -61,21 +61,22 @@ def load(overrides: list[str], *, job: str) -> RunConfig:
 
 
 def cmd_train(rc: RunConfig) -> int:
-    from mmpipe.runtime.launch import launch, python_module, under_external_launcher
-    from mmpipe.runtime.preflight import check_data, write_run_config
+    from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
+    from mmpipe.runtime.preflight import check_data, check_launch, write_run_config
 
     check_data(rc)
+    check_launch(rc)
     if under_external_launcher():
-        from mmpipe.runtime.train import train
+        from mmpipe.runtime.worker import run_rank
 
-        train(rc)
-        return 0
+        return run_rank(rc)
     path = write_run_config(rc)
     nproc = rc.launcher.nproc or rc.parallel.pp * rc.parallel.dp
-    print(f"mmpipe train: {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), run dir {rc.run_dir}",
-          flush=True)
-    return launch(python_module("mmpipe.runtime.worker", str(path)), nproc=nproc,
-                  backend=rc.launcher.backend, master_port=rc.launcher.master_port)
+    logs = Path(rc.run_dir) / "logs"
+    print(f"mmpipe train: {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), run dir {rc.run_dir}, "
+          f"each rank's output in {logs}/rank<R>.log", flush=True)
+    return launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
+                  master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s)
 
 
 def cmd_plan(rc: RunConfig, *, compare_schedules: bool = False) -> int:
@@ -122,7 +123,8 @@ def cmd_shards(rc: RunConfig) -> int:
         raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
     return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
                        model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
-                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix)
+                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix, limits=rc.data.limits,
+                       allow_outside_roots=s.allow_outside_roots)
 
 
 def cmd_profile(rc: RunConfig) -> int:

@@ -25,7 +25,6 @@ import pickle
 import random
 import re
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -208,23 +207,6 @@ def continue_schedule(scheduler, step: int, *, peak: float) -> float:
 # -- stopping ---------------------------------------------------------------------------
 
 
-class StopRequest:
-    """A flag set by SIGTERM (or by whoever calls `request`), read between steps."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    @classmethod
-    def on_signals(cls, *signums: int) -> StopRequest:
-        stop = cls()
-        for s in signums:
-            signal.signal(s, lambda num, _frame: stop.request(signal.Signals(num).name))
-        return stop
-
-    def request(self, reason: str) -> None:
-        self.reason = self.reason or reason
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepVerdict:
     """What every rank agreed on after a step."""
@@ -235,10 +217,11 @@ class StepVerdict:
     """Some rank was asked to stop: save now and end."""
 
 
-def agree_after_step(*, loss: float, grad_norm: float, stop: StopRequest | None, device) -> StepVerdict:
-    """One all-reduce: every rank takes the same decision at the same step."""
+def agree_after_step(*, loss: float, grad_norm: float, stop: bool, device) -> StepVerdict:
+    """One all-reduce: every rank takes the same decision at the same step (`stop`: this rank
+    was asked to stop)."""
     flags = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0,
-                          1.0 if stop is not None and stop.reason else 0.0], dtype=torch.float64, device=device)
+                          1.0 if stop else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return StepVerdict(nonfinite=bool(flags[0] > 0), stop=bool(flags[1] > 0))
 
@@ -348,26 +331,39 @@ def find_checkpoint(target: Path, *, given: str, run_dir: Path, topology: dict, 
     return Found(folder=folder, record=record)
 
 
+def newest_committed(target: Path, key: str) -> tuple[Path, list[str]]:
+    """The committed checkpoint `target` names (a step folder, or the newest in a checkpoints
+    folder or a run directory) and a warning for each newer unfinished save. Raises
+    CheckpointError starting with `key`. Pure path logic: the CLI checks train.resume with it
+    before launching."""
+    if (target / MARKER).is_file():
+        return target, []
+    if not target.is_dir():
+        raise CheckpointError(f"{key}: no such folder; give a run directory or its checkpoints/step<N> folder")
+    if _STEP.fullmatch(target.name):
+        raise CheckpointError(f"{key}: {target} is not a committed checkpoint (no {MARKER}: its save did not finish, "
+                              f"or an older mmpipe wrote it); resume from the run directory to use its newest "
+                              f"committed checkpoint")
+    root = target / "checkpoints" if (target / "checkpoints").is_dir() else target
+    folders = _step_folders(root)
+    if not folders:
+        raise CheckpointError(f"{key}: no checkpoint there (give a run directory, its checkpoints folder or a "
+                              f"step<N> folder)")
+    committed = [p for _, p in folders if (p / MARKER).is_file()]
+    if not committed:
+        raise CheckpointError(f"{key}: no committed checkpoint in {root} (unfinished saves: "
+                              f"{', '.join(p.name for _, p in folders)}); start without train.resume")
+    newest = int(_STEP.fullmatch(committed[0].name).group(1))
+    return committed[0], [f"skipping {p}: not committed (its save did not finish)" for s, p in folders if s > newest]
+
+
 def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     """Rank 0: (folder, marker record, warnings, an earlier committed folder), or an error."""
-    if (target / MARKER).is_file():
-        folder, warnings = target, []
-        root = target.parent
-    elif _STEP.fullmatch(target.name) and target.is_dir():
-        return (f"{key}: {target} is not a committed checkpoint (no {MARKER}: its save did not finish, or an "
-                f"older mmpipe wrote it); resume from the run directory to use its newest committed checkpoint")
-    else:
-        root = target / "checkpoints" if (target / "checkpoints").is_dir() else target
-        folders = _step_folders(root)
-        if not folders:
-            return f"{key}: no checkpoint there (give a run directory, its checkpoints folder or a step<N> folder)"
-        committed = [p for _, p in folders if (p / MARKER).is_file()]
-        if not committed:
-            return (f"{key}: no committed checkpoint in {root} (unfinished saves: "
-                    f"{', '.join(p.name for _, p in folders)}); start without train.resume")
-        folder = committed[0]
-        warnings = [f"skipping {p}: not committed (its save did not finish)"
-                    for s, p in folders if s > int(_STEP.fullmatch(folder.name).group(1))]
+    try:
+        folder, warnings = newest_committed(target, key)
+    except CheckpointError as err:
+        return str(err)
+    root = folder.parent
     try:
         record = json.loads((folder / MARKER).read_text())
         step, files = int(record["step"]), record["files"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -19,15 +20,15 @@ import torch.distributed as dist
 
 from mmpipe.config import RunConfig, resolve_path
 from mmpipe.model.spec import layer_names
-from mmpipe.planner.calibrate import StepCalibration
+from mmpipe.planner.api import StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
-from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerdict, StopRequest, agree_after_step,
-                                       find_checkpoint, refuse_other_history, truncate_records)
+from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerdict, agree_after_step, find_checkpoint,
+                                       refuse_other_history, truncate_records)
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
                                      lr_lambda, make_optimizer)
-from mmpipe.runtime.stages import StageChoice, choose_stages, format_stage_table
+from mmpipe.runtime.stages import choose_stages, format_stage_table
 from mmpipe.runtime.telemetry import StageTimer, gather_stage_times, per_stage
 
 log = logging.getLogger("mmpipe")
@@ -109,7 +110,7 @@ class _Pipeline:
     dp_group: object
 
 
-def _build(rc: RunConfig, tok, stage_plan: StageChoice) -> _Pipeline:
+def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     import deepspeed
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
@@ -134,10 +135,11 @@ def _build(rc: RunConfig, tok, stage_plan: StageChoice) -> _Pipeline:
                      dp_group=engine.grid.get_data_parallel_group())
 
 
-def train(rc: RunConfig) -> RunResult:
-    """Train on this rank; every rank of the job calls this with the same config."""
+def train(rc: RunConfig, *, stop=None) -> RunResult:
+    """Train on this rank; every rank of the job calls this with the same config. `stop` is the
+    process's stop event (mmpipe.runtime.worker.STOP): with train.save_on_signal, a stop signal
+    during training saves a checkpoint first (then StopRequested ends the rank)."""
     _quiet_deepspeed()
-    stop = StopRequest.on_signals(signal.SIGTERM) if rc.train.save_on_signal else None
     rc = _init_distributed(rc)
     rank, run_dir = dist.get_rank(), Path(rc.run_dir)
 
@@ -145,10 +147,10 @@ def train(rc: RunConfig) -> RunResult:
 
     tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
     check_vocab(tok, rc.model.llm.vocab)
-    stage_plan = choose_stages(rc, tok)
-    found = _find_checkpoint(rc, stage_plan)  # a damaged checkpoint is refused before the model is built
-    pipe = _build(rc, tok, stage_plan)
-    ckpt = _checkpointer(rc, pipe, stage_plan)
+    stages = choose_stages(rc, tok)
+    found = _find_checkpoint(rc, stages.plan)  # a damaged checkpoint is refused before the model is built
+    pipe = _build(rc, tok, stages.plan)
+    ckpt = _checkpointer(rc, pipe, stages.plan)
     start, reader_state = ckpt.resume(found) if found else (0, None)
 
     feeder = None
@@ -156,36 +158,40 @@ def train(rc: RunConfig) -> RunResult:
         record = run_dir / f"samples_rank{rank}.jsonl" if rc.train.record_samples else None
         if record:
             truncate_records(record, start)  # steps after the checkpoint are fed again
-        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stage_plan, media=pipe.first,
+        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
+                            over_memory=bool(stages.warnings), media=pipe.first,
                             reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start)
     if rank == 0 and rc.train.resume:
         truncate_records(run_dir / "metrics.jsonl", start)
     writer = MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume)) if rank == 0 else None
     bar = None
     if rank == 0:
-        print(format_stage_table(rc, stage_plan, layer_names(rc.model)), flush=True)
-        for w in stage_plan.warnings:
+        print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
+        for w in stages.warnings:
             print(f"warning: {w}", file=sys.stderr, flush=True)
         bar = ProgressBar(rc.train.steps - start)
-    try:
-        result = _run_steps(rc, pipe, feeder, writer, bar, start, ckpt, stop)
-    finally:
-        if feeder is not None:
-            feeder.close()
-        if writer is not None:
-            writer.close()
-        if bar is not None:
-            bar.close()  # before any error line, which would land on the bar's line
-    result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
-                                                         shared=rc.plan.across_replicas)
-    if rank == 0:
-        _summary(rc, result, run_dir)
-    dist.barrier()
+    # With train.save_on_signal a stop signal only marks stop.requested until this block ends;
+    # the ranks agree on it after a step and save, and the block's end raises StopRequested.
+    with stop.deferred() if stop is not None and rc.train.save_on_signal else contextlib.nullcontext():
+        try:
+            result = _run_steps(rc, pipe, feeder, writer, bar, start, ckpt, stop)
+        finally:
+            if feeder is not None:
+                feeder.close()
+            if writer is not None:
+                writer.close()
+            if bar is not None:
+                bar.close()  # before any error line, which would land on the bar's line
+        result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
+                                                             shared=rc.plan.across_replicas)
+        if rank == 0:
+            _summary(rc, result, run_dir)
+        dist.barrier()
     return result
 
 
 def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, ckpt: Checkpointer,
-               stop: StopRequest | None) -> RunResult:
+               stop) -> RunResult:
     engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
     result = RunResult()
     timer = StageTimer(engine)
@@ -242,14 +248,16 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
             if step % rc.train.log_every == 0 or step == rc.train.steps or rec["update_skipped"]:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
-        verdict = agree_after_step(loss=loss, grad_norm=pipe.clip.last_norm, stop=stop, device=dev)
+        requested = stop.requested if stop is not None and stop.defer else None
+        verdict = agree_after_step(loss=loss, grad_norm=pipe.clip.last_norm, stop=requested is not None, device=dev)
         _on_nonfinite(rc, verdict, step, loss, pipe, ckpt, result, bar)
         stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
         if stopping or rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
             folder = ckpt.save(step, last_state)
         if stopping:
-            result.stopped = (f"stopped on {stop.reason if stop and stop.reason else 'request'} after step {step}: "
-                              f"checkpoint {folder} committed; continue with train.resume={run_dir}")
+            why = signal.Signals(requested).name if requested else "another rank's stop signal"
+            result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
+                              f"train.resume={run_dir}")
             result.seconds = time.perf_counter() - t_start
             return result
     result.seconds = time.perf_counter() - t_start
@@ -299,12 +307,12 @@ def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module
         {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}))
 
 
-def _topology(rc: RunConfig, stage_plan: StageChoice) -> dict:
+def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
     """What a checkpoint must match to load: DeepSpeed's files are per stage, positions per replica."""
     return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages]}
 
 
-def _find_checkpoint(rc: RunConfig, stage_plan: StageChoice) -> Found | None:
+def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:
     """The checked checkpoint named by train.resume; without it None, once the run directory
     is known to hold no other run's checkpoints."""
     if not rc.train.resume:
@@ -314,7 +322,7 @@ def _find_checkpoint(rc: RunConfig, stage_plan: StageChoice) -> Found | None:
                            topology=_topology(rc, stage_plan), steps=rc.train.steps)
 
 
-def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StageChoice) -> Checkpointer:
+def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan) -> Checkpointer:
     t = rc.train
     return Checkpointer(engine=pipe.engine, run_dir=Path(rc.run_dir), first=pipe.first,
                         reads_data=pipe.first or pipe.last, dp_rank=pipe.dp_rank, keep_last=t.keep_last,
