@@ -80,7 +80,7 @@ def watch_saves(proc: subprocess.Popen, run_dir: Path) -> tuple[list[float], flo
     done: dict[int, float] = {}
     while proc.poll() is None:
         now = time.monotonic()
-        if first is None and (run_dir / "metrics.jsonl").is_file():
+        if first is None and trained(run_dir):
             first = now
         for s, p in step_folders(run_dir):
             seen.setdefault(s, now)
@@ -97,6 +97,12 @@ def wait_for(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
             return True
         time.sleep(0.002)
     return False
+
+
+def trained(run_dir: Path) -> bool:
+    """Whether the run has written its first step's metrics line (training is under way)."""
+    path = run_dir / "metrics.jsonl"
+    return path.is_file() and path.stat().st_size > 0
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -169,7 +175,7 @@ def trial(run_dir: Path, ref: Path, *, steps: int, how: str, save_s: float, run_
         wait_for(proc, lambda: folder.is_dir() and not (folder / MARKER).exists())
         time.sleep(rng.uniform(0, save_s))
     else:
-        wait_for(proc, lambda: (run_dir / "metrics.jsonl").is_file())
+        wait_for(proc, lambda: trained(run_dir))
         time.sleep(rng.uniform(0, run_s) if how == "KILL-any" else rng.uniform(0, run_s / 2))
     t.stopped_at = time.monotonic() - t0
     if how == "TERM":
