@@ -74,7 +74,7 @@ def committed(run_dir: Path) -> list[int]:
 
 def watch_saves(proc: subprocess.Popen, run_dir: Path) -> tuple[list[float], float]:
     """Seconds from each step folder's appearance to its commit marker, and from the first
-    metrics line to the end, while `proc` runs."""
+    metrics line to the last commit, while `proc` runs."""
     seen: dict[int, float] = {}
     first = None
     done: dict[int, float] = {}
@@ -87,7 +87,8 @@ def watch_saves(proc: subprocess.Popen, run_dir: Path) -> tuple[list[float], flo
             if s not in done and (p / MARKER).is_file():
                 done[s] = now
         time.sleep(0.002)
-    return [done[s] - seen[s] for s in done if s in seen], time.monotonic() - (first or time.monotonic())
+    last = max(done.values(), default=time.monotonic())
+    return [done[s] - seen[s] for s in done if s in seen], last - (first or last)
 
 
 def wait_for(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
@@ -188,7 +189,7 @@ def trial(run_dir: Path, ref: Path, *, steps: int, how: str, save_s: float, run_
             t.diffs.append(f"the SIGTERM run exited {code}: {out[-600:]}")
         t.notes.append(line or "finished before the signal was seen")
     else:
-        victims = ranks(proc) + [psutil.Process(proc.pid)]
+        victims = ranks(proc) + ([psutil.Process(proc.pid)] if proc.poll() is None else [])
         for p in victims:
             try:
                 p.send_signal(signal.SIGKILL)
@@ -224,7 +225,7 @@ def trial(run_dir: Path, ref: Path, *, steps: int, how: str, save_s: float, run_
 
 def reference(run_dir: Path, steps: int) -> tuple[float, float]:
     """Run uninterrupted; return the median save time and the time from the first metrics line
-    to the end, both seen from outside."""
+    to the last commit, both seen from outside."""
     shutil.rmtree(run_dir, ignore_errors=True)
     proc = start(run_dir, overrides(steps))
     saves, run_s = watch_saves(proc, run_dir)
@@ -246,7 +247,7 @@ def main() -> int:
     ref = a.out / "reference"
     save_s, run_s = reference(ref, a.steps)
     print(f"reference: {a.steps} steps, median save {save_s * 1000:.0f} ms (folder to commit marker, seen from "
-          f"outside), {run_s:.1f} s from the first metrics line to the end", flush=True)
+          f"outside), {run_s:.1f} s from the first metrics line to the last commit", flush=True)
     results = []
     for i in range(a.trials):
         how = "TERM" if a.signal == "TERM" else ("KILL-save" if i % 2 == 0 else "KILL-any")
