@@ -43,7 +43,7 @@ PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), 
 
 
 def load(kind: str, name: str) -> dict:
-    return yaml.safe_load((ROOT / "conf" / kind / f"{name}.yaml").read_text())
+    return yaml.safe_load((ROOT / "mmpipe" / "conf" / kind / f"{name}.yaml").read_text())
 
 
 def main() -> None:

@@ -6,16 +6,23 @@ is launched, and every message names the key as the user types it, the bad value
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
+from mmpipe.planner.api import POLICIES  # the planner owns the policy names
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-from mmpipe.planner.api import POLICIES  # noqa: E402 - the planner owns the policy names
+PACKAGE_ROOT = Path(__file__).resolve().parent
+"""The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
+configs (conf/, with conf/recipes/) and sample data (data/shards/, data/tokenizer.json,
+data/workloads/), so relative paths such as data/shards/... resolve here when the current
+directory has no such file (`resolve_path`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,6 +37,10 @@ class ParallelConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{key}={v!r} must be a positive integer")
+
+
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+"""Metric sinks train.loggers may name (mmpipe/runtime/metrics.py writes them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,13 +66,19 @@ class TrainConfig:
     optimizer: str = "adamw"
     """adamw | sgd."""
     save_every: int = 0
-    """DeepSpeed checkpoint every N steps (0: only at the end)."""
+    """DeepSpeed checkpoint every N steps (0: none along the way)."""
+    save_final: bool = False
+    """DeepSpeed checkpoint after the last step (off by default: a default run writes no checkpoint)."""
     resume: str | None = None
     """Continue from a checkpoint: its folder (…/checkpoints/step<N>) or a run directory (its latest)."""
     log_every: int = 1
     """Metrics line every N steps."""
     record_samples: bool = False
     """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl)."""
+    loggers: tuple[str, ...] = ("jsonl",)
+    """Where per-step metrics go: jsonl (metrics.jsonl, always written) | tensorboard (event files in
+    RUN_DIR/tensorboard; pip install 'mmpipe[tensorboard]') | wandb (offline unless WANDB_MODE=online;
+    pip install 'mmpipe[wandb]')."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batches", "log_every"):
@@ -80,6 +97,9 @@ class TrainConfig:
             raise ValueError(f"train.optimizer={self.optimizer!r} is unknown; use adamw or sgd")
         if not self.trainable:
             raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise ValueError(f"train.loggers entry {name!r} is unknown; use {', '.join(LOGGERS)}")
         for t in self.trainable:
             if t not in TRAINABLE_PREFIXES:
                 raise ValueError(
@@ -106,7 +126,7 @@ class DataConfig:
     num_workers: int = 1
     """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
     sources: tuple[Mapping[str, Any], ...] | None = None
-    """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see conf/data/mixture.yaml)."""
+    """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see `mmpipe train data=mixture --cfg job`)."""
 
     def __post_init__(self) -> None:
         if self.too_long not in ("drop", "truncate"):
@@ -136,11 +156,11 @@ class PlanConfig:
     stages: tuple[tuple[str, str], ...] | None = None
     """User override: (first layer, last layer) of each stage."""
     out: str | None = None
-    """Plan JSON path (mmpipe plan)."""
+    """Plan JSON path (mmpipe plan; relative: in the run directory)."""
     steps: int | None = None
     """Plan only the first K steps (mmpipe plan)."""
     plot: str | None = None
-    """PNG timeline of a step (mmpipe plan)."""
+    """PNG timeline of a step (mmpipe plan; relative: in the run directory)."""
     across_replicas: bool = False
     """Training: plan each global step across the data-parallel replicas (every replica reads
     the whole stream and decodes its planned share) instead of each replica planning its own
@@ -161,6 +181,9 @@ class LauncherConfig:
     """auto | gloo | nccl."""
     master_port: int = 0
     """Rendezvous port (0: a free one)."""
+    verbose: bool = False
+    """Show the libraries' start-up output (DeepSpeed's info lines, transformers warnings); the
+    environment variable MMPIPE_DEBUG=1 does the same."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -172,7 +195,8 @@ class LauncherConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileConfig:
     out: str | None = None
-    """Where `mmpipe profile` writes the machine description (default conf/hardware/measured-<model>.yaml)."""
+    """Where `mmpipe profile` writes the machine description (default RUN_DIR/conf/hardware/measured-<model>.yaml,
+    usable with --config-dir RUN_DIR/conf; relative: in the run directory)."""
     repeats: int = 5
     """Timed repetitions per layer and shape (the median is kept)."""
 
@@ -221,6 +245,28 @@ class BenchConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReportConfig:
+    runs: tuple[str, ...] = ()
+    """Run directories (or sweep / bench directories holding several) that `mmpipe report` draws;
+    `mmpipe report DIR [DIR ...]` fills this."""
+    out: str = "report.png"
+    """The PNG `mmpipe report` writes (relative: in the run directory)."""
+
+    def __post_init__(self) -> None:
+        if not self.out.lower().endswith(".png"):
+            raise ValueError(f"report.out={self.out!r} must name a .png file")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareOrigin:
+    """What a hardware config says about itself, beside the HardwareSpec the planner reads
+    (mmpipe/planner/hardware.py; together they are the `hardware` group's keys)."""
+
+    measured_for: str | None = None
+    """The model `mmpipe profile` measured this description with (null: a preset, for any model)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """One whole run, validated."""
 
@@ -234,8 +280,9 @@ class RunConfig:
     pretrained: Pretrained = field(default_factory=Pretrained)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     hardware: Mapping[str, Any] = field(default_factory=dict)
-    """Raw hardware group (typed by the planner)."""
+    """Raw hardware group (typed by the planner's HardwareSpec plus HardwareOrigin)."""
     run_dir: str = "."
     """Where metrics.jsonl and checkpoints go."""
 
@@ -280,13 +327,15 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
     for key, value in values.items():
         if key not in fields:
-            raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(fields))}")
+            near = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"did you mean {prefix}.{near[0]}?" if near else f"known: {', '.join(sorted(fields))}"
+            raise ValueError(f"{prefix}.{key}={value!r}: no such config key; {hint}")
         _check_type(prefix, key, str(fields[key].type), value)
     return cls(**values)
 
 
 GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "pretrained", "shards", "bench",
-          "hardware", "hydra")
+          "report", "hardware", "hydra")
 
 
 def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -305,9 +354,10 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         if key not in GROUPS:
             raise ValueError(f"{key} is not a config group; known: {', '.join(GROUPS)}")
     train = dict(cfg.get("train") or {})
-    if "trainable" in train:
-        t = train["trainable"]
-        train["trainable"] = (t,) if isinstance(t, str) else tuple(t)
+    for key in ("trainable", "loggers"):
+        if key in train:
+            t = train[key]
+            train[key] = (t,) if isinstance(t, str) else tuple(t)
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])
@@ -322,6 +372,7 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         pretrained=_section(Pretrained, "pretrained", cfg.get("pretrained")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),
         bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
+        report=_section(ReportConfig, "report", _tuple_of(cfg.get("report"), "runs")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
     )
@@ -370,11 +421,11 @@ def hardware_spec(rc: RunConfig):
     from mmpipe.planner.hardware import hardware_from_dict
 
     hw = dict(rc.hardware)
-    measured_for = hw.pop("measured_for", None)
+    measured_for = hw.pop("measured_for", HardwareOrigin().measured_for)
     if measured_for is not None and measured_for != rc.model.name:
         raise ValueError(
             f"hardware={hw.get('name', '?')} was measured for model {measured_for}, not model {rc.model.name}; "
-            f"run `mmpipe profile model={rc.model.name}` and use the file it writes"
+            f"run `mmpipe profile {shell_word(f'model={rc.model.name}')}` and use the file it writes"
         )
     return hardware_from_dict(hw)
 
@@ -390,7 +441,7 @@ def parse_stages(value: Any) -> tuple[tuple[str, str], ...]:
         if len(p) != 2:
             raise ValueError(
                 f"plan.stages entry {p!r} is not a [first_layer,last_layer] pair; "
-                f"write plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]"
+                f"write {shell_word('plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]')}"
             )
         out.append((str(p[0]).strip(), str(p[1]).strip()))
     return tuple(out)
@@ -432,12 +483,35 @@ def stages_to_bounds(stages: tuple[tuple[str, str], ...], layers: list[str]) -> 
 
 
 def resolve_path(p: str) -> str:
-    """A relative path is taken from the current directory, else from the project root."""
+    """A relative path is taken from the current directory when it is there, else from the
+    mmpipe package (its shipped configs and sample data: `data/shards/...`,
+    `data/tokenizer.json`, `data/workloads/...`); a brace list counts as there when its first
+    file is. Absolute paths and `pipe:` commands pass unchanged."""
     if not p or os.path.isabs(p) or p.startswith("pipe:"):
         return p
-    head = p.split("{")[0]
-    if Path(head).exists() or Path(head).parent.exists() and str(Path(head).parent) != ".":
-        return p
-    if (PROJECT_ROOT / head).exists() or (PROJECT_ROOT / head).parent.exists():
-        return str(PROJECT_ROOT / p)
+    first = re.sub(r"\{([^{},.]*)(?:\.\.[^{}]*|,[^{}]*)\}", r"\1", p)
+    if not Path(first).exists() and (PACKAGE_ROOT / first).exists():
+        return str(PACKAGE_ROOT / p)
     return p
+
+
+_SHELL_SAFE = re.compile(r"[\w./:@%+=,-]*")
+_HYDRA_SAFE = re.compile(r"[\w./:@%+-]*")
+
+
+def shell_word(text: str) -> str:
+    """`text` as one word a POSIX shell passes through unchanged (hints are pasted into shells:
+    brackets glob, braces expand, spaces split)."""
+    if _SHELL_SAFE.fullmatch(text):
+        return text
+    if not any(c in text for c in "\"$`!\\"):
+        return f'"{text}"'
+    return shlex.quote(text)
+
+
+def override_hint(key: str, value: str) -> str:
+    """`key=value` for a string value as a user types it: quoted for Hydra's override grammar
+    where it has brackets, braces, commas, spaces or quotes, then for the shell."""
+    if not _HYDRA_SAFE.fullmatch(value):
+        value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return shell_word(f"{key}={value}")

@@ -146,7 +146,8 @@ def train(rc: RunConfig) -> RunResult:
         feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stage_plan, media=pipe.first,
                             reader_state=reader_state, steps=rc.train.steps - start,
                             record=(run_dir / f"samples_rank{rank}.jsonl") if rc.train.record_samples else None)
-    writer = MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume)) if rank == 0 else None
+    writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
+              if rank == 0 else None)
     bar = None
     if rank == 0:
         print(format_stage_table(rc, stage_plan, layer_names(rc.model)), flush=True)
@@ -225,10 +226,9 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) 
             if step % rc.train.log_every == 0 or step == rc.train.steps:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
-        if rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
+        if (rc.train.save_every and step % rc.train.save_every == 0) or (rc.train.save_final and step == rc.train.steps):
             _save(engine, run_dir, step, pipe.first, pipe.dp_rank, last_state)
     result.seconds = time.perf_counter() - t_start
-    _save(engine, run_dir, rc.train.steps, pipe.first, pipe.dp_rank, last_state)
     return result
 
 
@@ -320,7 +320,8 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         f"done: {len(r.losses)} steps in {r.seconds:.1f}s | loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} "
         f"(mean of first 3 {head:.3f}, last 3 {tail:.3f}) | {r.samples / r.seconds:.1f} samples/s, "
         f"{r.tokens / r.seconds:.0f} tokens/s | skipped {skipped} samples ({why}) | "
-        f"metrics {run_dir / 'metrics.jsonl'} | checkpoint {run_dir / 'checkpoints'}",
+        f"metrics {run_dir / 'metrics.jsonl'} | "
+        + (f"checkpoint {run_dir / 'checkpoints'}" if rc.train.save_every or rc.train.save_final else "no checkpoint"),
         flush=True,
     )
     if r.mixture:

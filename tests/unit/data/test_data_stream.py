@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
 from mmpipe.data.reader import SampleStream, iter_meta, loader
 from mmpipe.data.records import decode_record
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = PACKAGE_ROOT  # the shipped configs and data live in the package
 
 
 def stream(path, tok, spec, **kw) -> SampleStream:

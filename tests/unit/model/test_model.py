@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from mmpipe.config import PROJECT_ROOT
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.model import carrier as C
 from mmpipe.model.layers import build_layer, build_layers, run_layers, token_loss
 from mmpipe.model.spec import is_trainable, layer_names, spec_from_dict
@@ -18,7 +18,7 @@ IMG, AUD = 5, 6
 
 
 def tiny():
-    return spec_from_dict(yaml.safe_load((PROJECT_ROOT / "conf/model/tiny.yaml").read_text()))
+    return spec_from_dict(yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text()))
 
 
 class FakeSample:
@@ -61,7 +61,7 @@ def test_layer_names_follow_the_grammar_in_order(spec):
 
 
 def test_every_preset_lists_layers_without_building_weights():
-    for path in sorted((PROJECT_ROOT / "conf/model").glob("*.yaml")):
+    for path in sorted((PACKAGE_ROOT / "conf/model").glob("*.yaml")):
         spec = spec_from_dict(yaml.safe_load(path.read_text()))
         names = layer_names(spec)
         assert names[-2:] == ["llm.norm", "llm.head"]
@@ -70,11 +70,11 @@ def test_every_preset_lists_layers_without_building_weights():
 
 
 def test_spec_errors_name_the_key():
-    cfg = yaml.safe_load((PROJECT_ROOT / "conf/model/tiny.yaml").read_text())
+    cfg = yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text())
     cfg["vision"]["hiden"] = 3
     with pytest.raises(ValueError, match=r"model\.vision\.hiden is not a setting"):
         spec_from_dict(cfg)
-    cfg = yaml.safe_load((PROJECT_ROOT / "conf/model/tiny.yaml").read_text())
+    cfg = yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text())
     cfg["audio"]["proj"] = [64]
     with pytest.raises(ValueError, match=r"model\.audio\.proj ends in 64 but model\.llm\.hidden=128"):
         spec_from_dict(cfg)

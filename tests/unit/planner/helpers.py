@@ -9,10 +9,8 @@ import yaml
 from mmpipe.model.spec import ModelSpec, spec_from_dict
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict
 
-ROOT = Path(__file__).resolve().parents[3]
-WORKLOADS = ROOT.parent / "shared" / "workloads"
-if not WORKLOADS.is_dir():
-    WORKLOADS = Path("/work/shared/workloads")
+ROOT = Path(__file__).resolve().parents[3] / "mmpipe"  # the shipped configs and data live in the package
+WORKLOADS = ROOT / "data" / "workloads"
 
 
 def model(name: str) -> ModelSpec:
