@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import mmpipe.runtime.launch
 from mmpipe.cli import main
 from mmpipe.runtime.metrics import MetricsWriter
 
@@ -33,8 +34,12 @@ def test_tensorboard_event_files_hold_the_figures_of_metrics_jsonl(tmp_path):
 
 
 def test_a_logger_whose_package_is_missing_stops_before_launch(tmp_path, monkeypatch, capsys):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a process was launched")
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(mmpipe.runtime.launch, "launch", no_launch)
     monkeypatch.chdir(tmp_path)
     assert main(["train", "train.loggers=[jsonl,tensorboard]"]) == 2
     assert ("train.loggers asks for tensorboard, but the tensorboard package is not installed; "
