@@ -55,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         return _run(None, ["--help"])
     if argv[0] == "--version":
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        print(f"mmpipe {version('mmpipe')}")
+        try:
+            print(f"mmpipe {version('mmpipe')}")
+        except PackageNotFoundError:
+            print("mmpipe (not installed: running from a source folder)")
         return 0
     name, args = argv[0], argv[1:]
     if name not in COMMANDS:
@@ -69,11 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if name == "report":
             args = _run_dirs_as_override(args)
-        overrides = _parse(f"mmpipe {name}", args).overrides
+        parsed = _parse(f"mmpipe {name}", args)
+        overrides = parsed.overrides
         check_overrides(overrides, command=name)
+        runs = not (parsed.help or parsed.hydra_help or parsed.cfg or parsed.info or parsed.shell_completion)
+        if runs and COMMANDS[name].check is not None and os.environ.get("RANK", "0") == "0":
+            print(f"mmpipe {name}: composing and checking the config", flush=True)
         return _run(COMMANDS[name], args)
     except CommandFailed as failed:
         return failed.code
+    except KeyboardInterrupt:
+        print(f"mmpipe {name}: interrupted", file=sys.stderr)
+        return 130
     except SystemExit as done:  # argparse has said what is wrong with a flag
         return done.code if isinstance(done.code, int) else 2
     except Exception as err:  # noqa: BLE001 - one clean line for config and input errors
@@ -186,12 +196,18 @@ def _run(command: Command | None, args: list[str]) -> int:
             return
         hc = HydraConfig.get()
         rc = run_config(cfg, run_dir=hc.runtime.output_dir)
-        inv = Invocation(overrides=tuple(hc.overrides.task), config_dirs=tuple(
-            s.path.removeprefix("file://") for s in hc.runtime.config_sources if s.provider == "command-line"))
+        inv = Invocation(overrides=tuple(hc.overrides.task), search_path=tuple(
+            f"{s.schema}://{s.path}" for s in hc.runtime.config_sources
+            if s.provider not in ("hydra", "schema") and f"{s.schema}://{s.path}" != PACKAGED))
         if hc.mode == RunMode.MULTIRUN:
             print(f"mmpipe {command.name}: job {hc.job.num}: {' '.join(map(shell_word, inv.overrides))}", flush=True)
         code = command.run(rc, inv)
         codes.append(code)
+        if code == 130:  # interrupted: stop a sweep too
+            raise KeyboardInterrupt
+        if code and hc.mode == RunMode.MULTIRUN:
+            print(f"mmpipe {command.name}: job {hc.job.num} failed (exit status {code}); the sweep goes on",
+                  file=sys.stderr, flush=True)
         if code:
             raise CommandFailed(code)
 

@@ -22,8 +22,9 @@ class Invocation:
 
     overrides: tuple[str, ...] = ()
     """The job's own overrides as typed (one job of a sweep: its values)."""
-    config_dirs: tuple[str, ...] = ()
-    """Config folders added with --config-dir (a command that starts mmpipe again passes them on)."""
+    search_path: tuple[str, ...] = ()
+    """The user's config folders (--config-dir, hydra.searchpath), highest priority first, as Hydra
+    writes them (file://DIR, pkg://MODULE); a command that starts mmpipe again passes them on."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,7 +119,8 @@ def run_plan(rc: RunConfig, _inv: Invocation, *, compare_schedules: bool = False
 def run_bench(rc: RunConfig, inv: Invocation) -> int:
     from mmpipe.runtime.bench import run_bench as bench
 
-    bench(rc, [*(f"--config-dir={d}" for d in inv.config_dirs), *inv.overrides])
+    paths = ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in inv.search_path)
+    bench(rc, [*([f"hydra.searchpath=[{paths}]"] if paths else []), *inv.overrides])
     print(f"mmpipe bench: figures in {Path(rc.run_dir) / 'bench.json'}; each run's metrics in "
           f"{Path(rc.run_dir) / 'round<R>-<policy>'}/ (draw them: mmpipe report {shell_word(rc.run_dir)})")
     return 0
@@ -205,8 +207,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command(name="shards", summary="convert a LLaVA-style JSON + media folders into webdataset shards",
             run=run_shards, keys=("shards", "data.tokenizer", "data.on_error", "model.name", "model.llm.max_seq_len"),
             examples=("mmpipe shards shards.json=llava.json shards.out=data/llava shards.image_root=/data/coco",
-                      "mmpipe train \"data.path='data/llava/train-{000000..000041}.tar'\""),
-            notes=("shards.out is a folder of your data (relative to the current directory), not of the run.",)),
+                      "mmpipe train \"data.path='data/llava/train-{000000..000041}.tar'\"")),
     Command(name="bench-data", summary="measure the loader (full decode vs metadata only)",
             run=run_bench_data, keys=("bench.samples", "bench.generated", "data.path", "data.tokenizer", "model.name"),
             examples=("mmpipe bench-data", "mmpipe bench-data bench.generated=0")),

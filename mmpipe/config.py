@@ -210,7 +210,7 @@ class ShardsConfig:
     json: str | None = None
     """LLaVA-style JSON list to convert (mmpipe shards)."""
     out: str | None = None
-    """Output folder of the shards and index.json."""
+    """Output folder of the shards and index.json (your data, not the run's: relative to the current directory)."""
     image_root: str | None = None
     """Folder the JSON's image paths are relative to (default: the JSON's folder)."""
     audio_root: str | None = None
