@@ -45,6 +45,8 @@ class Command:
     """Checks beyond the config (files exist, packages installed), before any directory is made."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Extra lines for `--help`."""
+    arguments: str = "[KEY=VALUE ...]"
+    """What follows the command in its usage line (besides Hydra's flags)."""
 
 
 def output_path(rc: RunConfig, path: str | None) -> str | None:
@@ -212,7 +214,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             run=run_bench_data, keys=("bench.samples", "bench.generated", "data.path", "data.tokenizer", "model.name"),
             examples=("mmpipe bench-data", "mmpipe bench-data bench.generated=0")),
     Command(name="report", summary="draw loss, samples/s, bubble and predicted vs measured step time of runs (PNG)",
-            run=run_report, keys=("report",),
+            run=run_report, keys=("report",), arguments="RUN_DIR [RUN_DIR ...] [KEY=VALUE ...]",
             examples=("mmpipe report outputs/2026-01-31/12-00-00",
                       "mmpipe report multirun/2026-01-31/12-00-00      # a sweep: its runs side by side",
                       "mmpipe report runs/a runs/b report.out=/tmp/ab.png"),

@@ -54,7 +54,7 @@ def _general() -> list[str]:
 
 def _command(command: Command, root: Any) -> list[str]:
     lines = [f"mmpipe {command.name}: {command.summary}", "",
-             f"usage: mmpipe {command.name} [KEY=VALUE ...] [Hydra flags]", "", "examples:"]
+             f"usage: mmpipe {command.name} {command.arguments} [Hydra flags]", "", "examples:"]
     lines += [f"  {e}" for e in command.examples]
     for note in command.notes:
         lines += ["", *_wrap(note)]

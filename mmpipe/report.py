@@ -97,6 +97,7 @@ def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = load_runs(dirs)
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
@@ -114,6 +115,7 @@ def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path,
     for ax, title, ylabel in ((ax_loss, "loss", "loss"), (ax_sps, "throughput", "samples/s"),
                               (ax_bubble, "measured bubble", "idle share of the stages (%)")):
         ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     ax_pred.set(title="step time: predicted vs measured", xlabel="predicted (s)", ylabel="measured train_batch (s)")
     ax_pred.grid(alpha=0.3)
