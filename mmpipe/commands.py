@@ -103,13 +103,19 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
                   master_port=rc.launcher.master_port, extra_env=quiet_env(rc))
 
 
+def check_plan(rc: RunConfig) -> None:
+    if rc.data.kind != "trace":
+        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace; "
+                         f"use data=trace data.path=FILE.jsonl (shipped: data/workloads/*.jsonl)")
+    if not Path(resolve_path(rc.data.path)).is_file():
+        raise FileNotFoundError(f"data.path={rc.data.path}: no such trace file (a relative path is looked up in "
+                                f"the current directory, then in the installed package: data/workloads/*.jsonl)")
+
+
 def run_plan(rc: RunConfig, _inv: Invocation, *, compare_schedules: bool = False) -> int:
     from mmpipe.config import hardware_spec
     from mmpipe.planner.command import run_plan as plan
 
-    if rc.data.kind != "trace":
-        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace; "
-                         f"use data=trace data.path=FILE.jsonl")
     plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.pp, dp=rc.parallel.dp,
          global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches, trainable=rc.train.trainable,
          policy=rc.plan.policy, trace_path=resolve_path(rc.data.path), out=output_path(rc, rc.plan.out),
@@ -135,12 +141,15 @@ def run_bench_data(rc: RunConfig, _inv: Invocation) -> int:
                       model=rc.model, samples=rc.bench.samples, generated=rc.bench.generated, root=str(PACKAGE_ROOT))
 
 
+def check_shards(rc: RunConfig) -> None:
+    if not rc.shards.json or not rc.shards.out:
+        raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
+
+
 def run_shards(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.data.commands import run_convert
 
     s = rc.shards
-    if not s.json or not s.out:
-        raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
     return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
                        model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
                        maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix)
@@ -153,12 +162,18 @@ def run_profile(rc: RunConfig, _inv: Invocation) -> int:
     return 0
 
 
-def run_report(rc: RunConfig, _inv: Invocation) -> int:
-    from mmpipe.report import write_report
+def check_report(rc: RunConfig) -> None:
+    from mmpipe.report import find_runs
 
     if not rc.report.runs:
         raise ValueError("mmpipe report needs run directories: mmpipe report RUN_DIR [RUN_DIR ...] "
                          "(a sweep or bench directory stands for the runs inside it)")
+    find_runs(rc.report.runs)
+
+
+def run_report(rc: RunConfig, _inv: Invocation) -> int:
+    from mmpipe.report import write_report
+
     path, lines = write_report(rc.report.runs, out=Path(output_path(rc, rc.report.out) or "report.png"))
     for line in lines:
         print(line)
@@ -181,7 +196,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
                       "mmpipe train " + shell_word("train.loggers=[jsonl,tensorboard]") + " train.save_final=true",
                       "mmpipe train --cfg job                         # print the composed config, run nothing")),
     Command(name="plan", summary="plan a workload trace (stages, micro-batches) and compare with baselines",
-            run=run_plan,
+            run=run_plan, check=check_plan,
             keys=(*_SETUP, "train.global_batch", "train.micro_batches", "train.trainable", "data.path", "plan"),
             examples=("mmpipe plan recipes=plan-qwen2-vl-h100 data.path=data/workloads/vision-dynamic.jsonl "
                       "plan.out=plan.json plan.plot=timeline.png",
@@ -189,7 +204,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
                       "hardware=a100 parallel.pp=4"),
             notes=("plan.out and plan.plot land in the run directory unless absolute.",)),
     Command(name="simulate", summary="compare pipeline schedules on the planned micro-batches of a trace",
-            run=lambda rc, inv: run_plan(rc, inv, compare_schedules=True),
+            run=lambda rc, inv: run_plan(rc, inv, compare_schedules=True), check=check_plan,
             keys=(*_SETUP, "train.global_batch", "train.micro_batches", "train.trainable", "data.path", "plan"),
             examples=("mmpipe simulate recipes=plan-qwen2-vl-h100 data.path=data/workloads/vision-dynamic.jsonl",)),
     Command(name="profile",
@@ -207,14 +222,14 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
                       "mmpipe bench hardware=measured-tiny parallel.dp=2"),
             notes=("Every train setting applies to the runs too (mmpipe train --help lists them).",)),
     Command(name="shards", summary="convert a LLaVA-style JSON + media folders into webdataset shards",
-            run=run_shards, keys=("shards", "data.tokenizer", "data.on_error", "model.name", "model.llm.max_seq_len"),
+            run=run_shards, check=check_shards, keys=("shards", "data.tokenizer", "data.on_error", "model.name", "model.llm.max_seq_len"),
             examples=("mmpipe shards shards.json=llava.json shards.out=data/llava shards.image_root=/data/coco",
                       "mmpipe train \"data.path='data/llava/train-{000000..000041}.tar'\"")),
     Command(name="bench-data", summary="measure the loader (full decode vs metadata only)",
             run=run_bench_data, keys=("bench.samples", "bench.generated", "data.path", "data.tokenizer", "model.name"),
             examples=("mmpipe bench-data", "mmpipe bench-data bench.generated=0")),
     Command(name="report", summary="draw loss, samples/s, bubble and predicted vs measured step time of runs (PNG)",
-            run=run_report, keys=("report",), arguments="RUN_DIR [RUN_DIR ...] [KEY=VALUE ...]",
+            run=run_report, check=check_report, keys=("report",), arguments="RUN_DIR [RUN_DIR ...] [KEY=VALUE ...]",
             examples=("mmpipe report outputs/2026-01-31/12-00-00",
                       "mmpipe report multirun/2026-01-31/12-00-00      # a sweep: its runs side by side",
                       "mmpipe report runs/a runs/b report.out=/tmp/ab.png"),

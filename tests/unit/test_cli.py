@@ -157,3 +157,4 @@ def test_report_draws_several_runs_into_one_png(in_tmp, capsys):
     assert find_runs(["sweep"]) == [Path("sweep/0"), Path("sweep/1")]  # a sweep directory stands for its runs
     assert main(["report", "nowhere", "hydra.run.dir=out2"]) == 2
     assert "report.runs: nowhere is not a directory" in capsys.readouterr().err
+    assert not (in_tmp / "out2").exists()  # checked before the run directory is made
