@@ -25,17 +25,19 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
+from mmpipe.model.geometry import features  # noqa: E402
 from mmpipe.model.spec import spec_from_dict  # noqa: E402
-from mmpipe.planner.api import data_aware_stages  # noqa: E402
 from mmpipe.planner.balancer import balance_step  # noqa: E402
 from mmpipe.planner.command import run_plan  # noqa: E402
-from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs  # noqa: E402
-from mmpipe.model.geometry import features  # noqa: E402
-from mmpipe.planner.trace import read_trace  # noqa: E402
+from mmpipe.planner.cost import build_cost_model  # noqa: E402
 from mmpipe.planner.hardware import hardware_from_dict  # noqa: E402
+from mmpipe.planner.partition import data_aware_stages  # noqa: E402
+from mmpipe.planner.samples import sample_table  # noqa: E402
+from mmpipe.planner.stage_cost import stage_costs  # noqa: E402
+from mmpipe.planner.trace import read_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ROOT.parent / "shared" / "workloads"
+WORKLOADS = ROOT / "mmpipe" / "data" / "workloads"
 PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), ("llava-pretrain", "omni-7b"),
          ("llava-sft", "llava-1.5-7b"), ("llava-sft", "qwen2-vl-7b"), ("llava-sft", "omni-7b"),
          ("vision-dynamic", "llava-1.5-7b"), ("vision-dynamic", "qwen2-vl-7b"), ("vision-dynamic", "omni-7b"),

@@ -127,13 +127,18 @@ class CheckBeforeRun(Callback):
     directory, so a mistake is one line and nothing is left behind (conf/config.yaml names it)."""
 
     def on_run_start(self, config: Any, **_: Any) -> None:
+        from mmpipe.runtime.preflight import check_run_dir
+
         try:
             _check(config, run_dir=str(config.hydra.run.dir))
+            check_run_dir(str(config.hydra.run.dir))  # Hydra makes it next: say so if it cannot
         except Exception as err:  # noqa: BLE001 - main() decides what is a user error
             raise ConfigRejected(err) from err
 
     def on_multirun_start(self, config: Any, **_: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
+
+        from mmpipe.runtime.preflight import check_run_dir
 
         try:
             jobs = _sweep_jobs(config)
@@ -149,6 +154,10 @@ class CheckBeforeRun(Callback):
                 raise ConfigRejected(ValueError(f"job {' '.join(map(shell_word, job))}: {err}")) from err
             except Exception as err:  # noqa: BLE001
                 raise ConfigRejected(err) from err
+        try:
+            check_run_dir(str(config.hydra.sweep.dir))
+        except Exception as err:  # noqa: BLE001
+            raise ConfigRejected(err) from err
         name = _active.name if _active else "mmpipe"
         print(f"mmpipe {name}: {len(jobs)} jobs, one after another, each in its own directory under "
               f"{config.hydra.sweep.dir}", flush=True)
@@ -182,8 +191,7 @@ def _sweep_jobs(config: Any) -> list[list[str]] | None:
 
 def _run(command: Command | None, args: list[str]) -> int:
     """Run `mmpipe <command> ARGS` as a Hydra app; return the exit status."""
-    from hydra import version
-    from hydra._internal.utils import _run_hydra  # hydra.main's body, given the parsed arguments
+    import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -215,20 +223,20 @@ def _run(command: Command | None, args: list[str]) -> int:
     # package itself), searched before --config-dir; one it takes for a script's gets none. mmpipe
     # wants none: its configs come from the search path after the user's (see PRIMARY).
     app.__module__ = "__main__"
+    hydra_app = hydra.main(version_base="1.3", config_path=None, config_name=PRIMARY)(app)
     name = f"mmpipe {command.name}" if command else "mmpipe"
-    parsed = _parse(name, args)
-    parsed.overrides = _packaged_last(parsed.overrides)
+    given = set(_parse(name, args).overrides)
+    args = [_packaged_last(a) if a in given else a for a in args]
     saved = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
     root = logging.getLogger()
     root_state = root.level, list(root.handlers)  # --info adds a handler to the root logger
     # Hydra prints its errors with a traceback hint and exits; with HYDRA_FULL_ERROR it raises
     # them, and main() says them in one line.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    sys.argv = [name, *args]  # Hydra's --hydra-help names the program from it
+    sys.argv = [name, *args]  # what hydra.main reads (and names the program after)
     _active = command
     try:
-        version.setbase("1.3")
-        _run_hydra(args=parsed, args_parser=_parser(name), task_function=app, config_path=None, config_name=PRIMARY)
+        hydra_app()
     except ConfigRejected as rejected:
         raise rejected.error from None
     except SystemExit as done:  # --help, --hydra-help and argparse errors end this way
@@ -254,36 +262,25 @@ with the shipped configs on the search path. There is no main config path: the s
 mmpipe's (with a main path, Hydra would put the shipped ones first)."""
 
 
-def _packaged_last(overrides: list[str]) -> list[str]:
-    """A user's hydra.searchpath override replaces the primary config's: keep the shipped
-    configs, after the user's folders."""
+def _packaged_last(line: str) -> str:
+    """An override as given, but a user's hydra.searchpath, which replaces the primary config's,
+    keeps the shipped configs, after the user's folders."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parser = OverridesParser.create()
-    rest, user = [], []
-    for line in overrides:
-        o = parser.parse_override(line)
-        if o.key_or_group == "hydra.searchpath" and not o.is_delete():
-            user += list(o.value() or [])
-        else:
-            rest.append(line)
-    if not user:  # the primary config's own hydra.searchpath applies
-        return overrides
-    paths = ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in [*user, PACKAGED])
-    return [f"hydra.searchpath=[{paths}]", *rest]
+    o = OverridesParser.create().parse_override(line)
+    if o.key_or_group != "hydra.searchpath" or o.is_delete():
+        return line
+    paths = [*(o.value() or []), PACKAGED]
+    return "hydra.searchpath=[" + ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in paths) + "]"
 
 
-def _parser(name: str) -> Any:
-    """Hydra's own command-line parser (the one hydra.main uses), named after the command."""
+def _parse(name: str, args: list[str]) -> Any:
+    """Hydra's own reading of the command line (the parser hydra.main uses), named after the command."""
     from hydra._internal.utils import get_args_parser
 
     parser = get_args_parser()
     parser.prog = name
-    return parser
-
-
-def _parse(name: str, args: list[str]) -> Any:
-    return _parser(name).parse_args(args)
+    return parser.parse_args(args)
 
 
 _VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",

@@ -69,10 +69,13 @@ def checkpoint_policy(rc: RunConfig) -> str:
 
 def check_train(rc: RunConfig) -> None:
     from mmpipe.runtime.metrics import check_loggers
-    from mmpipe.runtime.preflight import check_data
+    from mmpipe.runtime.preflight import check_backend, check_data, checkpoint_dir
 
     check_loggers(rc.train.loggers)
     check_data(rc)
+    check_backend(rc.launcher.backend)
+    if rc.train.resume:
+        checkpoint_dir(rc.train.resume)
 
 
 def quiet_env(rc: RunConfig) -> dict[str, str]:
@@ -84,23 +87,25 @@ def quiet_env(rc: RunConfig) -> dict[str, str]:
 
 
 def run_train(rc: RunConfig, _inv: Invocation) -> int:
-    from mmpipe.runtime.launch import launch, python_module, under_external_launcher
+    from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
     from mmpipe.runtime.preflight import write_run_config
 
     if under_external_launcher():
-        from mmpipe.runtime.train import train
+        from mmpipe.runtime.worker import run_rank
 
-        train(rc)
-        return 0
+        return run_rank(rc)
     path = write_run_config(rc)
+    logs = Path(rc.run_dir) / "logs"
     nproc = rc.launcher.nproc or rc.parallel.pp * rc.parallel.dp
     print(f"mmpipe train: config checked: model {rc.model.name}, pp={rc.parallel.pp} x dp={rc.parallel.dp}, "
           f"{rc.train.steps} steps of {rc.train.global_batch} samples, policy {rc.plan.policy}", flush=True)
     print(f"mmpipe train: run dir {rc.run_dir}; {checkpoint_policy(rc)}", flush=True)
-    print(f"mmpipe train: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}); each builds "
-          f"its pipeline stage with DeepSpeed, which takes a while on CPU", flush=True)
-    return launch(python_module("mmpipe.runtime.worker", str(path)), nproc=nproc, backend=rc.launcher.backend,
-                  master_port=rc.launcher.master_port, extra_env=quiet_env(rc))
+    print(f"mmpipe train: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), each rank's "
+          f"output in {logs}/rank<R>.log; each builds its pipeline stage with DeepSpeed, which takes a while on CPU",
+          flush=True)
+    return launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
+                  master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
+                  extra_env=quiet_env(rc))
 
 
 def check_plan(rc: RunConfig) -> None:
@@ -152,7 +157,8 @@ def run_shards(rc: RunConfig, _inv: Invocation) -> int:
     s = rc.shards
     return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
                        model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
-                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix)
+                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix, limits=rc.data.limits,
+                       allow_outside_roots=s.allow_outside_roots)
 
 
 def run_profile(rc: RunConfig, _inv: Invocation) -> int:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
-from mmpipe.planner.api import POLICIES  # the planner owns the policy names
+from mmpipe.planner.api import POLICIES, hardware_from_dict  # the planner owns both
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 """The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
@@ -127,12 +128,28 @@ class DataConfig:
     """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
     sources: tuple[Mapping[str, Any], ...] | None = None
     """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see `mmpipe train data=mixture --cfg job`)."""
+    caption_prompt: str = CAPTION_PROMPT
+    """Human turn of image-caption samples (img2dataset shards: KEY.jpg + KEY.txt); one <image>."""
+    max_image_pixels: int = 64_000_000
+    """An image whose header gives more pixels (height x width) is refused undecoded (`media too large`)."""
+    max_member_mb: float = 100.0
+    """An image or clip of more megabytes is refused undecoded (`media too large`); `mmpipe shards`
+    reads no more than this of any media file."""
+    max_audio_seconds: float = 600.0
+    """A clip whose header gives a longer duration is refused undecoded (`media too large`)."""
+
+    @property
+    def limits(self):
+        """The media limits as the data layer takes them (mmpipe.data.media.MediaLimits)."""
+        from mmpipe.data.media import MediaLimits
+
+        return MediaLimits(max_image_pixels=self.max_image_pixels, max_member_bytes=int(self.max_member_mb * 2**20),
+                           max_audio_seconds=float(self.max_audio_seconds))
 
     def __post_init__(self) -> None:
-        if self.too_long not in ("drop", "truncate"):
-            raise ValueError(f"data.too_long={self.too_long!r} is unknown; use drop or truncate")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"data.num_workers={self.num_workers!r} must be a positive integer")
+        self.limits  # validates the three limits, naming the key
+        check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
+                      epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
         if self.sources is not None:
             from mmpipe.data.mixture import mixture_from_dicts
 
@@ -141,12 +158,6 @@ class DataConfig:
             raise ValueError(f"data.kind={self.kind!r} is unknown; use shards or trace")
         if not self.path or self.path == "???":
             raise ValueError("data.path is not set; give data.path=FILE (a shard brace list or trace)")
-        if self.on_error not in ("skip", "raise"):
-            raise ValueError(f"data.on_error={self.on_error!r} is unknown; use skip or raise")
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} must be >= 0")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"data.epochs={self.epochs} must be >= 1, or null to repeat the data forever")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,11 +192,16 @@ class LauncherConfig:
     """auto | gloo | nccl."""
     master_port: int = 0
     """Rendezvous port (0: a free one)."""
+    grace_s: float = 10.0
+    """When ranks are stopped (one failed, or the launcher got SIGTERM/SIGINT/SIGHUP): seconds
+    between SIGTERM and SIGKILL."""
     verbose: bool = False
     """Show the libraries' start-up output (DeepSpeed's info lines, transformers warnings); the
     environment variable MMPIPE_DEBUG=1 does the same."""
 
     def __post_init__(self) -> None:
+        if not self.grace_s >= 0:
+            raise ValueError(f"launcher.grace_s={self.grace_s!r} must be >= 0 (seconds before SIGKILL)")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"launcher.backend={self.backend!r} is unknown; use auto, gloo or nccl")
         if self.nproc is not None and self.nproc < 1:
@@ -221,6 +237,9 @@ class ShardsConfig:
     """Shard size limit in MB (null: count only)."""
     prefix: str = "train"
     """Shard file prefix: <prefix>-000000.tar."""
+    allow_outside_roots: bool = False
+    """Let media paths lead out of image_root / audio_root (`..`, absolute paths, symlinks);
+    by default such an entry is skipped as `outside root`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -418,8 +437,6 @@ def check_run(rc: RunConfig) -> None:
 
 def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
-    from mmpipe.planner.hardware import hardware_from_dict
-
     hw = dict(rc.hardware)
     measured_for = hw.pop("measured_for", HardwareOrigin().measured_for)
     if measured_for is not None and measured_for != rc.model.name:

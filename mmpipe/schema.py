@@ -29,7 +29,7 @@ from omegaconf import MISSING
 
 from mmpipe.config import HardwareOrigin, RunConfig
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.hardware import HardwareSpec
+from mmpipe.planner.api import HardwareSpec
 
 SCHEMA_NAME = "schema"
 """The schema's name in Hydra's ConfigStore (conf/config.yaml lists it first in its defaults)."""

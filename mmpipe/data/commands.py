@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mmpipe.config import override_hint
 from mmpipe.data.convert import convert
+from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits
 from mmpipe.data.skips import SampleError
 from mmpipe.data.tokenizer import check_vocab, load_tokenizer
 from mmpipe.model.spec import ModelSpec
@@ -18,7 +19,8 @@ from mmpipe.model.spec import ModelSpec
 
 def run_convert(*, json_path: str, out: str, tokenizer: str, model: ModelSpec, image_root: str | None,
                 audio_root: str | None, maxcount: int, maxsize_mb: float | None, on_error: str,
-                prefix: str = "train", progress: bool | None = None) -> int:
+                prefix: str = "train", progress: bool | None = None, limits: MediaLimits = DEFAULT_LIMITS,
+                allow_outside_roots: bool = False) -> int:
     """Convert a LLaVA-style JSON into shards; prints the report. Returns the exit status
     (0; 1 when on_error=raise stopped at a bad sample or nothing was written)."""
     tok = load_tokenizer(tokenizer)
@@ -26,13 +28,15 @@ def run_convert(*, json_path: str, out: str, tokenizer: str, model: ModelSpec, i
     try:
         report = convert(json_path=json_path, out=out, tokenizer=tok, spec=model, image_root=image_root,
                          audio_root=audio_root, maxcount=maxcount, maxsize_mb=maxsize_mb, on_error=on_error,
-                         prefix=prefix, progress=sys.stderr.isatty() if progress is None else progress)
+                         prefix=prefix, progress=sys.stderr.isatty() if progress is None else progress,
+                         limits=limits, allow_outside_roots=allow_outside_roots)
     except SampleError as err:
-        print(f"error: {err} (on_error=raise; use skip to leave such samples out)", file=sys.stderr)
+        print(f"mmpipe shards: error: {err} (data.on_error=raise; use skip to leave such samples out)",
+              file=sys.stderr)
         return 1
     print(report.summary())
     if not report.samples:
-        print("error: no sample was written", file=sys.stderr)
+        print("mmpipe shards: error: no sample was written", file=sys.stderr)
         return 1
     lens = report.index.get("model", {})
     if lens.get("over_max_seq_len"):

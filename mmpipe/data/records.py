@@ -21,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from mmpipe.data.media import decode_audio, decode_image, probe_audio, probe_image
-from mmpipe.data.tario import shard_name
+from mmpipe.data.media import (
+    AUDIO_EXTS, DEFAULT_LIMITS, MediaLimits, decode_audio, decode_image, probe_audio, probe_image,
+)
+from mmpipe.data.shards import shard_name
 from mmpipe.data.skips import (
     BAD_JSON, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, MISSING_META, NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG,
     SampleError,
@@ -32,9 +34,7 @@ from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.spec import ModelSpec
 from mmpipe.model.geometry import SampleMeta, audio_frames, features, meta_from_json, resize_image
 
-TOO_LONG_MODES = ("drop", "truncate")
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
-AUDIO_EXTS = ("wav", "flac")
 _MEDIA = re.compile(r"^(\d+)\.([a-z0-9]+)$")
 
 
@@ -118,6 +118,8 @@ def read_json(raw: dict[str, Any]) -> dict[str, Any]:
         obj = json.loads(raw["json"])
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SampleError(BAD_JSON, f"KEY.json is not valid JSON ({err})") from None
+    except RecursionError:
+        raise SampleError(BAD_JSON, "KEY.json is nested too deeply to parse") from None
     if not isinstance(obj, dict):
         raise SampleError(BAD_JSON, f"KEY.json must hold an object, got {type(obj).__name__}")
     return obj
@@ -128,7 +130,7 @@ def stored_meta(obj: dict[str, Any]) -> SampleMeta | None:
         return None
     try:
         return meta_from_json(obj["meta"], where="meta")
-    except ValueError as err:
+    except (ValueError, OverflowError) as err:  # OverflowError: Infinity where an integer belongs
         raise SampleError(BAD_JSON, str(err)) from None
 
 
@@ -210,7 +212,8 @@ def _turns(obj: dict[str, Any]) -> list[Turn]:
     return parse_conversation(obj.get("conversations"))
 
 
-def make_record(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_long: str = "drop") -> Record:
+def make_record(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_long: str = "drop",
+                limits: MediaLimits = DEFAULT_LIMITS) -> Record:
     """Check and template one raw sample without decoding its media.
 
     Raises:
@@ -225,8 +228,8 @@ def make_record(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_lon
     check_encoders(spec, n_img, n_aud)
     imgs = media_members(raw, IMAGE_EXTS, n_img, "image")
     clips = media_members(raw, AUDIO_EXTS, n_aud, "audio")
-    sized = SampleMeta(text_tokens=0, images=tuple(probe_image(b) for _, b in imgs),
-                       audio_seconds=tuple(probe_audio(b, ext) for ext, b in clips))
+    sized = SampleMeta(text_tokens=0, images=tuple(probe_image(b, limits) for _, b in imgs),
+                       audio_seconds=tuple(probe_audio(b, ext, limits) for ext, b in clips))
     templ = template_sample(turns, tok, spec, sized)
     meta = dataclasses.replace(sized, text_tokens=templ.text_tokens)
     if stored is not None:
@@ -275,7 +278,7 @@ def blank_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list[np.ndarray], li
 
 
 def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: bool = True,
-                  blank: bool = False) -> Sample:
+                  blank: bool = False, limits: MediaLimits = DEFAULT_LIMITS) -> Sample:
     """The Sample of a Record; with media=False no image or clip is decoded.
 
     input_ids and labels are the Record's (templated from meta when it was made), so both
@@ -299,9 +302,9 @@ def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: 
         try:
             n_img, n_aud = len(rec.meta.images), len(rec.meta.audio_seconds)
             for _, b in media_members(rec.raw, IMAGE_EXTS, n_img, "image"):
-                images.append(decode_image(b, spec.vision).pixels)
-            for ext, b in media_members(rec.raw, AUDIO_EXTS, n_aud, "audio"):
-                audio.append(decode_audio(b, spec.audio, ext).features)
+                images.append(decode_image(b, spec.vision, limits).pixels)
+            for (ext, b), s in zip(media_members(rec.raw, AUDIO_EXTS, n_aud, "audio"), rec.meta.audio_seconds):
+                audio.append(decode_audio(b, spec.audio, ext, limits, seconds=s).features)
         except SampleError as err:
             err = err.at(shard=rec.shard, key=rec.key)
             if not blank:

@@ -1,4 +1,4 @@
-"""The planner's entry points for the runtime and the CLI.
+"""The planner's one entry for the runtime (and the names the CLI and config take from it).
 
     plan_stages(*, model, hardware, pp, dp, trainable, sample, micro_batches, policy) -> StagePlan
         Partition the layers into pp contiguous stages (and choose recompute per stage) for
@@ -8,46 +8,60 @@
         llava-grouped: DeepSpeed `parameters`; packed-ffd: encoders + first LLM chunk on
         stage 0. Baselines switch recompute on only if that is what their tuning picks.
 
-    plan_step(*, policy, features, stage_plan, cost, dp, micro_batches) -> list[list[list[int]]]
-        One step's samples (`features`, in stream order) -> per replica the ordered
-        micro-batches as lists of indices into `features`. `cost` is a CostModel
-        (build_cost_model(model=..., hardware=..., trainable=..., dp=...)).
+    StepPlanner(*, model, hardware, trainable, dp, stage_plan, policy, micro_batches, ...)
+        Built once per run; `.plan(features) -> StepPlan` plans one step's samples (in stream
+        order): per replica the ordered micro-batches as indices into `features`, with the
+        simulated step time and per-stage busy time of every replica.
+
+    stage_memory_warnings(*, model, hardware, trainable, dp, stage_plan, policy, micro_batches,
+                          sample) -> tuple[str, ...]
+        One line per stage of a user's stage plan that exceeds memory under the cost model.
+
+    plan_step(*, policy, features, stage_plan, cost, dp, micro_batches) -> Replicas
+        `StepPlanner.plan` without the prediction, on a given CostModel.
 
     validate_trainable(trainable, model) -> tuple[str, ...]
         ValueError for a name matching no layer, e.g. "train.trainable=[visoin] names
         'visoin', which matches no layer of model qwen2-vl-7b; use all, vision, ...".
 
-Policies: data-aware, ds-default, llava-grouped, packed-ffd.
+Policies: data-aware, ds-default, llava-grouped, packed-ffd. The plan's contract is
+docs/spec.md section 4.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import (BASELINES, PACK_TOKENS, ds_default_step,
                                       llava_grouped_step, packed_ffd_step, tune_baseline)
-from mmpipe.planner.cost import (CostModel, SampleTable, build_cost_model, mb_streams,
-                                 sample_table, stage_costs, validate_trainable)
-from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.hardware import HardwareSpec
-from mmpipe.planner.partition import (StagePlan, balanced_partition, check_pp, hill_climb,
-                                      layer_loads, parameters_partition)
-from mmpipe.planner.step import evaluate_step
+from mmpipe.planner.calibrate import StepCalibration
+from mmpipe.planner.cost import CostModel, build_cost_model, validate_trainable
+from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
+from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
+from mmpipe.planner.samples import SampleTable, sample_table
+from mmpipe.planner.stage_cost import StageCosts, stage_costs
+from mmpipe.planner.step import Replicas, evaluate_step
 
 POLICIES = ("data-aware",) + BASELINES
 """Every plan.policy value."""
 PACKED_POLICIES = ("data-aware", "packed-ffd")
 """Policies whose micro-batches are packed (the others pad to the longest sample)."""
+UNLIMITED_MEMORY_GB = 1e6
+"""Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
-__all__ = ["POLICIES", "StagePlan", "plan_stages", "plan_step", "validate_trainable",
-           "check_policy", "data_aware_stages"]
+__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "HardwareSpec", "Replicas", "StagePlan",
+           "StepCalibration", "StepPlan", "StepPlanner", "build_cost_model", "check_policy",
+           "hardware_from_dict", "hardware_to_dict", "plan_stages", "plan_step",
+           "stage_memory_warnings", "validate_trainable"]
 
 
 def check_policy(policy: str) -> None:
+    """ValueError naming plan.policy and the known policies."""
     if policy not in POLICIES:
         raise ValueError(f"plan.policy={policy!r} is unknown; use {', '.join(POLICIES)}")
 
@@ -68,13 +82,18 @@ def plan_stages(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int,
 
 
 def plan_step(*, policy: str, features: list[SampleFeatures], stage_plan: StagePlan,
-              cost: CostModel, dp: int, micro_batches: int) -> list[list[list[int]]]:
+              cost: CostModel, dp: int, micro_batches: int) -> Replicas:
     """Per replica the ordered micro-batches (indices into `features`) of one step."""
     check_policy(policy)
-    table = sample_table(features)
-    rows = list(range(len(features)))
+    sc = stage_costs(cost, stage_plan.stages, stage_plan.recompute)
+    return _replicas(policy, sample_table(features), sc, dp, micro_batches)
+
+
+def _replicas(policy: str, table: SampleTable, sc: StageCosts, dp: int,
+              micro_batches: int) -> Replicas:
+    """Every replica's micro-batches under the policy, for all samples of `table`."""
+    rows = list(range(len(table)))
     if policy == "data-aware":
-        sc = stage_costs(cost, stage_plan.stages, stage_plan.recompute)
         return balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches)
     if policy == "ds-default":
         return ds_default_step(rows, dp=dp, m=micro_batches)
@@ -84,69 +103,89 @@ def plan_step(*, policy: str, features: list[SampleFeatures], stage_plan: StageP
     return packed_ffd_step(table, rows, dp=dp, pack_len=max(longest, PACK_TOKENS))
 
 
-def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]], *,
-                      pp: int, dp: int, micro_batches: int,
-                      labels: Sequence[str] | None = None) -> StagePlan:
-    """Partition on real micro-batches: balance the sample steps on a provisional partition,
-    range-search the bottleneck on those micro-batches, hill-climb the cuts and recompute flags
-    on the simulated step time of the same micro-batches, and keep whichever candidate is
-    fastest once its own micro-batches are re-planned (the best micro-batch count and sizes
-    depend on the partition). A last hill climb moves single cuts by one layer, each candidate
-    judged with its re-planned micro-batches."""
-    L = len(cost.layers)
-    check_pp(pp, L, cost.model.name)
-    hw = cost.hardware
-    replanned: dict[tuple, float] = {}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPlan:
+    """One step planned, and what the cost model predicts for it."""
 
-    def replan(p: StagePlan) -> float:
-        key = (tuple(p.stages), tuple(p.recompute))
-        if key not in replanned:
-            s = stage_costs(cost, p.stages, p.recompute)
-            total = 0.0
-            try:
-                for rows in steps:
-                    rep = balance_step(s, table, rows, dp=dp, micro_batches=micro_batches,
-                                       labels=labels)
-                    ev = evaluate_step(s, table, rep, packing=True)
-                    if not ev.fits:
-                        total = np.inf
-                        break
-                    total += ev.step_time
-            except ValueError:  # a stage or a sample does not fit under this partition
-                total = np.inf
-            replanned[key] = total
-        return replanned[key]
+    replicas: Replicas
+    """Per replica, its micro-batches in execution order, each a list of indices into the
+    step's samples."""
+    step_time: float
+    """Simulated step time: the slowest replica's 1F1B makespan, s."""
+    busy: tuple[tuple[float, ...], ...]
+    """Per replica, the simulated compute time of each stage, s (empty for a replica that got
+    no samples)."""
 
-    plan = StagePlan(stages=parameters_partition([l.params for l in cost.layers], pp),
-                     recompute=[True] * pp)
-    best_plan, best_t = plan, replan(plan)
-    for it in range(3):
-        sc = stage_costs(cost, plan.stages, plan.recompute)
-        # equal micro-batches on the first round, the policy's own (ramped) ones after
-        reps = [balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
-                             labels=labels, search=it > 0) for rows in steps]
-        mbs = [mb for rep in reps for r in rep for mb in r]
-        T, S2 = mb_streams(table, mbs, packing=True)
-        loads = layer_loads(cost, T, S2)
-        cand = balanced_partition(loads, pp, hw.usable_bytes) or plan
 
-        def score(p: StagePlan) -> float:
-            s = stage_costs(cost, p.stages, p.recompute)
-            total = 0.0
-            for rep in reps:
-                ev = evaluate_step(s, table, rep, packing=True)
-                if not ev.fits:
-                    return np.inf
-                total += ev.step_time
-            return total
+class StepPlanner:
+    """Plans the steps of a run: built once from the run's fixed choices, then `plan` per step.
 
-        for start in (cand, plan):
-            p, _ = hill_climb(start, score)
-            t = replan(p)
-            if t < best_t:
-                best_plan, best_t = p, t
-        if it > 0 and best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
-            break
-        plan = best_plan
-    best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,))
-    return best_plan
+    Every rank that plans the same samples with the same arguments gets the same plan (the
+    planner is deterministic), so the ranks of a replica agree without talking.
+    """
+
+    def __init__(self, *, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
+                 dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
+                 replicas: int | None = None, memory_limit: bool = True) -> None:
+        """Args:
+            model, hardware, trainable, dp: what the cost model prices (dp: data-parallel
+                replicas of the run, over which ZeRO-1 shards optimizer states).
+            stage_plan: the run's stage ranges and recompute.
+            policy: a plan.policy value; micro_batches: train.micro_batches.
+            replicas: how many replicas one `plan` call deals its samples to (dp when a step
+                is planned across replicas, 1 when each replica plans its own share); dp if
+                not given.
+            memory_limit: False plans as if memory were unlimited: for a user's stages that
+                already exceed it under the cost model (trained with a warning), planning
+                within it would refuse samples or steps the user chose to run anyway.
+        """
+        check_policy(policy)
+        if not memory_limit:
+            hardware = dataclasses.replace(hardware,
+                                           memory_gb=max(hardware.memory_gb, UNLIMITED_MEMORY_GB))
+        self.policy = policy
+        self.micro_batches = micro_batches
+        self.replicas = dp if replicas is None else replicas
+        self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+        self.stage_costs = stage_costs(self.cost, stage_plan.stages, stage_plan.recompute)
+
+    @property
+    def packing(self) -> bool:
+        """Whether micro-batches are packed (else padded to their longest sample)."""
+        return self.policy in PACKED_POLICIES
+
+    def plan(self, features: Sequence[SampleFeatures]) -> StepPlan:
+        """Plan one step's samples (in stream order) and predict its time."""
+        table = sample_table(features)
+        reps = _replicas(self.policy, table, self.stage_costs, self.replicas, self.micro_batches)
+        ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
+        return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
+                        busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas))
+
+
+def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
+                          dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
+                          sample: Sequence[SampleFeatures]) -> tuple[str, ...]:
+    """Stages of a user's stage plan whose planned peak memory on `sample` (one step's samples,
+    all replicas) exceeds the device under the cost model, one warning line each (the user's
+    stages are trained anyway; the user hears which stage and by how much). A sample that
+    fits on no micro-batch is one warning too."""
+    check_policy(policy)
+    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+    sc = stage_costs(cost, stage_plan.stages, stage_plan.recompute)
+    table = sample_table(sample)
+    try:
+        reps = _replicas(policy, table, sc, dp, micro_batches)
+    except ValueError as err:  # e.g. a sample that fits on no micro-batch
+        return (f"plan.stages: {err}",)
+    ev = evaluate_step(sc, table, reps, packing=policy in PACKED_POLICIES)
+    names = cost.names
+    out = []
+    for s, (a, b) in enumerate(stage_plan.stages):
+        need, usable = float(ev.peak_bytes[s]), float(ev.usable)
+        if need > usable:
+            out.append(f"plan.stages: stage {s} ({names[a]}..{names[b - 1]}) needs {need / 1e9:.3g} GB "
+                       f"under the cost model, {(need - usable) / 1e9:.3g} GB more than the "
+                       f"{usable / 1e9:.3g} GB usable on hardware {hardware.name}; it may run out of "
+                       f"memory (move layers off it, or enable recompute)")
+    return tuple(out)

@@ -1,4 +1,4 @@
-"""Baseline policies of shared/spec/PLANNING.md section 7, each tuned as a user would.
+"""Baseline policies of docs/spec.md section 7, each tuned as a user would.
 
 - `ds-default`: DeepSpeed `parameters` partition; each replica takes a contiguous slice of
   the step in stream order, cut into equal consecutive micro-batches, padded.
@@ -23,8 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
-from mmpipe.planner.cost import CostModel, SampleTable, stage_costs
+from mmpipe.planner.cost import CostModel
 from mmpipe.planner.partition import StagePlan, packed_ffd_partition, parameters_partition
+from mmpipe.planner.samples import SampleTable
+from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import Replicas, StepEval, evaluate_step
 
 BASELINES = ("ds-default", "llava-grouped", "packed-ffd")

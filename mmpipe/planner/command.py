@@ -1,6 +1,6 @@
 """`mmpipe plan`: read a trace, plan every step, print the report, write the plan JSON.
 
-The plan JSON follows shared/spec/PLANNING.md section 4; sample ids are 0-based trace line
+The plan JSON follows docs/spec.md section 4; sample ids are 0-based trace line
 numbers (the sample's position in the trace).
 """
 
@@ -12,17 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from mmpipe.model.geometry import features
 from mmpipe.model.spec import ModelSpec, layer_names
-from mmpipe.planner.api import check_policy, data_aware_stages
+from mmpipe.planner.api import check_policy
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, tune_baseline
-from mmpipe.planner.cost import build_cost_model, lower_bound_s, sample_table, stage_costs
-from mmpipe.model.geometry import features
-from mmpipe.planner.trace import read_trace
+from mmpipe.planner.cost import build_cost_model, lower_bound_s
 from mmpipe.planner.hardware import HardwareSpec
-from mmpipe.planner.partition import StagePlan, check_pp, stages_from_names
+from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages, stages_from_names
 from mmpipe.planner.report import plot_timeline, schedule_comparison, stage_table, steps_table
+from mmpipe.planner.samples import sample_table
+from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import evaluate_step
+from mmpipe.planner.trace import read_trace
 
 GB = 1e9
 COMPARE_STEPS = 8

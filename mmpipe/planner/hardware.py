@@ -1,9 +1,9 @@
 """What one accelerator and its links cost: the single home of every cost constant.
 
-The cost model (`mmpipe.planner.cost`) reads nothing else: peak FLOP/s, the small-micro-batch
-efficiency curve, the fixed per-op overhead, link bandwidth and latency, and the memory rules of
-thumb of shared/spec/PLANNING.md section 6. Presets live in `conf/hardware/*.yaml`; a measured
-machine is the same dataclass with `kind_efficiency` / `kind_overhead_s` filled in by
+The cost model (`planner.cost`, `planner.stage_cost`) reads nothing else: peak FLOP/s, the
+small-micro-batch efficiency curve, the fixed per-op overhead, link bandwidth and latency, and
+the memory rules of thumb of docs/spec.md section 6. Presets live in `conf/hardware/*.yaml`; a
+measured machine is the same dataclass with `kind_efficiency` / `kind_overhead_s` filled in by
 `mmpipe profile`.
 
 Efficiency curve: a layer kind running on a micro-batch whose stream holds `T` tokens reaches
@@ -119,10 +119,6 @@ class HardwareSpec:
         if trainable:
             return self.trainable_param_bytes + self.sharded_param_bytes / dp
         return self.frozen_param_bytes
-
-    def transfer_s(self, nbytes: float) -> float:
-        """Time to send `nbytes` to the neighbouring stage (0 when nothing is sent)."""
-        return self.link_latency_s + nbytes / self.link_bytes_per_s if nbytes > 0 else 0.0
 
 
 def hardware_from_dict(d: Mapping[str, Any]) -> HardwareSpec:

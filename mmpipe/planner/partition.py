@@ -4,35 +4,40 @@
   llava-grouped get): contiguous stages that minimise the largest parameter count.
 - `packed_ffd_partition`: Megatron/NeMo style: encoders with the first LLM chunk on stage 0,
   LLM blocks split evenly over the stages.
-- `balanced_partition`: the data-aware one: minimise the bottleneck of per-stage time on a
-  sample of real micro-batches, each stage within memory (recompute switched on for a stage
-  only where it does not fit otherwise), then hill-climb the cuts on the simulated step time.
+- `data_aware_stages`: the data-aware one: `balanced_partition` minimises the bottleneck of
+  per-stage time on a sample of real micro-batches, each stage within memory (recompute
+  switched on for a stage only where it does not fit otherwise), then `hill_climb` moves the
+  cuts on the simulated step time, each candidate judged with re-planned micro-batches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
-from mmpipe.planner.cost import CostModel, stage_costs, micro_batch_costs
+from mmpipe.planner.balancer import balance_step
+from mmpipe.planner.cost import CostModel
+from mmpipe.planner.samples import SampleTable, mb_streams
+from mmpipe.planner.stage_cost import micro_batch_costs, send_seconds, stage_costs
+from mmpipe.planner.step import evaluate_step
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StagePlan:
     """Which layers each pipeline stage runs, and whether it recomputes activations."""
 
-    stages: list[tuple[int, int]]
+    stages: tuple[tuple[int, int], ...]
     """[start, end) indices into layer_names(model), one per stage, tiling all layers."""
-    recompute: list[bool] = field(default_factory=list)
+    recompute: tuple[bool, ...] = ()
     """Activation recomputation per stage (default all off)."""
 
     def __post_init__(self) -> None:
-        self.stages = [(int(a), int(b)) for a, b in self.stages]
-        if not self.recompute:
-            self.recompute = [False] * len(self.stages)
-        self.recompute = [bool(r) for r in self.recompute]
+        stages = tuple((int(a), int(b)) for a, b in self.stages)
+        recompute = tuple(bool(r) for r in self.recompute) or (False,) * len(stages)
+        object.__setattr__(self, "stages", stages)  # frozen: normalise once, here
+        object.__setattr__(self, "recompute", recompute)
         if len(self.recompute) != len(self.stages):
             raise ValueError(f"recompute has {len(self.recompute)} entries for "
                              f"{len(self.stages)} stages; give one per stage")
@@ -162,24 +167,20 @@ def layer_loads(cost: CostModel, T: np.ndarray, S2: np.ndarray) -> LayerLoads:
     on = micro_batch_costs(stage_costs(cost, single, [True] * L), T, S2)
     big = int(np.argmax(off.act.sum(axis=0))) if T.shape[0] else 0
     hw = cost.hardware
-    fb = cost.cut_fwd_bytes @ T.T  # [L+1, n_mb]
-    bb = cost.cut_bwd_bytes @ T.T
-    send = (np.where(fb > 0, hw.link_latency_s + fb / hw.link_bytes_per_s, 0.0).sum(axis=1)
-            + np.where(bb > 0, hw.link_latency_s + bb / hw.link_bytes_per_s, 0.0).sum(axis=1))
+    send = (send_seconds(hw, cost.cut_fwd_bytes @ T.T).sum(axis=1)  # [L+1]
+            + send_seconds(hw, cost.cut_bwd_bytes @ T.T).sum(axis=1))
     return LayerLoads(time=(off.fwd + off.bwd).sum(axis=1),
                       recompute_time=(on.bwd - off.bwd).sum(axis=1),
                       act=off.act[:, big], act_rc=on.act[:, big], transient=on.transient[:, big],
                       send=send, static=np.array([cost.static_bytes(i, i + 1) for i in range(L)]))
 
 
-def balanced_partition(loads: LayerLoads, pp: int, usable: float, *,
-                       in_flight: Callable[[int], int] | None = None,
-                       allow_recompute: bool = True) -> StagePlan | None:
+def balanced_partition(loads: LayerLoads, pp: int, usable: float) -> StagePlan | None:
     """Minimise the largest stage time (layer time + the sends at its cuts) with every stage in
-    memory; a stage recomputes only where it does not fit otherwise. None if nothing fits."""
+    memory, stage s holding pp - s micro-batches in flight (1F1B); a stage recomputes only
+    where it does not fit otherwise. None if nothing fits."""
     L = len(loads.time)
     check_pp(pp, L, "(layers)")
-    in_flight = in_flight or (lambda s: pp - s)
     ct = np.concatenate([[0.0], np.cumsum(loads.time)])
     cr = np.concatenate([[0.0], np.cumsum(loads.recompute_time)])
     ca = np.concatenate([[0.0], np.cumsum(loads.act)])
@@ -189,13 +190,12 @@ def balanced_partition(loads: LayerLoads, pp: int, usable: float, *,
     def stage(s: int, a: int, b: int) -> tuple[float, bool] | None:
         base = ct[b] - ct[a] + (loads.send[a] if a > 0 else 0.0) + (loads.send[b] if b < L else 0.0)
         static = cs[b] - cs[a]
-        k = in_flight(s)
+        k = pp - s
         if static + k * (ca[b] - ca[a]) <= usable:
             return base, False
-        if allow_recompute:
-            tr = float(loads.transient[a:b].max()) if b > a else 0.0
-            if static + k * (crc[b] - crc[a]) + tr <= usable:
-                return base + cr[b] - cr[a], True
+        tr = float(loads.transient[a:b].max()) if b > a else 0.0
+        if static + k * (crc[b] - crc[a]) + tr <= usable:
+            return base + cr[b] - cr[a], True
         return None
 
     def probe(limit: float) -> StagePlan | None:
@@ -249,17 +249,85 @@ def hill_climb(plan: StagePlan, score: Callable[[StagePlan], float], *, rounds: 
                     if not a0 < cut < b1:
                         continue
                     st[c - 1], st[c] = (a0, cut), (cut, b1)
-                    cand = StagePlan(stages=st, recompute=list(best.recompute))
+                    cand = StagePlan(stages=st, recompute=best.recompute)
                     s = score(cand)
                     if s < best_s:
                         best, best_s, improved = cand, s, True
         for s_i in range(best.pp):
             rc = list(best.recompute)
             rc[s_i] = not rc[s_i]
-            cand = StagePlan(stages=list(best.stages), recompute=rc)
+            cand = StagePlan(stages=best.stages, recompute=rc)
             s = score(cand)
             if s < best_s:
                 best, best_s, improved = cand, s, True
         if not improved:
             break
     return best, best_s
+
+
+def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]], *,
+                      pp: int, dp: int, micro_batches: int,
+                      labels: Sequence[str] | None = None) -> StagePlan:
+    """Partition on real micro-batches: balance the sample steps on a provisional partition,
+    range-search the bottleneck on those micro-batches, hill-climb the cuts and recompute flags
+    on the simulated step time of the same micro-batches, and keep whichever candidate is
+    fastest once its own micro-batches are re-planned (the best micro-batch count and sizes
+    depend on the partition). A last hill climb moves single cuts by one layer, each candidate
+    judged with its re-planned micro-batches."""
+    L = len(cost.layers)
+    check_pp(pp, L, cost.model.name)
+    hw = cost.hardware
+    replanned: dict[tuple, float] = {}
+
+    def replan(p: StagePlan) -> float:
+        key = (p.stages, p.recompute)
+        if key not in replanned:
+            s = stage_costs(cost, p.stages, p.recompute)
+            total = 0.0
+            try:
+                for rows in steps:
+                    rep = balance_step(s, table, rows, dp=dp, micro_batches=micro_batches,
+                                       labels=labels)
+                    ev = evaluate_step(s, table, rep, packing=True)
+                    if not ev.fits:
+                        total = np.inf
+                        break
+                    total += ev.step_time
+            except ValueError:  # a stage or a sample does not fit under this partition
+                total = np.inf
+            replanned[key] = total
+        return replanned[key]
+
+    plan = StagePlan(stages=parameters_partition([l.params for l in cost.layers], pp),
+                     recompute=[True] * pp)
+    best_plan, best_t = plan, replan(plan)
+    for it in range(3):
+        sc = stage_costs(cost, plan.stages, plan.recompute)
+        # equal micro-batches on the first round, the policy's own (ramped) ones after
+        reps = [balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
+                             labels=labels, search=it > 0) for rows in steps]
+        mbs = [mb for rep in reps for r in rep for mb in r]
+        T, S2 = mb_streams(table, mbs, packing=True)
+        loads = layer_loads(cost, T, S2)
+        cand = balanced_partition(loads, pp, hw.usable_bytes) or plan
+
+        def score(p: StagePlan) -> float:
+            s = stage_costs(cost, p.stages, p.recompute)
+            total = 0.0
+            for rep in reps:
+                ev = evaluate_step(s, table, rep, packing=True)
+                if not ev.fits:
+                    return np.inf
+                total += ev.step_time
+            return total
+
+        for start in (cand, plan):
+            p, _ = hill_climb(start, score)
+            t = replan(p)
+            if t < best_t:
+                best_plan, best_t = p, t
+        if it > 0 and best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
+            break
+        plan = best_plan
+    best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,))
+    return best_plan

@@ -7,8 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
-from mmpipe.planner.cost import SampleTable, StageCosts
+from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.schedules import SCHEDULES
+from mmpipe.planner.stage_cost import StageCosts
 from mmpipe.planner.step import Replicas, StepEval, mb_costs, simulate_replica
 
 GB = 1e9
@@ -68,7 +69,7 @@ def schedule_comparison(sc: StageCosts, table: SampleTable, mbs: list[list[int]]
     out = [f"{'schedule':<12} {'makespan':>9} {'bubble':>7} {'peak act GB':>11}"]
     for name in SCHEDULES:
         try:
-            r = simulate_replica(sc, c, schedule=name)
+            r = simulate_replica(c, schedule=name)
         except ValueError as err:
             out.append(f"{name:<12} n/a ({err})")
             continue
@@ -88,11 +89,11 @@ def plot_timeline(path: str, sc: StageCosts, table: SampleTable, replicas: Repli
 
     times = []
     for mbs in replicas:
-        times.append(simulate_replica(sc, mb_costs(sc, table, mbs, packing=packing)).makespan
+        times.append(simulate_replica(mb_costs(sc, table, mbs, packing=packing)).makespan
                      if mbs else 0.0)
     r = int(np.argmax(times))
     mbs = replicas[r]
-    res = simulate_replica(sc, mb_costs(sc, table, mbs, packing=packing), events=True)
+    res = simulate_replica(mb_costs(sc, table, mbs, packing=packing), events=True)
     kinds = [_mb_modality(mb, modality) for mb in mbs]
     fig, ax = plt.subplots(figsize=(12, 0.6 * sc.pp + 1.6))
     for e in res.events:

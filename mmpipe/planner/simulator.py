@@ -123,7 +123,7 @@ def simulate(schedule: Schedule, *, fwd: np.ndarray, bwd: np.ndarray,
         if events:
             evs.append(Event(device=d, op="FBW"[op], mb=j, chunk=v, start=start, end=end))
     makespan = max(free) if P else 0.0
-    peak = _peak_memory(schedule, mem, tr)
+    peak = peak_memory(schedule, mem, tr)
     return SimResult(makespan=makespan, busy=tuple(busy),
                      idle=tuple(makespan - b for b in busy), peak_act=peak, events=tuple(evs))
 
@@ -212,7 +212,7 @@ def topological_order(schedule: Schedule) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _peak_memory(schedule: Schedule, mem: np.ndarray, tr: np.ndarray) -> tuple[float, ...]:
+def peak_memory(schedule: Schedule, mem: np.ndarray, tr: np.ndarray) -> tuple[float, ...]:
     """Walk each device's actions in order: F allocates, B (or W when split) frees."""
     peaks = []
     free_op = "W" if schedule.split_backward else "B"

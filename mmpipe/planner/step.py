@@ -12,10 +12,10 @@ from typing import Sequence
 
 import numpy as np
 
-from mmpipe.planner.cost import (MicroBatchCosts, SampleTable, StageCosts, mb_streams,
-                                 micro_batch_costs)
+from mmpipe.planner.samples import SampleTable, mb_streams
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import SimResult, chunk_values, simulate
+from mmpipe.planner.stage_cost import MicroBatchCosts, StageCosts, micro_batch_costs
 
 Replicas = list[list[list[int]]]
 """Per replica, its micro-batches in execution order, each a list of sample indices."""
@@ -33,8 +33,6 @@ class StepEval:
     """[P] static + largest in-flight activation peak over replicas."""
     usable: float
     """Bytes a device may fill."""
-    costs: tuple[MicroBatchCosts | None, ...]
-    """Per replica its micro-batch costs [P, m]."""
 
     @property
     def fits(self) -> bool:
@@ -48,11 +46,12 @@ class StepEval:
 
 def mb_costs(sc: StageCosts, table: SampleTable, mbs: Sequence[Sequence[int]], *,
              packing: bool) -> MicroBatchCosts:
+    """Times and memory [P, m] of micro-batches given as rows of `table`."""
     T, S2 = mb_streams(table, mbs, packing=packing)
     return micro_batch_costs(sc, T, S2)
 
 
-def simulate_replica(sc: StageCosts, c: MicroBatchCosts, *, schedule: str = "1f1b",
+def simulate_replica(c: MicroBatchCosts, *, schedule: str = "1f1b",
                      events: bool = False) -> SimResult:
     """Simulate one replica given its micro-batch costs [P, m] under a named schedule."""
     P, m = c.fwd.shape
@@ -73,23 +72,19 @@ def simulate_replica(sc: StageCosts, c: MicroBatchCosts, *, schedule: str = "1f1
                     events=events)
 
 
-def evaluate_step(sc: StageCosts, table: SampleTable, replicas: Replicas, *, packing: bool,
-                  schedule: str = "1f1b", events: bool = False) -> StepEval:
-    """Simulate every replica of a step (sample indices are rows of `table`)."""
+def evaluate_step(sc: StageCosts, table: SampleTable, replicas: Replicas, *,
+                  packing: bool) -> StepEval:
+    """Simulate every replica of a step under 1F1B (sample indices are rows of `table`)."""
     P = sc.pp
     sims: list[SimResult | None] = []
-    costs: list[MicroBatchCosts | None] = []
     peak_act = np.zeros(P)
     for mbs in replicas:
         if not mbs:
             sims.append(None)
-            costs.append(None)
             continue
-        c = mb_costs(sc, table, mbs, packing=packing)
-        r = simulate_replica(sc, c, schedule=schedule, events=events)
+        r = simulate_replica(mb_costs(sc, table, mbs, packing=packing))
         sims.append(r)
-        costs.append(c)
         peak_act = np.maximum(peak_act, np.asarray(r.peak_act))
     step_time = max((r.makespan for r in sims if r is not None), default=0.0)
     return StepEval(step_time=step_time, replicas=tuple(sims), peak_bytes=sc.static + peak_act,
-                    usable=sc.cost.hardware.usable_bytes, costs=tuple(costs))
+                    usable=sc.cost.hardware.usable_bytes)

@@ -9,31 +9,22 @@ stall the pipeline.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from mmpipe.config import PACKAGE_ROOT, RunConfig, hardware_spec, resolve_path
-from mmpipe.data.mixture import Mixture, mixture_from_dicts
-from mmpipe.data.reader import Record, SampleStream, loader
-from mmpipe.data.records import decode_record
+from mmpipe.config import RunConfig, hardware_spec
+from mmpipe.data.loader import loader
+from mmpipe.data.records import Record, decode_record
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
-from mmpipe.planner.api import PACKED_POLICIES, plan_step
-from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
-from mmpipe.model.geometry import SampleFeatures, features
-from mmpipe.planner.partition import StagePlan
-from mmpipe.planner.step import evaluate_step
+from mmpipe.model.geometry import features
+from mmpipe.planner.api import StagePlan, StepPlanner
 from mmpipe.runtime.batch import MicroBatch, collate
-
-if TYPE_CHECKING:
-    from mmpipe.runtime.stages import StageChoice
-
+from mmpipe.runtime.stream import make_stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,43 +45,26 @@ class PlannedStep:
     """The reader's position after this step's samples (saved with a checkpoint)."""
 
 
-def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: SkipCounter):
-    """The replica's reader: one shard list, or a weighted mixture of several. With
-    plan.across_replicas every replica reads the whole stream (and keeps its planned share)."""
-    d = rc.data
-    dp_size = 1 if rc.plan.across_replicas else rc.parallel.dp
-    dp_rank = 0 if rc.plan.across_replicas else dp_rank
-    common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=dp_size,
-                  seed=rc.train.seed, epochs=d.epochs, shuffle_buffer=d.shuffle_buffer, on_error=d.on_error,
-                  too_long=d.too_long, num_workers=d.num_workers, root=PACKAGE_ROOT, skips=skips)
-    if d.sources:
-        sources = [dict(s, path=resolve_path(s["path"])) for s in d.sources]
-        return Mixture(sources=mixture_from_dicts(sources), **common)
-    return SampleStream(path=resolve_path(d.path), **common)
-
-
 class StepFeeder:
     """Yields, step after step, the planned micro-batches of one data-parallel replica."""
 
-    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan: StageChoice,
-                 media: bool = True,
+    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan: StagePlan,
+                 over_memory: bool = False, media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None):
         self.rc = rc
         self.tokenizer = tokenizer
-        self.skips = SkipCounter()
+        self.skips = SkipCounter.for_run(rc.run_dir, dp_rank=dp_rank) if media else SkipCounter()  # first stage logs
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
-        self.packed = rc.plan.policy in PACKED_POLICIES
-        self.stage_plan = StagePlan(stages=list(stage_plan.stages), recompute=list(stage_plan.recompute))
-        hw = hardware_spec(rc)
-        if stage_plan.warnings:
-            # The user's stages exceed memory under the cost model and were accepted with a
-            # warning: plan their micro-batches without the memory limit rather than refuse.
-            hw = dataclasses.replace(hw, memory_gb=max(hw.memory_gb, 1e6))
-        self.cost = build_cost_model(model=rc.model, hardware=hw, trainable=rc.train.trainable, dp=rc.parallel.dp)
-        self.stage_costs = stage_costs(self.cost, self.stage_plan.stages, self.stage_plan.recompute)
+        # over_memory: the user's stages exceed memory under the cost model and were accepted
+        # with a warning: plan their micro-batches without the memory limit rather than refuse.
+        self.planner = StepPlanner(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
+                                   dp=rc.parallel.dp, stage_plan=stage_plan, policy=rc.plan.policy,
+                                   micro_batches=rc.train.micro_batches,
+                                   replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory)
+        self.packed = self.planner.packing
         self._record = record.open("w") if record else None
         self.media = media
         self.steps = rc.train.steps if steps is None else steps
@@ -131,11 +105,10 @@ class StepFeeder:
         state = self.stream.state_dict()
         t1 = time.perf_counter()
         feats = [features(self.rc.model, r.meta) for r in records]
-        replicas = self.split(feats)
+        planned = self.planner.plan(feats)  # every replica's when planned across replicas, else this one's
         t2 = time.perf_counter()
-        predicted = evaluate_step(self.stage_costs, sample_table(feats), replicas, packing=self.packed)
         mine = 0 if not self.across else self.dp_rank
-        groups, sim = replicas[mine], predicted.replicas[mine]
+        groups = planned.replicas[mine]
         if not groups:
             raise RuntimeError(f"the planner gave replica {self.dp_rank} no samples this step; raise "
                                f"train.global_batch (now {self.rc.train.global_batch}) above parallel.dp")
@@ -150,28 +123,21 @@ class StepFeeder:
             self._record.flush()
         t4 = time.perf_counter()
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
-                           predicted_s=predicted.step_time, predicted_busy=tuple(sim.busy) if sim else (),
+                           predicted_s=planned.step_time, predicted_busy=planned.busy[mine],
                            reader_state=state)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that
         fail behind a valid header become zeros of the planned shape (and are counted), so
         both stages keep the same samples in the same micro-batches."""
-        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True)
+        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True,
+                               limits=self.stream.limits)
         if self.media:
             for err in sample.dropped[len(rec.dropped):]:  # new here; earlier drops are counted
                 if self.rc.data.on_error == "raise":
                     raise err
                 self.skips.add(err)
         return sample
-
-    def split(self, feats: list[SampleFeatures]) -> list[list[list[int]]]:
-        """Per replica its micro-batches (indices into `feats`, in execution order): every
-        replica's when the step is planned across replicas, else this replica's alone."""
-        dp = self.rc.parallel.dp if self.across else 1
-        replicas = plan_step(policy=self.rc.plan.policy, features=feats, stage_plan=self.stage_plan,
-                             cost=self.cost, dp=dp, micro_batches=self.rc.train.micro_batches)
-        return [[list(mb) for mb in rep] for rep in replicas]
 
     # -- training thread ---------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from mmpipe.model.layers import build_layer, token_loss
@@ -16,10 +16,15 @@ from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
 
 class _LayerFromName(nn.Module):
     """LayerSpec wants an nn.Module class; this one builds the named mmpipe layer instead, so
-    each rank constructs only the layers of its own stage."""
+    each rank constructs only the layers of its own stage (a Hugging Face model's layer also
+    reads only its own tensors from the checkpoint)."""
 
     def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int,  # type: ignore[misc]
                 pretrained: Pretrained | None = None):
+        if spec.hf is not None:
+            from mmpipe.model.hf.build import build_layer as build_hf_layer
+
+            return build_hf_layer(spec, name, seed=seed)
         return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token,
                            pretrained=pretrained)
 
@@ -59,10 +64,29 @@ class PipelineSpec:
     """Local checkpoint folders to initialise components from."""
 
 
+def _layer_specs(p: PipelineSpec) -> list[LayerSpec]:
+    """One LayerSpec per layer; a tied LM head and input embedding (transformers'
+    tie_word_embeddings) become DeepSpeed TiedLayerSpecs of one module: built once per stage that
+    holds either, its weight broadcast at start and its gradient all-reduced between those stages."""
+    tie = None
+    if p.model.hf is not None:
+        from mmpipe.model.hf.build import tied_embedding
+
+        tie = tied_embedding(p.model)
+    specs: list[LayerSpec] = []
+    for n in layer_names(p.model):
+        if tie is not None and n in tie.layers:
+            owner = tie.layers[0]
+            specs.append(TiedLayerSpec(tie.key, _LayerFromName, p.model, owner, p.seed, p.image_token, p.audio_token,
+                                       p.pretrained, forward_fn=None if n == owner else tie.head_forward,
+                                       tied_weight_attr=[tie.weight_attr]))
+        else:
+            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.pretrained))
+    return specs
+
+
 def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
-    names = layer_names(p.model)
-    specs = [LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.pretrained)
-             for n in names]
+    specs = _layer_specs(p)
     bounds = [s for s, _ in p.stages] + [p.stages[-1][1]]
     module = StagedPipelineModule(
         layers=specs, bounds=bounds, num_stages=len(p.stages), loss_fn=token_loss,
@@ -70,11 +94,12 @@ def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
     )
     if p.recompute and p.recompute[module.stage_id]:
         module.activation_checkpoint_interval = 1  # recompute every layer of this stage in backward
-    for layer in module.forward_funcs:
-        if isinstance(layer, nn.Module):
-            train = is_trainable(getattr(layer, "name", ""), p.trainable)
-            for param in layer.parameters():
-                param.requires_grad_(train)
+    layers = [f for f in module.forward_funcs if isinstance(f, nn.Module)] + list(module.tied_modules.values())
+    for layer in layers:
+        train = is_trainable(getattr(layer, "name", ""), p.trainable)
+        fixed = getattr(layer, "frozen_params", frozenset())  # frozen by the transformers module itself
+        for name, param in layer.named_parameters():
+            param.requires_grad_(train and name not in fixed)
     return module
 
 
@@ -156,8 +181,9 @@ class GlobalGradClip:
 
         grads = [p.grad for p in self._params if p.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
+        for p in self._params:  # a tied weight's copies on later stages count once (DeepSpeed marks them)
+            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False):
+                sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self.group)
         norm = float(sq.sqrt())
         self.last_norm = norm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -13,7 +14,7 @@ from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
 
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
-    from mmpipe.data.reader import check_shards
+    from mmpipe.data.shards import check_shards
     from mmpipe.data.tokenizer import check_vocab, load_tokenizer
 
     if rc.data.kind != "shards":
@@ -25,6 +26,58 @@ def check_data(rc: RunConfig) -> None:
                      num_workers=rc.data.num_workers)
     tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
     check_vocab(tok, rc.model.llm.vocab)
+
+
+def check_launch(rc: RunConfig) -> None:
+    """What would otherwise fail in every rank after launch: the run directory, train.resume
+    and the backend. Raises ValueError naming the key."""
+    check_backend(rc.launcher.backend)
+    if rc.train.resume:
+        checkpoint_dir(rc.train.resume)
+    check_run_dir(rc.run_dir)  # last: it creates the folder
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run directory can be created and written (it is created here)."""
+    key = f"hydra.run.dir={run_dir}"
+    fix = "give a folder you can write, e.g. hydra.run.dir=runs/NAME"
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{key} is a file, not a folder; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"{key} cannot be created or written ({err.strerror or err}); {fix}") from None
+
+
+def checkpoint_dir(resume: str) -> Path:
+    """The checkpoint folder train.resume names: a checkpoints/step<N> folder, or a run
+    directory or checkpoints folder (their `latest`). Raises ValueError naming the key."""
+    key = f"train.resume={resume}"
+    path = Path(resolve_path(resume))
+    if not path.is_dir():
+        raise ValueError(f"{key}: no such folder; give a run directory or its checkpoints/step<N> folder")
+    if (path / "checkpoints" / "latest").is_file():
+        path = path / "checkpoints"
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not path.is_dir() or not any(path.glob("*model_states.pt")):
+        raise ValueError(f"{key}: no checkpoint in {path} (no DeepSpeed *model_states.pt files); give a run "
+                         f"directory that saved one, or its checkpoints/step<N> folder")
+    return path
+
+
+def check_backend(backend: str) -> None:
+    """launcher.backend=nccl needs a CUDA device."""
+    if backend != "nccl":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("launcher.backend=nccl needs a CUDA GPU, and torch sees none here "
+                         "(torch.cuda.is_available() is False); use launcher.backend=auto or gloo")
 
 
 def to_plain(rc: RunConfig) -> dict:
@@ -46,8 +99,11 @@ def to_plain(rc: RunConfig) -> dict:
 
 
 def write_run_config(rc: RunConfig) -> Path:
+    """RUN_DIR/run.yaml; a new (not resumed) run also starts RUN_DIR/skips.jsonl afresh."""
     run_dir = Path(rc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not rc.train.resume:
+        (run_dir / "skips.jsonl").unlink(missing_ok=True)
     path = run_dir / "run.yaml"
     path.write_text(yaml.safe_dump(to_plain(rc), sort_keys=False))
     return path

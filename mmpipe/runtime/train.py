@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from mmpipe.config import RunConfig, resolve_path
 from mmpipe.model.spec import layer_names
-from mmpipe.planner.calibrate import StepCalibration
+from mmpipe.planner.api import StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
                                      lr_lambda, make_optimizer)
-from mmpipe.runtime.stages import StageChoice, choose_stages, format_stage_table
+from mmpipe.runtime.stages import choose_stages, format_stage_table
 from mmpipe.runtime.telemetry import StageTimer, gather_stage_times, per_stage
 
 log = logging.getLogger("mmpipe")
@@ -101,7 +101,7 @@ class _Pipeline:
     dp_group: object
 
 
-def _build(rc: RunConfig, tok, stage_plan: StageChoice) -> _Pipeline:
+def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     import deepspeed
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
@@ -136,22 +136,23 @@ def train(rc: RunConfig) -> RunResult:
 
     tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
     check_vocab(tok, rc.model.llm.vocab)
-    stage_plan = choose_stages(rc, tok)
-    pipe = _build(rc, tok, stage_plan)
+    stages = choose_stages(rc, tok)
+    pipe = _build(rc, tok, stages.plan)
     engine = pipe.engine
     start, reader_state = _resume(engine, rc, pipe.dp_rank) if rc.train.resume else (0, None)
 
     feeder = None
     if pipe.first or pipe.last:
-        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stage_plan, media=pipe.first,
+        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
+                            over_memory=bool(stages.warnings), media=pipe.first,
                             reader_state=reader_state, steps=rc.train.steps - start,
                             record=(run_dir / f"samples_rank{rank}.jsonl") if rc.train.record_samples else None)
     writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
               if rank == 0 else None)
     bar = None
     if rank == 0:
-        print(format_stage_table(rc, stage_plan, layer_names(rc.model)), flush=True)
-        for w in stage_plan.warnings:
+        print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
+        for w in stages.warnings:
             print(f"warning: {w}", file=sys.stderr, flush=True)
         bar = ProgressBar(rc.train.steps - start)
     try:
@@ -226,7 +227,8 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) 
             if step % rc.train.log_every == 0 or step == rc.train.steps:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
-        if (rc.train.save_every and step % rc.train.save_every == 0) or (rc.train.save_final and step == rc.train.steps):
+        every = rc.train.save_every and step % rc.train.save_every == 0
+        if every or (rc.train.save_final and step == rc.train.steps):
             _save(engine, run_dir, step, pipe.first, pipe.dp_rank, last_state)
     result.seconds = time.perf_counter() - t_start
     return result
@@ -268,14 +270,9 @@ def _save(engine, run_dir: Path, step: int, first: bool, dp_rank: int, reader_st
 
 def _resume(engine, rc: RunConfig, dp_rank: int) -> tuple[int, dict | None]:
     """Load the checkpoint named by train.resume; return its step and this replica's reader state."""
-    path = Path(resolve_path(rc.train.resume))
-    if (path / "checkpoints" / "latest").is_file():
-        path = path / "checkpoints"
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    if not path.is_dir():
-        raise FileNotFoundError(f"train.resume={rc.train.resume!r}: no checkpoint folder there "
-                                f"(give …/checkpoints/step<N> or a run directory)")
+    from mmpipe.runtime.preflight import checkpoint_dir
+
+    path = checkpoint_dir(rc.train.resume)
     _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
     if client is None or "step" not in client:
         raise ValueError(f"train.resume={rc.train.resume!r}: not an mmpipe checkpoint (no step recorded)")

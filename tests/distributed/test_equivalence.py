@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmpipe.cli import load
-from mmpipe.config import PROJECT_ROOT, resolve_path
+from mmpipe.config import PACKAGE_ROOT, resolve_path
 from mmpipe.data.reader import iter_meta, iter_samples
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.model.layers import build_layers, run_layers, token_loss
@@ -32,7 +32,7 @@ CASES = {
                        "plan.across_replicas=true"],  # the planner deals the step to the replicas
 }
 COMMON = ["train.steps=1", "train.optimizer=sgd", "train.lr=0.5", "train.warmup_steps=0",
-          "train.grad_clip=1.0", "train.record_samples=true"]
+          "train.grad_clip=1.0", "train.record_samples=true", "train.save_final=true"]  # the updated weights
 
 
 def _reference(overrides: list[str], keys_by_replica: list[list[str]]):
@@ -40,7 +40,7 @@ def _reference(overrides: list[str], keys_by_replica: list[list[str]]):
     tok = load_tokenizer(resolve_path(rc.data.tokenizer))
     samples, want = {}, {k for keys in keys_by_replica for k in keys}
     for s in iter_samples(path=resolve_path(rc.data.path), tokenizer=tok, spec=rc.model, dp_rank=0,
-                          dp_size=1, seed=rc.train.seed, epochs=1, root=PROJECT_ROOT):
+                          dp_size=1, seed=rc.train.seed, epochs=1, root=PACKAGE_ROOT):
         if s.key in want:
             samples[s.key] = s
         if len(samples) == len(want):
@@ -86,7 +86,7 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
     assert len(set(all_keys)) == len(all_keys)  # no sample in two replicas
     if across:  # one step covers the first global_batch samples of the whole stream
         first = islice(iter_meta(path=resolve_path("data/shards/train-{000000..000007}.tar"), dp_rank=0, dp_size=1,
-                                 epochs=1, root=PROJECT_ROOT), 12)
+                                 epochs=1, root=PACKAGE_ROOT), 12)
         assert sorted(all_keys) == sorted(k for k, _ in first)
 
     rc, ref_layers, ref_loss = _reference(CASES[case] + COMMON, keys_by_replica)

@@ -157,8 +157,11 @@ def test_wire_format_roundtrips_frozen_floats():
 def test_a_packed_sample_has_the_loss_and_gradient_of_its_unpacked_self(spec, layers):
     """Per-sample attention and positions: packing changes nothing for the sample."""
     rng = np.random.default_rng(3)
-    a = FakeSample("a", spec, rng, images=[(48, 32)], clips=[0.6], text=20)
-    others = [FakeSample("b", spec, rng, text=50), FakeSample("c", spec, rng, images=[(24, 80)], text=7)]
+    # Several images and clips on both sides: an image or clip that attends to another one
+    # (of its own sample or of a neighbour) changes the loss or the gradients.
+    a = FakeSample("a", spec, rng, images=[(48, 32), (16, 40)], clips=[0.6, 0.3], text=20)
+    others = [FakeSample("b", spec, rng, clips=[0.9], text=50),
+              FakeSample("c", spec, rng, images=[(24, 80)], clips=[0.2, 0.5], text=7)]
 
     def loss_and_grads(samples, only_first: bool):
         for l in layers:
@@ -176,4 +179,4 @@ def test_a_packed_sample_has_the_loss_and_gradient_of_its_unpacked_self(spec, la
     packed_loss, packed_grads = loss_and_grads([a, *others], only_first=True)
     assert packed_loss == pytest.approx(alone_loss, rel=1e-5)
     for g1, g2 in zip(alone_grads, packed_grads):
-        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=5e-6)  # fp32 summation order differs

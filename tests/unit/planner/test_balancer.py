@@ -1,13 +1,14 @@
 import numpy as np
 import pytest
 
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.api import plan_stages, plan_step
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import tune_baseline
-from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
-from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.partition import StagePlan
-from mmpipe.planner.api import data_aware_stages
+from mmpipe.planner.cost import build_cost_model
+from mmpipe.planner.partition import data_aware_stages
+from mmpipe.planner.samples import sample_table
+from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import evaluate_step
 
 from .helpers import hardware, model

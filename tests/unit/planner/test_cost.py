@@ -1,9 +1,9 @@
-import numpy as np
 import pytest
 
-from mmpipe.planner.cost import (build_cost_model, mb_streams, micro_batch_costs, sample_table,
-                                 stage_costs, validate_trainable)
 from mmpipe.model.geometry import SampleFeatures
+from mmpipe.planner.cost import build_cost_model, validate_trainable
+from mmpipe.planner.samples import mb_streams, sample_table
+from mmpipe.planner.stage_cost import micro_batch_costs, stage_costs
 
 from .helpers import hardware, model
 

@@ -2,12 +2,15 @@
 
 import numpy as np
 
-from mmpipe.planner.api import plan_stages, plan_step
-from mmpipe.planner.balancer import _lpt, _WindowMemory, window_peaks
-from mmpipe.planner.cost import build_cost_model, sample_table, stage_costs
 from mmpipe.model.geometry import SampleFeatures
+from mmpipe.planner.api import plan_stages, plan_step
+from mmpipe.planner.cost import build_cost_model
+from mmpipe.planner.memory import WindowMemory, window_peaks
+from mmpipe.planner.packing import lpt_pack
+from mmpipe.planner.samples import sample_table
 from mmpipe.planner.schedules import make_schedule
-from mmpipe.planner.simulator import _peak_memory
+from mmpipe.planner.simulator import peak_memory
+from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import evaluate_step
 
 from .helpers import hardware, model
@@ -19,7 +22,7 @@ def test_window_peaks_match_the_simulated_1f1b_peak():
         for m in (1, 2, 3, 5, 8, 13):
             act = rng.random((P, m))
             tr = rng.random((P, m)) * rng.integers(0, 2)
-            want = _peak_memory(make_schedule("1f1b", P, m), act, tr)
+            want = peak_memory(make_schedule("1f1b", P, m), act, tr)
             assert np.allclose(window_peaks(act, tr), want), (P, m)
 
 
@@ -42,7 +45,7 @@ def test_exact_check_admits_a_plan_the_conservative_one_refused():
     # one large sample beside small ones: 2 x 2.0 > 2.5 per the old rule, but the large
     # micro-batch is in flight with a 0.4 one only (2.4 <= 2.5)
     act, tr, work, budget, inv = _one_stage_case([2.0, 0.4, 0.4, 0.4])
-    bins, ok = _lpt([0, 1, 2, 3], work, act, tr, budget, inv)
+    bins, ok = lpt_pack([0, 1, 2, 3], work, act, tr, budget, inv)
     assert ok
     assert not _conservative_fits(bins, act, tr, budget)
     A = np.array([act[b].sum(axis=0) for b in bins]).T
@@ -51,7 +54,7 @@ def test_exact_check_admits_a_plan_the_conservative_one_refused():
 
 
 def test_exact_check_still_refuses_what_is_over_memory():
-    mem = _WindowMemory(2, 4, [2.5, 10.0], [0])
+    mem = WindowMemory(2, 4, [2.5, 10.0], [0])
     big, small, none = [2.0, 0.0], [0.6, 0.0], [0.0, 0.0]
     mem.add(1, big, none)
     assert mem.fits(3, small, none)  # micro-batch 3 is never in flight with 1
@@ -61,7 +64,7 @@ def test_exact_check_still_refuses_what_is_over_memory():
     assert not mem.fits(3, small, [2.0, 0.0])  # its transient on top: 0.6 + 2.0 > 2.5
     # nothing fits anywhere: the packer says so
     act, tr, work, budget, inv = _one_stage_case([2.6, 0.1, 0.1, 0.1])
-    _, ok = _lpt([0, 1, 2, 3], work, act, tr, budget, inv)
+    _, ok = lpt_pack([0, 1, 2, 3], work, act, tr, budget, inv)
     assert not ok
 
 

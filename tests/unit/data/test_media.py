@@ -7,11 +7,14 @@ import wave
 
 import numpy as np
 import pytest
+import soundfile
 from PIL import Image
+from transformers import WhisperFeatureExtractor
 
-from mmpipe.data.media import decode_audio, decode_image
+from mmpipe.data.media import decode_audio, decode_image, probe_audio, resample
 from mmpipe.data.skips import SampleError
 from mmpipe.model.geometry import audio_frames, audio_positions, resize_image
+from mmpipe.model.spec import AudioSpec
 
 
 def png(h: int, w: int, mode: str = "RGB") -> bytes:
@@ -112,3 +115,77 @@ def test_garbage_or_empty_audio_is_undecodable(tiny_spec, data) -> None:
     with pytest.raises(SampleError) as err:
         decode_audio(data, tiny_spec.audio)
     assert err.value.reason == "undecodable audio"
+
+
+def encoded(x: np.ndarray, rate: int, fmt: str, subtype: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, x, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt, subtype, ext", [
+    ("WAV", "FLOAT", "wav"), ("WAV", "DOUBLE", "wav"), ("WAV", "PCM_24", "wav"), ("WAV", "PCM_32", "wav"),
+    ("FLAC", "PCM_16", "flac"), ("FLAC", "PCM_24", "flac"), ("OGG", "VORBIS", "ogg"),
+])
+def test_every_sample_format_decodes_to_the_planned_shape(tiny_spec, fmt, subtype, ext) -> None:
+    a = tiny_spec.audio
+    x = tone(440, 1.7, rate=16000).astype(np.float32)
+    data = encoded(x, 16000, fmt, subtype)
+    assert probe_audio(data, ext) == pytest.approx(1.7)  # from the header
+    clip = decode_audio(data, a, ext, seconds=1.7)
+    assert clip.features.shape == (a.mel_bins, audio_frames(a, 1.7))
+    same = decode_audio(wav(tone(440, 1.7)), a).features  # 16-bit PCM at the model rate
+    assert clip.features.mean(axis=1).argmax() == same.mean(axis=1).argmax()
+    if subtype in ("FLOAT", "DOUBLE", "PCM_24", "PCM_32"):  # lossless within float32
+        direct = decode_audio(encoded(x, 16000, "WAV", "FLOAT"), a).features
+        assert np.allclose(clip.features, direct, atol=1e-4)
+
+
+def test_a_clip_that_does_not_last_as_planned_is_refused(tiny_spec) -> None:
+    with pytest.raises(SampleError, match="the clip lasts 1.000 s, 2.000 s were planned") as err:
+        decode_audio(wav(tone(440, 1.0)), tiny_spec.audio, seconds=2.0)
+    assert err.value.reason == "undecodable audio"
+
+
+def whisper_spec(**kw) -> AudioSpec:
+    return AudioSpec(blocks=1, hidden=8, mlp=8, heads=1, proj=(8,), **kw)
+
+
+def test_log_mel_equals_whispers_feature_extractor(tiny_spec) -> None:
+    # The tiny model's figures: 32 mel bins at 8 kHz, 100 frames/s (hop 80, a 25 ms window of 200).
+    a = tiny_spec.audio
+    data = wav(tone(440, 2.345) + 0.1 * tone(1900, 2.345))
+    x, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    frames = audio_frames(a, 2.345)
+    with pytest.warns(UserWarning, match="mel filter has all zero values"):  # 0-8 kHz filters at 8 kHz
+        fe = WhisperFeatureExtractor(feature_size=a.mel_bins, sampling_rate=a.sample_rate, hop_length=80, n_fft=200)
+    want = fe(x, sampling_rate=rate, padding="max_length", max_length=frames * 80, return_tensors="np")
+    got = decode_audio(data, a).features
+    assert got.shape == (a.mel_bins, frames)
+    np.testing.assert_allclose(got, want["input_features"][0], rtol=0, atol=1e-6)
+
+
+def test_a_30_s_clip_gets_exactly_whispers_default_features() -> None:
+    # Whisper's own configuration (80 mel bins, 16 kHz, hop 160, n_fft 400, 30 s chunks), used as is.
+    a = whisper_spec(mel_bins=80, sample_rate=16000, frames_per_s=100, max_seconds=30.0)
+    rng = np.random.default_rng(0)
+    x = (0.3 * tone(300, 30.0, rate=16000) + 0.05 * rng.standard_normal(480000)).astype(np.float32)
+    data = encoded(x, 16000, "WAV", "FLOAT")
+    want = WhisperFeatureExtractor()(x, sampling_rate=16000, return_tensors="np")["input_features"][0]
+    got = decode_audio(data, a).features
+    assert got.shape == want.shape == (80, 3000)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_resampling_filters_out_what_lies_above_the_new_nyquist_frequency() -> None:
+    # 44.1 kHz -> 16 kHz: an 11 kHz tone is above the new 8 kHz Nyquist frequency. Linear
+    # interpolation folds it to 16 - 11 = 5 kHz at nearly full power; a band-limited resampler
+    # removes it. A 1 kHz tone passes either way.
+    def rms(v: np.ndarray) -> float:
+        return float(np.sqrt(np.mean(v[2000:-2000] ** 2)))
+
+    high, low = tone(11000, 1.0, rate=44100), tone(1000, 1.0, rate=44100)
+    linear = np.interp(np.arange(16000) * 44100 / 16000, np.arange(44100), high)
+    assert rms(linear) > 0.5 * rms(high)  # what the test guards against: an alias in the band
+    assert rms(resample(high.astype(np.float32), 44100, 16000)) < 0.01 * rms(high)
+    assert rms(resample(low.astype(np.float32), 44100, 16000)) == pytest.approx(rms(low), rel=0.02)

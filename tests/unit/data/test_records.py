@@ -1,40 +1,18 @@
-"""Every bad-input reason is counted with shard and key, or raised at the first with on_error=raise."""
+"""Records and samples: every bad-input reason is counted with shard and key (or raised), and the
+last stage's media-free decoding gives the first stage's ids."""
 
 from __future__ import annotations
 
-import io
 import json
-import wave
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from mmpipe.data.reader import SampleStream
 from mmpipe.data.records import decode_record
 from mmpipe.data.skips import SampleError
 from mmpipe.data.synth import write_shard
 
-
-def png(h: int = 30, w: int = 40) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), (200, 30, 30)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def wav(seconds: float = 0.5) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as wf:
-        wf.setnchannels(1)
-        wf.setsampwidth(1)
-        wf.setframerate(8000)
-        wf.writeframes(np.full(int(seconds * 8000), 128, np.uint8).tobytes())
-    return buf.getvalue()
-
-
-def js(key: str, human: str, answer: str, **extra) -> tuple[str, bytes]:
-    obj = {"id": key, "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": answer}], **extra}
-    return f"{key}.json", json.dumps(obj).encode()
+from .helpers import js, png, stream
 
 
 CASES = {
@@ -66,34 +44,6 @@ def test_each_reason_is_counted_with_shard_and_key_then_raised_in_raise_mode(tmp
         list(SampleStream(path=path, tokenizer=mini_tok, spec=tiny_spec, epochs=1, on_error="raise"))
 
 
-def test_garbage_in_the_middle_of_a_shard_is_a_corrupt_shard(tmp_path, mini_data, mini_tok, tiny_spec) -> None:
-    good = (mini_data / "shards" / "train-000000.tar").read_bytes()
-    # the third sample's first header overwritten: python's tarfile would end the shard silently
-    import tarfile
-
-    with tarfile.open(mini_data / "shards" / "train-000000.tar") as tar:
-        members = tar.getmembers()
-    keys = list(dict.fromkeys(m.name.split(".")[0] for m in members))
-    first_key = keys[0]
-    third = next(m for m in members if m.name.startswith(keys[2] + "."))
-    bad = good[:third.offset] + b"\x07garbage" * 64 + good[third.offset + 512:]
-    (tmp_path / "g-0.tar").write_bytes(bad)
-    s = SampleStream(path=str(tmp_path / "g-0.tar"), tokenizer=mini_tok, spec=tiny_spec, epochs=1)
-    # the second sample might have had more members after the damage: dropped with the rest
-    assert [x.key for x in s] == [first_key]
-    assert s.skips.as_dict() == {"corrupt shard": 1}
-    assert "not a tar header" in s.skips.examples[0]
-
-
-def test_a_shard_without_its_end_blocks_is_corrupt(tmp_path, mini_data, mini_tok, tiny_spec) -> None:
-    good = (mini_data / "shards" / "train-000000.tar").read_bytes()
-    end = good.rstrip(b"\0")
-    (tmp_path / "c-0.tar").write_bytes(end + b"\0" * (-len(end) % 512))
-    s = SampleStream(path=str(tmp_path / "c-0.tar"), tokenizer=mini_tok, spec=tiny_spec, epochs=1)
-    assert len(list(s)) == 9  # the last sample may be incomplete: dropped with the shard's tail
-    assert s.skips.as_dict() == {"corrupt shard": 1}
-
-
 def test_pixel_damage_behind_a_valid_header_is_found_at_decode_and_can_be_blanked(tmp_path, mini_tok,
                                                                                    tiny_spec) -> None:
     data = bytearray(png(64, 64))
@@ -111,3 +61,14 @@ def test_pixel_damage_behind_a_valid_header_is_found_at_decode_and_can_be_blanke
     blank = decode_record(rec, mini_tok, tiny_spec, blank=True)
     assert blank.images[0].shape == (64, 64, 3) and not blank.images[0].any()
     assert [e.reason for e in blank.dropped] == ["undecodable image"]
+
+
+def test_last_stage_decoding_without_media_gives_the_same_ids(mini_path, mini_tok, tiny_spec) -> None:
+    full = list(stream(mini_path, mini_tok, tiny_spec, epochs=1))
+    lean = [decode_record(r, mini_tok, tiny_spec, media=False)
+            for r in stream(mini_path, mini_tok, tiny_spec, epochs=1).records()]
+    assert [(s.key, s.input_ids, s.labels, s.meta) for s in lean] == \
+           [(s.key, s.input_ids, s.labels, s.meta) for s in full]
+    assert all(not s.images and not s.audio for s in lean)
+    assert any(s.images for s in full) and any(s.audio for s in full)
+    assert [s.modality for s in lean] == [s.modality for s in full]

@@ -1,0 +1,259 @@
+"""One replica's micro-batches: count, size profile, packing and local searches.
+
+`ReplicaPlanner.plan` ranks micro-batch counts `m` (a geometric grid) and size profiles with a
+*fluid* simulation (the replica's streams split exactly by each micro-batch's target share,
+costed and run through the 1F1B simulator, no packing; where memory binds the shares are
+capped, `clip`), packs the best few candidates for real (`packing.lpt_pack` within the exact
+in-flight memory) and simulates them, then improves the best one: single samples moved
+between neighbouring micro-batches near both ends (`_local_search`), then samples moved out
+of the bottleneck stage's largest micro-batches into any other (`_targeted`). Every search has
+a fixed evaluation budget, not a clock, so every rank that plans a step gets the same plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mmpipe.planner.bins import BinCosts, Bins, CostedBins, edge_positions, edit_bins
+from mmpipe.planner.memory import in_flight_counts, window_peaks
+from mmpipe.planner.packing import lpt_pack, ramp_shares
+from mmpipe.planner.schedules import make_schedule
+from mmpipe.planner.simulator import makespan
+from mmpipe.planner.stage_cost import StageCosts
+
+TARGETED_BUDGET = 1000
+"""Micro-batch simulations (a trial of m micro-batches counts m) the targeted move search of
+one replica may spend: a fixed count rather than a clock, so every rank plans alike."""
+RAMPS = (1.35, 1.8)
+"""Growth factors of the ramped size profiles tried (1 = equal micro-batches)."""
+
+
+class ReplicaPlanner(BinCosts):
+    """Packs one replica's samples into micro-batches and judges them with the simulator."""
+
+    def __init__(self, sc: StageCosts, tokens: np.ndarray, squares: np.ndarray,
+                 work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.ndarray) -> None:
+        super().__init__(sc, tokens, squares, work, act, tr, budget)
+        self.order = np.argsort(-work.sum(axis=1), kind="stable")
+        # (m, ramp) -> (simulated makespan, memory held, bins)
+        self.cache: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
+
+    # ---------------------------------------------------------------- packing
+    def pack(self, m: int, ramp: float,
+             share: np.ndarray | None = None) -> tuple[float, bool, Bins]:
+        """Largest first into m micro-batches with ramped target shares (or the given ones);
+        simulated time."""
+        m = max(1, min(self.n, m))
+        key = (m, ramp)
+        if key in self.cache:
+            return self.cache[key]
+        if share is None or len(share) != m:
+            share = ramp_shares(m, ramp)
+        share = self.clip(share)
+        if share is None:
+            share = np.full(m, 1.0 / m)  # nothing fits: pack evenly, memory will say no
+        inv = 1.0 / share
+        P = self.P
+        bins, ok = lpt_pack(self.order.tolist(), self.work.tolist(), self.act, self.tr,
+                            self.budget, inv.tolist())
+        loads = np.array([self.work[bn].sum(axis=0) if bn else np.zeros(P) for bn in bins])
+        counts = np.array([len(bn) for bn in bins])
+        if not all(counts):
+            bins = [b for b in bins if b]
+            ok = ok and self.fits(bins)  # dropping empty bins regroups the windows
+        t = self.makespan(bins)
+        if ramp == 1.0:
+            # equal shares: also try heaviest in the middle, light ones at the ends
+            tot = loads[counts > 0].sum(axis=1)
+            asc = np.argsort(tot, kind="stable")
+            k = len(bins)
+            ends = np.empty(k, dtype=int)
+            ends[: (k + 1) // 2] = asc[0::2]
+            ends[(k + 1) // 2:] = asc[1::2][::-1]
+            alt = [bins[x] for x in ends]
+            ta = self.makespan(alt)
+            if ta < t and (not ok or self.fits(alt)):
+                t, bins = ta, alt
+        self.cache[key] = (t, ok, bins)
+        return self.cache[key]
+
+    def _best(self) -> tuple[int, float]:
+        """The cache key of the fastest packing that fits (the fastest of all if none fits)."""
+        return min(self.cache, key=lambda k: (not self.cache[k][1], self.cache[k][0]))
+
+    # ---------------------------------------------------------------- search
+    def clip(self, share: np.ndarray) -> np.ndarray | None:
+        """Cap the shares where memory binds: no micro-batch above the share c at which K_s
+        such micro-batches in flight (plus one's transient) fill 95% of stage s's memory, the
+        excess spread over the others in proportion (water-filling). A ramp keeps its small
+        edges and gets a flat top. None when even m micro-batches at c cannot hold the step."""
+        if not self.tight:
+            return share
+        m = len(share)
+        K = np.asarray(in_flight_counts(self.P, m), dtype=float)
+        A, R = self.act.sum(axis=0), self.tr.sum(axis=0)
+        c = float(np.min(0.95 * self.budget / np.maximum(K * A + R, 1e-30)))
+        if share.max() <= c:
+            return share
+        if m * c < 1.0:
+            return None
+        out = share.copy()
+        capped = np.zeros(m, dtype=bool)
+        for _ in range(m):
+            capped |= out > c
+            out[capped] = c
+            free = ~capped
+            rest = 1.0 - c * capped.sum()
+            out[free] = share[free] * rest / share[free].sum()
+            if out.max() <= c * (1 + 1e-12):
+                break
+        return out
+
+    def fluid(self, m: int, ramp: float, share: np.ndarray | None = None) -> float:
+        """Simulated makespan if the replica's streams split exactly by the target shares (no
+        packing): a cheap stand-in that ranks micro-batch counts and profiles. Shares that
+        would overfill memory are first capped (`clip`), as packing within memory would."""
+        share = self.clip(ramp_shares(m, ramp) if share is None else share)
+        if share is None:
+            return np.inf
+        share = share[:, None]
+        T = share * self.tokens.sum(axis=0)[None, :]
+        S2 = share * self.squares.sum(axis=0)[None, :]
+        f, b, sf, sb = self.times(T, S2)
+        return makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb)
+
+    def plan(self, m_hint: int, search: bool) -> Bins:
+        """The replica's micro-batches in execution order (rows of its samples); `m_hint` (the
+        configured count) is among the counts tried; `search` off: equal sizes, no search."""
+        n = self.n
+        grid = sorted({int(round(x)) for x in np.geomspace(1, n, max(2, int(np.log(n) / 0.12)))}
+                      | {max(1, min(n, m_hint)), n})
+        ramps = (1.0,) + (RAMPS if search and n >= 3 else ())
+        scored = []
+        for ramp in ramps:
+            ts = []
+            for m in grid:
+                ts.append(self.fluid(m, ramp))
+                # unimodal in m (bubble against per-op overhead): stop well past the minimum
+                if len(ts) > 4 and min(ts[-3:]) > 1.02 * min(ts):
+                    break
+            k = int(np.argmin(ts))
+            scored.append((ts[k], grid[k], ramp))
+            if ramp != 1.0 and k + 1 < len(grid):
+                # a ramp wants a few more micro-batches: its edges are small
+                scored.append((ts[k + 1], grid[k + 1], ramp))
+        scored.sort()
+        for _, m, ramp in scored[:4 if search else 2]:
+            self.pack(m, ramp)
+        if search and scored[0][1] >= 3:
+            # shape the sizes freely around the best profile, still on the fluid model
+            _, m, ramp = scored[0]
+            share = self._shape(m, ramp)
+            self.pack(m, -1.0, share)
+        m_best = self._best()[0]
+        while not self.cache[self._best()][1] and m_best < n:
+            m_best = min(n, 2 * m_best)  # memory binds: more, smaller micro-batches
+            self.pack(m_best, 1.0)
+        bins = [list(b) for b in self.cache[self._best()][2]]
+        if search and len(bins) > 1:
+            bins = self._local_search(bins)
+            bins = self._targeted(bins, TARGETED_BUDGET)
+        return bins
+
+    def _targeted(self, bins: Bins, budget: int, givers: int = 3) -> Bins:
+        """Move samples out of the bottleneck stage's largest micro-batches (the `givers`
+        heaviest on the busiest stage; their lightest and median sample) into any other
+        micro-batch, the best move per pass, while the simulated makespan drops and memory
+        holds; at most `budget` micro-batch simulations."""
+        c = CostedBins(self, [list(b) for b in bins])
+        m = len(bins)
+        left = budget
+        wsum = self.work.sum(axis=1)
+        while left > 0:
+            f, b = c.ts[0], c.ts[1]
+            busy = int(np.argmax((f + b).sum(axis=1)))
+            best = None
+            for j in [int(q) for q in np.argsort(-(f + b)[busy], kind="stable")[:givers]]:
+                if len(c.bins[j]) < 2:
+                    continue
+                by = sorted(c.bins[j], key=lambda i: wsum[i])
+                for x in dict.fromkeys((by[0], by[len(by) // 2])):
+                    for k in range(m):
+                        if k == j or left <= 0:
+                            continue
+                        e = {j: ([x], []), k: ([], [x])}
+                        t, st = c.trial(e)
+                        left -= m
+                        if t < c.t - 1e-12 and (best is None or t < best[0]):
+                            best = (t, e, st)
+            if best is None:
+                break
+            t, e, st = best
+            if not self.fits(edit_bins(c.bins, e)):
+                break
+            c.apply(e, t, st)
+        return c.bins
+
+    def _shape(self, m: int, ramp: float, sweeps: int = 2) -> np.ndarray:
+        """Coordinate descent on the micro-batch shares under the fluid model: scale one
+        micro-batch near either end (where the bubble is decided) up or down while the
+        simulated makespan drops."""
+        share = ramp_shares(m, ramp)
+        best = self.fluid(m, ramp, share)
+        for _ in range(sweeps):
+            improved = False
+            for j in edge_positions(m, edge=4):
+                for f in (0.6, 1.4):
+                    trial = share.copy()
+                    trial[j] *= f
+                    trial /= trial.sum()
+                    t = self.fluid(m, ramp, trial)
+                    if t < best - 1e-12:
+                        share, best, improved = trial, t, True
+            if not improved:
+                break
+        return share
+
+    def _local_search(self, bins: Bins, rounds: int = 3) -> Bins:
+        """Move one sample at a time between neighbouring micro-batches (the lightest sample
+        of the giver), keeping a move when the simulated makespan drops and memory holds."""
+        c = CostedBins(self, bins)
+        m = len(bins)
+        tight = self.tight
+        if tight:  # per stage and micro-batch: kept and transient bytes (exact 1F1B check)
+            A, R = self.bytes(bins)
+            peaks = window_peaks(A, R)
+        wsum = self.work.sum(axis=1)
+        for _ in range(rounds):
+            improved = False
+            for j in edge_positions(m):
+                for k in (j - 1, j + 1):
+                    # repeat a move that helped: a ramp edge often wants several samples out
+                    while 0 <= k < m and len(c.bins[j]) >= 2:
+                        x = min(c.bins[j], key=lambda i: wsum[i])
+                        if tight:
+                            A2, R2 = A.copy(), R.copy()
+                            A2[:, j] -= self.act[x]
+                            A2[:, k] += self.act[x]
+                            R2[:, j] -= self.tr[x]
+                            R2[:, k] += self.tr[x]
+                            # a peak grows by at most the sample's bytes: check exactly only
+                            # when that could break memory
+                            if np.any(peaks + self.act[x] + self.tr[x] > self.budget):
+                                pk2 = window_peaks(A2, R2)
+                                if np.any(pk2 > self.budget):
+                                    break
+                            else:
+                                pk2 = None
+                        e = {j: ([x], []), k: ([], [x])}
+                        t, st = c.trial(e)
+                        if t >= c.t - 1e-12:
+                            break
+                        c.apply(e, t, st)
+                        if tight:
+                            A, R = A2, R2
+                            peaks = window_peaks(A, R) if pk2 is None else pk2
+                        improved = True
+            if not improved:
+                break
+        return c.bins

@@ -1,0 +1,26 @@
+"""A replica's sample stream as the run configures it (one home for the feeder, which trains
+on it, and the stage choice, which plans on its first steps)."""
+
+from __future__ import annotations
+
+from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
+from mmpipe.data.mixture import Mixture, mixture_from_dicts
+from mmpipe.data.reader import SampleStream
+from mmpipe.data.skips import SkipCounter
+from mmpipe.data.tokenizer import Tokenizer
+
+
+def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: SkipCounter):
+    """The replica's reader: one shard list, or a weighted mixture of several. With
+    plan.across_replicas every replica reads the whole stream (and keeps its planned share)."""
+    d = rc.data
+    dp_size = 1 if rc.plan.across_replicas else rc.parallel.dp
+    dp_rank = 0 if rc.plan.across_replicas else dp_rank
+    common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=dp_size,
+                  seed=rc.train.seed, epochs=d.epochs, shuffle_buffer=d.shuffle_buffer, on_error=d.on_error,
+                  too_long=d.too_long, num_workers=d.num_workers, caption_prompt=d.caption_prompt, root=PACKAGE_ROOT,
+                  skips=skips, limits=d.limits)
+    if d.sources:
+        sources = [dict(s, path=resolve_path(s["path"])) for s in d.sources]
+        return Mixture(sources=mixture_from_dicts(sources), **common)
+    return SampleStream(path=resolve_path(d.path), **common)

@@ -1,0 +1,46 @@
+"""One rank of a 2-stage DeepSpeed pipeline over a tiny tied Hugging Face model (for
+test_hf_pipeline.py): one SGD step, then its checkpoint and its copy of the tied weight."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit" / "model")]  # this worktree's mmpipe, the shared case
+import hf_pipeline_case as case  # noqa: E402
+
+from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module,  # noqa: E402
+                                     deepspeed_config, fix_buffer_reuse, make_optimizer)
+
+
+def main(folder: str, out: str) -> None:
+    import deepspeed
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    spec, mbs, scale, stages = case.setup(Path(folder))
+    torch.manual_seed(0)
+    module = build_pipeline_module(PipelineSpec(model=spec, stages=stages, seed=0, image_token=-1, audio_token=-1))
+    optimizer = make_optimizer(module.parameters(), lr=case.LR, weight_decay=0.0, kind="sgd")
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                           config=deepspeed_config(micro_batches=len(mbs), dp=1))
+    fix_buffer_reuse(engine)
+    GlobalGradClip(optimizer, max_norm=case.CLIP, group=engine.grid.get_pipe_parallel_group())
+    loss = engine.train_batch(data_iter=iter([mb.for_engine(scale) for mb in mbs]))
+    engine.save_checkpoint(out, tag="step1")
+    rank = dist.get_rank()
+    tied = module.tied_modules[next(iter(module.tied_modules))]
+    torch.save(tied.embed.weight.detach().clone(), Path(out) / f"tied_rank{rank}.pt")
+    if engine.is_last_stage():
+        (Path(out) / "loss.json").write_text(json.dumps({"loss": float(loss)}))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
