@@ -26,7 +26,7 @@ from typing import Any
 
 from mmpipe.data.media import probe_image
 from mmpipe.data.skips import BAD_CONVERSATION, MISSING_META, NO_ANSWER, PLACEHOLDER_MISMATCH, SampleError
-from mmpipe.data.template import GPT, HUMAN, text_tokens
+from mmpipe.data.template import GPT, HUMAN, Templater, as_templater, parse_conversation
 from mmpipe.data.tokenizer import Tokenizer
 
 CAPTION_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -75,12 +75,13 @@ def _caption(raw: dict[str, Any]) -> str:
     return caption
 
 
-def as_conversation(raw: dict[str, Any], prompt: str, *, meta_with: Tokenizer | None = None,
+def as_conversation(raw: dict[str, Any], prompt: str, *, meta_with: Templater | Tokenizer | None = None,
                     need_meta: bool = False) -> dict[str, Any]:
     """`raw` itself, or for an img2dataset caption sample the same sample in mmpipe's format.
 
     With `need_meta` the new KEY.json also holds `meta` (image size from the header, text
-    tokens counted with `meta_with`), as metadata-only reading expects.
+    tokens counted with the templater `meta_with` and named by its fingerprint), as
+    metadata-only reading expects.
 
     Raises:
         SampleError: no caption (`no answer`), a caption that is not UTF-8, two images, or
@@ -98,8 +99,9 @@ def as_conversation(raw: dict[str, Any], prompt: str, *, meta_with: Tokenizer | 
             raise SampleError(MISSING_META, "an img2dataset caption sample stores no meta; metadata-only "
                               "reading needs the tokenizer to count its text tokens (iter_meta(tokenizer=...))")
         h, w = probe_image(image)
-        doc["meta"] = {"text_tokens": text_tokens(conversation, meta_with), "images": [[h, w]],
-                       "audio_seconds": []}
+        tpl = as_templater(meta_with)
+        doc["meta"] = {"text_tokens": tpl.text_tokens(parse_conversation(conversation)), "tokenizer": tpl.fingerprint,
+                       "images": [[h, w]], "audio_seconds": []}
     out = {k: v for k, v in raw.items() if k.startswith("__")}
     out["json"] = json.dumps(doc).encode()
     out[f"0.{ext}"] = image

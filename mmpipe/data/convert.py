@@ -18,9 +18,11 @@ regular file (a device such as /dev/zero, a FIFO) are refused as `unsafe path` u
 
 Output in OUT/: `train-000000.tar ...` (KEY.json with the conversation and `meta`, KEY.0.png /
 .jpg, KEY.0.wav / .flac / .ogg) and `index.json` (samples per shard, totals by modality, what
-was skipped). Shards close at `maxcount` samples or before passing `maxsize` bytes. The same
-input always gives byte-identical shards (input order; members json, images, clips; tar mtime
-0, uid/gid 0, no owner names, mode 0644).
+was skipped). `meta.text_tokens` is counted with the given templater and `meta.tokenizer` names
+it by its fingerprint: a run with another tokenizer counts again (records.hint_applies). Shards
+close at `maxcount` samples or before passing `maxsize` bytes. The same input always gives
+byte-identical shards (input order; members json, images, clips; tar mtime 0, uid/gid 0, no
+owner names, mode 0644).
 
 Conventions:
 - LLaVA puts `<image>` in the first human turn; a sample whose human turns hold no `<image>`
@@ -56,7 +58,9 @@ from mmpipe.data.skips import (
     BAD_CONVERSATION, MEDIA_TOO_LARGE, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE,
     UNSAFE_PATH, SampleError, SkipCounter,
 )
-from mmpipe.data.template import GPT, HUMAN, count_placeholders, parse_conversation, text_tokens
+from mmpipe.data.template import (
+    GPT, HUMAN, SYSTEM, Templater, as_templater, count_placeholders, parse_conversation,
+)
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
 from mmpipe.model.geometry import SampleMeta, features
@@ -169,9 +173,10 @@ def _content_text(content: Any, i: int, found: dict[str, list[str]]) -> str:
     return "\n".join(pieces)
 
 
-def conversation_of(item: dict) -> tuple[list[dict], list[str], list[str]]:
+def conversation_of(item: dict, *, system: bool = False) -> tuple[list[dict], list[str], list[str]]:
     """The entry's conversation as [{"from": "human" | "gpt", "value": str}], its image paths
-    and its clip paths, from any accepted shape (see the module docstring).
+    and its clip paths, from any accepted shape (see the module docstring). With `system` (a
+    templater that has a system role) a `system` turn is kept as {"from": "system", ...}.
 
     Raises:
         SampleError: `bad conversation` (an unknown shape or speaker, or media given twice).
@@ -192,13 +197,13 @@ def conversation_of(item: dict) -> tuple[list[dict], list[str], list[str]]:
         if not isinstance(t, dict):
             raise SampleError(BAD_CONVERSATION, f"turn {i} must be an object, got {t!r:.60}")
         role = t.get(speaker)
-        if role not in ROLES:
+        if role not in ROLES and not (system and role == SYSTEM):
             raise SampleError(BAD_CONVERSATION, f"turn {i} has {speaker}={role!r}; use human/user or gpt/assistant "
-                                                f"(system turns are not supported by the template)")
+                                                f"(system turns need a checkpoint's chat template)")
         value = _content_text(t.get(text), i, found) if speaker == "role" else t.get(text)
         if not isinstance(value, str):
             raise SampleError(BAD_CONVERSATION, f"turn {i} must have a string '{text}', got {value!r:.60}")
-        conv.append({"from": ROLES[role], "value": value})
+        conv.append({"from": ROLES.get(role, role), "value": value})
     for kind, listed in (("image", images), ("audio", clips)):
         if found[kind] and listed:
             raise SampleError(BAD_CONVERSATION, f"{kind} paths are given both in content parts and in the entry")
@@ -291,7 +296,7 @@ def sample_key(raw_id: Any, index: int) -> str:
     return key[:80]
 
 
-def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, audio_root: Path,
+def convert_sample(item: Any, key: str, tok: Templater | Tokenizer, *, image_root: Path, audio_root: Path,
                    limits: MediaLimits = DEFAULT_LIMITS, allow_outside: bool = False) -> _Converted:
     """One JSON entry as tar members and meta.
 
@@ -301,8 +306,9 @@ def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, aud
     """
     if not isinstance(item, dict):
         raise SampleError(BAD_CONVERSATION, f"entry must be an object, got {type(item).__name__}")
-    conv, images, clips = conversation_of(item)
-    turns = parse_conversation(conv)
+    tpl = as_templater(tok)
+    conv, images, clips = conversation_of(item, system=tpl.system)
+    turns = parse_conversation(conv, system=tpl.system)
     n_img, n_aud = count_placeholders(turns)
     prepend = (f"{IMAGE}\n" * len(images) if images and n_img == 0 else "") + \
               (f"{AUDIO}\n" * len(clips) if clips and n_aud == 0 else "")
@@ -312,7 +318,8 @@ def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, aud
         if first is None:
             raise SampleError(BAD_CONVERSATION, "media but no human turn to put the placeholders in")
         conv[first]["value"] = prepend + conv[first]["value"]
-        n_img, n_aud = count_placeholders(parse_conversation(conv))
+        turns = parse_conversation(conv, system=tpl.system)
+        n_img, n_aud = count_placeholders(turns)
     if (n_img, n_aud) != (len(images), len(clips)):
         raise SampleError(PLACEHOLDER_MISMATCH, f"the text has {n_img} {IMAGE} and {n_aud} {AUDIO} placeholders "
                                                 f"but the entry lists {len(images)} image(s) and {len(clips)} clip(s)")
@@ -327,9 +334,10 @@ def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, aud
         ext, data, sec = _audio_member(read_media(rel, audio_root, "audio", **safe), rel, limits)
         members.append((f"{key}.{i}.{ext}", data))
         seconds.append(sec)
-    meta = SampleMeta(text_tokens=text_tokens(conv, tok), images=tuple(sizes), audio_seconds=tuple(seconds))
+    meta = SampleMeta(text_tokens=tpl.text_tokens(turns), images=tuple(sizes), audio_seconds=tuple(seconds))
     obj = {"id": str(item.get("id", key)), "conversations": conv,
-           "meta": {"text_tokens": meta.text_tokens, "images": [list(s) for s in sizes], "audio_seconds": seconds}}
+           "meta": {"text_tokens": meta.text_tokens, "tokenizer": tpl.fingerprint, "images": [list(s) for s in sizes],
+                    "audio_seconds": seconds}}
     js = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     kinds = [k for k, v in (("image", sizes), ("audio", seconds)) if v]
     return _Converted(key=key, members=[(f"{key}.json", js)] + members, meta=meta,
@@ -385,7 +393,7 @@ def convert(
     *,
     json_path: str | Path,
     out: str | Path,
-    tokenizer: Tokenizer,
+    tokenizer: Templater | Tokenizer,
     spec: ModelSpec | None = None,
     image_root: str | Path | None = None,
     audio_root: str | Path | None = None,
@@ -400,6 +408,8 @@ def convert(
     """Convert a LLaVA-style JSON file into shards in `out` (see the module docstring).
 
     Args:
+        tokenizer: counts meta.text_tokens (a Templater, or an mmpipe Tokenizer for its tiny
+            template); its fingerprint goes into meta.tokenizer and index.json.
         spec: when given, index.json also counts LLM tokens under this model and samples
             longer than its max_seq_len (they are kept: data.too_long decides at read time).
         maxcount: samples per shard at most; maxsize_mb: megabytes per shard at most (a
@@ -492,7 +502,7 @@ def convert(
         "by_modality": by_mod,
         "skipped": report.skips.as_dict(),
         "prepended_placeholders": report.prepended,
-        "tokenizer": {"vocab_size": tokenizer.vocab_size},
+        "tokenizer": {"vocab_size": tokenizer.vocab_size, "fingerprint": as_templater(tokenizer).fingerprint},
     }
     if spec is not None and lens:
         report.index["model"] = {"name": spec.name, "llm_tokens": {"min": min(lens), "max": max(lens),

@@ -6,9 +6,12 @@ last stage only `input_ids` and `labels` (`media=False`, no image or audio is to
 
 Everything that can be checked without decoding pixels or waveforms is checked when the
 Record is made — JSON, conversation, placeholder counts, media members present, image and WAV
-headers (sizes and durations against the stored meta), text tokens against the tokenizer,
-length — so both stages agree on which samples exist. Only pixel data that is corrupt behind
-a valid header is found at decode time, on the first stage alone (see docs/data.md).
+headers (sizes and durations against the stored meta), length — so both stages agree on which
+samples exist. Text tokens are counted with the run's templater when the Record is made; the
+stored `meta.text_tokens` is a hint that is checked (and, reading metadata only, used) when
+`meta.tokenizer` names this templater's fingerprint (see `hint_applies`). Only pixel data that
+is corrupt behind a valid header is found at decode time, on the first stage alone (see
+docs/data.md).
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from mmpipe.data.skips import (
     BAD_JSON, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, MISSING_META, NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG,
     SampleError,
 )
-from mmpipe.data.template import IGNORE, Templated, Turn, count_placeholders, parse_conversation, template_sample
+from mmpipe.data.template import (
+    IGNORE, Templated, Templater, TinyTemplate, Turn, as_templater, count_placeholders, parse_conversation,
+    template_sample,
+)
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.spec import ModelSpec
 from mmpipe.model.geometry import SampleMeta, audio_frames, features, meta_from_json, resize_image
@@ -134,6 +140,20 @@ def stored_meta(obj: dict[str, Any]) -> SampleMeta | None:
         raise SampleError(BAD_JSON, str(err)) from None
 
 
+def hint_applies(obj: dict[str, Any], tpl: Templater) -> bool:
+    """Whether the stored meta.text_tokens was counted by this templater.
+
+    `meta.tokenizer` holds the fingerprint of the templater that counted it. Meta without one
+    predates fingerprints and was counted by an mmpipe tokenizer: it is taken as this one's
+    when the run uses an mmpipe tokenizer too (and checked when the Record is made, as before).
+    """
+    meta = obj.get("meta")
+    counted_with = meta.get("tokenizer") if isinstance(meta, dict) else None
+    if counted_with is None:
+        return isinstance(tpl, TinyTemplate)
+    return counted_with == tpl.fingerprint
+
+
 def check_counts(stored: SampleMeta | None, n_img: int, n_aud: int) -> None:
     if stored is not None and (len(stored.images), len(stored.audio_seconds)) != (n_img, n_aud):
         raise SampleError(
@@ -169,10 +189,11 @@ def media_members(raw: dict[str, Any], exts: tuple[str, ...], count: int, kind: 
     return [by_index[i] for i in range(count)]
 
 
-def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec) -> None:
-    """The stored meta must give the planner the counts the model will see."""
+def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec, *, text: bool = True) -> None:
+    """The stored meta must give the planner the counts the model will see (`text`: the text
+    count too, when it was counted by the run's templater)."""
     problems = []
-    if stored.text_tokens != true.text_tokens:
+    if text and stored.text_tokens != true.text_tokens:
         problems.append(f"text_tokens {stored.text_tokens} stored, {true.text_tokens} with this tokenizer")
     if stored.images != true.images:
         problems.append(f"images {list(stored.images)} stored, {list(true.images)} decoded")
@@ -185,7 +206,8 @@ def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec) -> None:
         raise SampleError(META_MISMATCH, "; ".join(problems) + " (regenerate the shards or the meta)")
 
 
-def fit_length(t: Templated, tok: Tokenizer, spec: ModelSpec, too_long: str) -> tuple[list[int], list[int], int]:
+def fit_length(t: Templated, tok: Templater | Tokenizer, spec: ModelSpec,
+               too_long: str) -> tuple[list[int], list[int], int]:
     """(input_ids, labels, tokens cut) within model.llm.max_seq_len.
 
     `truncate` cuts the tail (answer text, or whole later turns) as long as every media token
@@ -208,20 +230,23 @@ def fit_length(t: Templated, tok: Tokenizer, spec: ModelSpec, too_long: str) -> 
     return t.input_ids[:limit], t.labels[:limit], n - limit
 
 
-def _turns(obj: dict[str, Any]) -> list[Turn]:
-    return parse_conversation(obj.get("conversations"))
+def _turns(obj: dict[str, Any], tpl: Templater | None) -> list[Turn]:
+    return parse_conversation(obj.get("conversations"), system=tpl is not None and tpl.system)
 
 
-def make_record(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_long: str = "drop",
+def make_record(raw: dict[str, Any], tok: Templater | Tokenizer, spec: ModelSpec, *, too_long: str = "drop",
                 limits: MediaLimits = DEFAULT_LIMITS) -> Record:
     """Check and template one raw sample without decoding its media.
 
+    Args:
+        tok: the run's templater (an mmpipe Tokenizer stands for its tiny template).
     Raises:
         SampleError: any reason in mmpipe.data.skips that needs no pixels; the caller adds
             shard and key.
     """
+    tpl = as_templater(tok)
     obj = read_json(raw)
-    turns = _turns(obj)
+    turns = _turns(obj, tpl)
     n_img, n_aud = count_placeholders(turns)
     stored = stored_meta(obj)
     check_counts(stored, n_img, n_aud)
@@ -230,31 +255,38 @@ def make_record(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_lon
     clips = media_members(raw, AUDIO_EXTS, n_aud, "audio")
     sized = SampleMeta(text_tokens=0, images=tuple(probe_image(b, limits) for _, b in imgs),
                        audio_seconds=tuple(probe_audio(b, ext, limits) for ext, b in clips))
-    templ = template_sample(turns, tok, spec, sized)
+    templ = template_sample(turns, tpl, spec, sized)
     meta = dataclasses.replace(sized, text_tokens=templ.text_tokens)
     if stored is not None:
-        check_meta(stored, meta, spec)
+        check_meta(stored, meta, spec, text=hint_applies(obj, tpl))
         meta = dataclasses.replace(stored, text_tokens=templ.text_tokens)
-    ids, labels, cut = fit_length(templ, tok, spec, too_long)
+    ids, labels, cut = fit_length(templ, tpl, spec, too_long)
     if cut:
         meta = dataclasses.replace(meta, text_tokens=meta.text_tokens - cut)
     return Record(key=str(raw.get("__key__", "")), shard=shard_name(str(raw.get("__url__", ""))), meta=meta, raw=raw, input_ids=ids, labels=labels, truncated=cut)
 
 
-def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Tokenizer | None,
+def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Templater | Tokenizer | None,
                 too_long: str = "drop") -> SampleMeta:
     """SampleMeta of a sample from its .json member alone (iter_meta's checks).
+
+    With `tok`, text_tokens is the stored count when it was counted by this templater
+    (hint_applies), else counted now (the conversation is templated, the media are not
+    read). Without `tok` the stored count is taken as it is.
 
     Raises:
         SampleError: the checks that need no media; `too long` when `spec` is given.
     """
+    tpl = as_templater(tok) if tok is not None else None
     obj = read_json(raw)
-    turns = _turns(obj)
+    turns = _turns(obj, tpl)
     stored = stored_meta(obj)
     if stored is None:
         raise SampleError(MISSING_META, "KEY.json has no 'meta' (text_tokens, images, audio_seconds)")
     n_img, n_aud = count_placeholders(turns)
     check_counts(stored, n_img, n_aud)
+    if tpl is not None and not hint_applies(obj, tpl):
+        stored = dataclasses.replace(stored, text_tokens=tpl.text_tokens(turns))
     if spec is None:
         return stored
     try:
@@ -263,9 +295,9 @@ def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Tokenizer |
         raise SampleError(NO_ENCODER, str(err)) from None
     if llm_len <= spec.llm.max_seq_len:
         return stored
-    if too_long == "drop" or tok is None:
+    if too_long == "drop" or tpl is None:
         raise SampleError(TOO_LONG, f"{llm_len} tokens > model.llm.max_seq_len={spec.llm.max_seq_len}")
-    _, _, cut = fit_length(template_sample(turns, tok, spec, stored), tok, spec, too_long)
+    _, _, cut = fit_length(template_sample(turns, tpl, spec, stored), tpl, spec, too_long)
     return dataclasses.replace(stored, text_tokens=stored.text_tokens - cut)
 
 
@@ -277,7 +309,7 @@ def blank_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list[np.ndarray], li
     return images, audio
 
 
-def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: bool = True,
+def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec, *, media: bool = True,
                   blank: bool = False, limits: MediaLimits = DEFAULT_LIMITS) -> Sample:
     """The Sample of a Record; with media=False no image or clip is decoded.
 
@@ -293,7 +325,8 @@ def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: 
     ids, labels = rec.input_ids, rec.labels
     if not ids:
         obj = read_json(rec.raw)
-        templ = template_sample(_turns(obj), tokenizer, spec, rec.meta)
+        tpl = as_templater(tokenizer)
+        templ = template_sample(_turns(obj, tpl), tpl, spec, rec.meta)
         ids, labels = templ.input_ids, templ.labels
     images: list[np.ndarray] = []
     audio: list[np.ndarray] = []

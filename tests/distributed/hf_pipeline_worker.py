@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit" / "model")]  # this worktree's mmpipe, the shared case
-import hf_pipeline_case as case  # noqa: E402
+sys.path[:0] = [str(ROOT)]  # this checkout's mmpipe and its tests package (the shared case)
+from tests.unit.model import hf_pipeline_case as case  # noqa: E402
 
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module,  # noqa: E402
                                      deepspeed_config, fix_buffer_reuse, make_optimizer)

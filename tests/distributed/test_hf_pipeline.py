@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "model"))
-import hf_pipeline_case as case  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.unit.model import hf_pipeline_case as case  # noqa: E402
 
 from mmpipe.model.hf.build import build_layers  # noqa: E402
 from mmpipe.model.layers import run_layers, token_loss  # noqa: E402

@@ -17,12 +17,13 @@ What the runtime calls:
 - export: `export(spec, RUN/checkpoints/stepN, OUT)`.
 """
 
-from mmpipe.model.hf.arch import spec_from_config, spec_from_folder, spec_from_settings
+from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.build import TiedEmbedding, build_layer, build_layers, placeholder_tokens, tied_embedding
 from mmpipe.model.hf.compose import spec_from_compose
 from mmpipe.model.hf.export import ExportReport, export, save_layer_states
 from mmpipe.model.hf.media import AudioInput, ImageInput, preprocess_audio, preprocess_image
 from mmpipe.model.hf.memory import StageMemory, check_memory, estimate_memory, layer_params
+from mmpipe.model.hf.settings import spec_from_settings
 from mmpipe.model.hf.weights import LOAD_LOG, LoadReport, stage_load_summary
 
 __all__ = ["AudioInput", "ExportReport", "ImageInput", "LOAD_LOG", "LoadReport", "StageMemory", "TiedEmbedding",

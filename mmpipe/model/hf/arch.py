@@ -15,23 +15,16 @@ run is refused here, before any process starts, by a one-line ValueError.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any, Mapping
 
 from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from mmpipe.model.hf.configs import ARCHITECTURES, config_from_dict, config_json
 from mmpipe.model.hf.media import make_feature_extractor, make_image_processor
 from mmpipe.model.spec import AudioSpec, HFSource, LLMSpec, ModelSpec, VisionSpec
 
-ARCHITECTURES = {
-    "llava": "LlavaForConditionalGeneration",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-}
-"""model_type -> the transformers class mmpipe builds (and exports) for it."""
 LLM_TYPES = ("llama", "mistral", "qwen2")
 """Decoder families a LLaVA, Qwen2-Audio or composed model may use."""
 VISION_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
@@ -60,31 +53,6 @@ def read_config(folder: str | Path, *, what: str = "model.hf.path") -> Pretraine
     except (ValueError, KeyError) as err:
         raise ValueError(f"{what}={str(folder)!r}: transformers cannot read its config.json ({err}); "
                          f"supported: {_supported()}") from None
-
-
-def config_from_dict(values: Mapping[str, Any], *, what: str = "model.hf.config") -> PretrainedConfig:
-    """A transformers config from a mapping shaped like config.json."""
-    values = dict(values)
-    model_type = values.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{what}.model_type={model_type!r} is not a transformers model type; "
-                         f"supported: {', '.join(ARCHITECTURES)}")
-    return CONFIG_MAPPING[model_type].from_dict(values)
-
-
-@functools.lru_cache(maxsize=16)
-def _config_from_json(text: str) -> PretrainedConfig:
-    return config_from_dict(json.loads(text))
-
-
-def hf_config(src: HFSource) -> PretrainedConfig:
-    """The transformers config a spec's layers are built from (one shared object per process)."""
-    return _config_from_json(src.config)
-
-
-def config_json(config: PretrainedConfig) -> str:
-    """A config as the JSON its config.json holds (stable, so equal configs give equal specs)."""
-    return json.dumps(config.to_dict(), sort_keys=True)
 
 
 def read_processor_config(folder: str | Path, kind: str) -> dict[str, Any] | None:
@@ -290,43 +258,3 @@ def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len
                             image_processor=read_processor_config(folder, "image_processor"),
                             feature_extractor=read_processor_config(folder, "feature_extractor"),
                             max_seq_len=max_seq_len, what=f"{what}={str(folder)!r}")
-
-
-def spec_from_settings(settings: Mapping[str, Any]) -> ModelSpec:
-    """A `model` config group naming a Hugging Face source, e.g.
-
-        name: llava-1.5-7b
-        hf: {path: DIR}                                  # a checkpoint folder, or
-        hf: {config: {...}, image_processor: {...}}      # an inline config (no weights), or
-        hf: {compose: {vision: DIR, llm: DIR, projector: DIR, image_token_id: 32000}}
-
-    and optionally `hf.max_seq_len`. Unknown keys are errors naming the key.
-    """
-    settings = dict(settings)
-    name, hf = settings.pop("name", None), settings.pop("hf", None)
-    if settings:
-        raise ValueError(f"model.{sorted(settings)[0]} is not a setting of a Hugging Face model; "
-                         f"known: name, hf")
-    if not isinstance(hf, Mapping):
-        raise ValueError("model.hf is missing; give hf.path, hf.config or hf.compose")
-    unknown = sorted(set(hf) - set(SETTINGS_KEYS))
-    if unknown:
-        raise ValueError(f"model.hf.{unknown[0]} is not a setting; known: {', '.join(SETTINGS_KEYS)}")
-    sources = [k for k in ("path", "config", "compose") if hf.get(k) is not None]
-    if len(sources) != 1:
-        raise ValueError(f"model.hf needs exactly one of path, config, compose; got {sources or 'none'}")
-    max_len = hf.get("max_seq_len")
-    if "path" in sources:
-        return spec_from_folder(hf["path"], name=name, max_seq_len=max_len)
-    if "config" in sources:
-        if not name:
-            raise ValueError("model.name is missing; a preset with an inline config names itself")
-        return spec_from_config(hf["config"], name=name, image_processor=hf.get("image_processor"),
-                                feature_extractor=hf.get("feature_extractor"), max_seq_len=max_len)
-    compose = dict(hf["compose"])
-    unknown = sorted(set(compose) - set(COMPOSE_KEYS))
-    if unknown:
-        raise ValueError(f"model.hf.compose.{unknown[0]} is not a setting; known: {', '.join(COMPOSE_KEYS)}")
-    from mmpipe.model.hf.compose import spec_from_compose
-
-    return spec_from_compose(name=name or "compose", max_seq_len=max_len, **compose)

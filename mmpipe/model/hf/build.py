@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mmpipe.model.hf import layers as L
-from mmpipe.model.hf.arch import hf_config
+from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.hf.skeleton import layer_parts, materialise, model_type, owned_keys, ties_embeddings
 from mmpipe.model.hf.weights import checkpoint_index, load_layer
 from mmpipe.model.layers import layer_seed

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 from transformers.core_model_loading import revert_weight_conversion
 
-from mmpipe.model.hf.arch import hf_config
 from mmpipe.model.hf.build import tied_embedding
+from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.hf.skeleton import materialise, owned_keys, skeleton, unowned_keys
 from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype
 from mmpipe.model.layers import layer_seed

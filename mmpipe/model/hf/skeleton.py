@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from mmpipe.model.attention import NAME as SEGMENT_ATTENTION
-from mmpipe.model.hf.arch import hf_config
+from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.spec import HFSource, ModelSpec, layer_names
 
 LM = "model.language_model"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import hf_cases as H
+from . import hf_cases as H
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,21 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import (AutoImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, MistralConfig,
-                          Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2Config, Qwen2VLConfig,
-                          Qwen2VLForConditionalGeneration, SiglipVisionConfig, WhisperFeatureExtractor)
+from transformers import (
+    AutoImageProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    MistralConfig,
+    Qwen2AudioConfig,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    SiglipVisionConfig,
+    WhisperFeatureExtractor,
+)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
@@ -25,8 +37,8 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 from mmpipe.model.geometry import image_tokens
 from mmpipe.model.hf.media import preprocess_audio, preprocess_image
 from mmpipe.model.hf.skeleton import owned_keys
-from mmpipe.runtime.batch import collate_hf
 from mmpipe.model.layers import run_layers, token_loss
+from mmpipe.runtime.batch import collate_hf
 
 VOCAB, IMAGE, AUDIO, VSTART, VEND = 300, 290, 291, 292, 293
 TEXT = (10, 280)
@@ -177,8 +189,16 @@ def grad_differences(spec, layers, hf_model) -> tuple[float, int]:
 def write_unimodal(root: Path, kind: str, *, seed: int) -> Path:
     """A CLIP vision model, a full CLIP model, a SigLIP vision model, a Llama / Qwen2 causal LM
     or a Whisper model, with the processor files a user's folder would hold."""
-    from transformers import (CLIPConfig, CLIPModel, CLIPVisionModel, LlamaForCausalLM, Qwen2ForCausalLM,
-                              SiglipVisionModel, WhisperConfig, WhisperForConditionalGeneration)
+    from transformers import (
+        CLIPConfig,
+        CLIPModel,
+        CLIPVisionModel,
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        SiglipVisionModel,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
 
     torch.manual_seed(seed)
     v = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,

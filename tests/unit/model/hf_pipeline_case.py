@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-import hf_cases as H
 from mmpipe.model.hf.arch import spec_from_folder
 from mmpipe.model.hf.media import preprocess_image
 from mmpipe.model.spec import layer_names
 from mmpipe.runtime.batch import collate_hf
+
+from . import hf_cases as H
 
 LR, CLIP = 0.5, 1.0
 

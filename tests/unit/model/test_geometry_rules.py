@@ -7,7 +7,14 @@ import torch
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
-from mmpipe.model.geometry import audio_frames, audio_positions, audio_tokens, image_positions, image_tokens, smart_resize
+from mmpipe.model.geometry import (
+    audio_frames,
+    audio_positions,
+    audio_tokens,
+    image_positions,
+    image_tokens,
+    smart_resize,
+)
 from mmpipe.model.spec import AudioSpec, VisionSpec
 
 SIZES = [(1, 1), (5, 300), (13, 13), (27, 29), (224, 224), (333, 500), (1080, 1920), (4000, 30), (2, 399)]

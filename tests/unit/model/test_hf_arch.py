@@ -8,9 +8,10 @@ import yaml
 
 from mmpipe.config import PACKAGE_ROOT
 from mmpipe.model.geometry import SampleMeta, features
-from mmpipe.model.hf.arch import spec_from_config, spec_from_settings
+from mmpipe.model.hf.arch import spec_from_config
 from mmpipe.model.hf.build import build_layer
 from mmpipe.model.hf.memory import check_memory, estimate_memory, layer_params
+from mmpipe.model.hf.settings import spec_from_settings
 from mmpipe.model.spec import layer_names, spec_from_dict
 
 # The Hub configs of the three 7B checkpoints (config.json and preprocessor figures), as the

@@ -8,15 +8,26 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import (CLIPModel, CLIPVisionModel, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
-                          Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2ForCausalLM,
-                          SiglipVisionModel, WhisperFeatureExtractor, WhisperForConditionalGeneration)
+from transformers import (
+    CLIPModel,
+    CLIPVisionModel,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2AudioConfig,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2ForCausalLM,
+    SiglipVisionModel,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+)
 
-import hf_cases as H
 from mmpipe.model.geometry import audio_tokens
 from mmpipe.model.hf.build import build_layer, build_layers
 from mmpipe.model.hf.compose import spec_from_compose
 from mmpipe.model.hf.skeleton import owned_keys
+
+from . import hf_cases as H
 
 
 def _eager(cls, folder):

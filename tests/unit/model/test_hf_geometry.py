@@ -3,8 +3,6 @@ processors and models produce: patch grids, image tokens, valid audio frames, po
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
@@ -14,12 +12,21 @@ from transformers import LlavaProcessor, PreTrainedTokenizerFast, WhisperFeature
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-import hf_cases as H
-from mmpipe.model.geometry import (SampleMeta, audio_frames, audio_positions, audio_tokens, features, image_grid,
-                                   image_positions, image_tokens)
+from mmpipe.model.geometry import (
+    SampleMeta,
+    audio_frames,
+    audio_positions,
+    audio_tokens,
+    features,
+    image_grid,
+    image_positions,
+    image_tokens,
+)
 from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.media import image_processor, preprocess_audio, preprocess_image
-from test_hf_arch import QWEN2_AUDIO_7B, QWEN2_VL_7B, QWEN2_VL_PROCESSOR, WHISPER_FE
+
+from . import hf_cases as H
+from .test_hf_arch import QWEN2_AUDIO_7B, QWEN2_VL_7B, QWEN2_VL_PROCESSOR, WHISPER_FE
 
 SIZES = [(20, 20), (56, 90), (30, 120), (333, 500), (1000, 37), (3, 280), (1080, 1920)]
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-import hf_cases as H
 from mmpipe.model import carrier as C
 from mmpipe.model.geometry import audio_tokens, image_tokens
 from mmpipe.model.hf.arch import spec_from_folder
@@ -16,6 +15,8 @@ from mmpipe.model.hf.build import build_layers
 from mmpipe.model.hf.media import preprocess_audio, preprocess_image
 from mmpipe.model.layers import run_layers, token_loss
 from mmpipe.runtime.batch import collate_hf
+
+from . import hf_cases as H
 
 CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio"]
 

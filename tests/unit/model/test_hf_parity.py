@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from transformers import (LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration,
-                          Qwen2VLForConditionalGeneration, WhisperFeatureExtractor)
+from transformers import (
+    LlavaForConditionalGeneration,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+    WhisperFeatureExtractor,
+)
 
-import hf_cases as H
 from mmpipe.model.geometry import audio_tokens, image_tokens
 from mmpipe.model.hf.arch import spec_from_folder
 from mmpipe.model.hf.build import build_layers
+
+from . import hf_cases as H
 
 
 @pytest.mark.parametrize("case", ["llava_clip_llama", "llava_siglip_qwen2", "llava_clip_mistral"])

@@ -9,10 +9,12 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import (LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration,
-                          Qwen2VLForConditionalGeneration)
+from transformers import (
+    LlavaForConditionalGeneration,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 
-import hf_cases as H
 from mmpipe.model.hf import weights as W
 from mmpipe.model.hf.arch import spec_from_folder
 from mmpipe.model.hf.build import build_layer, build_layers
@@ -20,6 +22,8 @@ from mmpipe.model.hf.compose import spec_from_compose
 from mmpipe.model.hf.export import export, save_layer_states
 from mmpipe.model.hf.skeleton import layer_parts, owned_keys
 from mmpipe.model.spec import layer_names
+
+from . import hf_cases as H
 
 CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
            "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration}

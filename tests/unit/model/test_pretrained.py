@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from transformers import (LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel, WhisperConfig,
-                          WhisperModel)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+    WhisperConfig,
+    WhisperModel,
+)
 
 from mmpipe.cli import main
 from mmpipe.config import PACKAGE_ROOT
