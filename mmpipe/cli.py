@@ -61,13 +61,21 @@ def load(overrides: list[str], *, job: str) -> RunConfig:
 
 
 def cmd_train(rc: RunConfig) -> int:
+    from mmpipe.runtime.dsconfig import require_tested_deepspeed
     from mmpipe.runtime.launch import launch, python_module, under_external_launcher
     from mmpipe.runtime.preflight import check_data, write_run_config
 
     check_data(rc)
+    require_tested_deepspeed()
     if under_external_launcher():
+        import torch
+
+        from mmpipe.runtime.launch import CPU_KERNEL_CACHES
         from mmpipe.runtime.train import train
 
+        if not torch.cuda.is_available():
+            for key, value in CPU_KERNEL_CACHES.items():
+                os.environ.setdefault(key, value)
         train(rc)
         return 0
     path = write_run_config(rc)
