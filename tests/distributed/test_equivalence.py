@@ -31,9 +31,10 @@ CASES = {
     "pp2xdp2": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3"],
     "pp2xdp2-across": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3",
                        "plan.across_replicas=true"],  # the planner deals the step to the replicas
-    # ZeRO-1: optimizer state sharded over the replicas, DeepSpeed's ZeRO optimizer clips; 3 steps, so
-    # that a replica meets a step without audio (its encoder gets no gradient on that replica)
-    "pp2xdp2-zero1": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3",
+    # ZeRO-1: optimizer state sharded over the replicas, DeepSpeed's ZeRO optimizer clips. Three
+    # steps of 8 samples per replica: in step 3 replica 1 holds no audio clip, replica 0 does (so
+    # the audio encoder has a gradient on one replica only).
+    "pp2xdp2-zero1": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=16", "train.micro_batches=4",
                       "train.zero_stage=1", "train.steps=3", "train.save_every=1"],
 }
 COMMON = ["train.steps=1", "train.optimizer=sgd", "train.lr=0.5", "train.warmup_steps=0",
