@@ -36,7 +36,8 @@ OWNED: dict[str, str] = {
     "torch_autocast": _PRECISION,
     "data_types.grad_accum_dtype": _PRECISION + " (bf16 accumulates gradients in fp32)",
     "data_types.param_dtype": _PRECISION,
-    "zero_optimization.stage": "use train.zero_stage=0|1",
+    "zero_optimization.stage": "mmpipe sets the ZeRO stage (the pipeline engine runs 0 or 1); use "
+                               "train.zero_stage=0|1",
     "zero_optimization.offload_optimizer": _OFFLOAD,
     "zero_optimization.offload_param": _OFFLOAD,
     "zero_optimization.cpu_offload": _OFFLOAD,

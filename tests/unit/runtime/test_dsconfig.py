@@ -53,7 +53,9 @@ def test_user_json_passes_through_and_merges_into_sections(tmp_path):
     ('{"gradient_clipping": 2.0}', "sets gradient_clipping: mmpipe clips by the gradient norm of the whole model "
                                    "across all stages; use train.grad_clip"),
     ('{"bf16": {"enabled": true}}', "sets bf16.enabled: mmpipe sets the precision; use train.precision=fp32|bf16|fp16"),
-    ('{"zero_optimization": {"stage": 2}}', "sets zero_optimization.stage: use train.zero_stage=0|1"),
+    ('{"zero_optimization": {"stage": 2}}',
+     "sets zero_optimization.stage: mmpipe sets the ZeRO stage (the pipeline engine runs 0 or 1); use "
+     "train.zero_stage=0|1"),
     ('{"train_micro_batch_size_per_gpu": 2, "optimizer": {}}',
      "sets train_micro_batch_size_per_gpu: mmpipe plans the micro-batches of every step itself; use "
      "train.global_batch and train.micro_batches (also refused: optimizer)"),
