@@ -68,11 +68,15 @@ def checkpoint_policy(rc: RunConfig) -> str:
 
 
 def check_train(rc: RunConfig) -> None:
+    from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
     from mmpipe.runtime.metrics import check_loggers
     from mmpipe.runtime.preflight import check_backend, check_data, checkpoint_dir
 
     check_loggers(rc.train.loggers)
     check_data(rc)
+    require_tested_deepspeed()
+    if rc.deepspeed.config is not None:
+        load_user_config(rc.deepspeed.config)  # missing file, bad JSON, a key mmpipe owns: one line now
     check_backend(rc.launcher.backend)
     if rc.train.resume:
         checkpoint_dir(rc.train.resume)
@@ -91,8 +95,11 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.runtime.preflight import write_run_config
 
     if under_external_launcher():
+        from mmpipe.runtime.launch import accelerator_env
         from mmpipe.runtime.worker import run_rank
 
+        for key, value in accelerator_env(rc.launcher.backend).items():
+            os.environ.setdefault(key, value)  # e.g. the CPU kernel-cache limits the local launcher sets
         return run_rank(rc)
     path = write_run_config(rc)
     logs = Path(rc.run_dir) / "logs"

@@ -25,6 +25,9 @@ configs (conf/, with conf/recipes/) and sample data (data/shards/, data/tokenize
 data/workloads/), so relative paths such as data/shards/... resolve here when the current
 directory has no such file (`resolve_path`)."""
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Values of train.precision."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
@@ -65,7 +68,14 @@ class TrainConfig:
     trainable: tuple[str, ...] = ("all",)
     """Component prefixes that train."""
     optimizer: str = "adamw"
-    """adamw | sgd."""
+    """adamw (torch AdamW with foreach; DeepSpeed's FusedAdam on CUDA where its kernel loads) | sgd
+    (torch SGD, no momentum)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (bf16 weights and activations, fp32 master weights and fp32 gradient
+    accumulation) | fp16 (fp16 weights and activations, fp32 master weights, dynamic loss scale)."""
+    zero_stage: int | None = None
+    """0 | 1 (optimizer state sharded over the data-parallel replicas); null: 1 under bf16 and
+    fp16 (the only stage DeepSpeed trains them correctly with under a pipeline), 0 under fp32."""
     save_every: int = 0
     """DeepSpeed checkpoint every N steps (0: none along the way)."""
     save_final: bool = False
@@ -80,6 +90,13 @@ class TrainConfig:
     """Where per-step metrics go: jsonl (metrics.jsonl, always written) | tensorboard (event files in
     RUN_DIR/tensorboard; pip install 'mmpipe[tensorboard]') | wandb (offline unless WANDB_MODE=online;
     pip install 'mmpipe[wandb]')."""
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage the run uses (train.zero_stage, or its default for the precision)."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 0 if self.precision == "fp32" else 1
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batches", "log_every"):
@@ -96,6 +113,21 @@ class TrainConfig:
             raise ValueError(f"train.grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"train.optimizer={self.optimizer!r} is unknown; use adamw or sgd")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r} is unknown; use {', '.join(PRECISIONS)}")
+        if self.zero_stage not in (None, 0, 1):
+            raise ValueError(f"train.zero_stage={self.zero_stage!r} is not supported: DeepSpeed's pipeline engine "
+                             f"runs ZeRO stage 0 or 1 only (it refuses stages 2 and 3, which partition "
+                             f"gradients); use train.zero_stage=0 or 1")
+        if self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError("train.zero_stage=0 with train.precision=bf16: DeepSpeed keeps fp32 master weights "
+                             "and fp32 gradient accumulation for bf16 only in its ZeRO-1 optimizer "
+                             "(BF16_Optimizer), which shards them over the replicas; use train.zero_stage=1 "
+                             "or leave it unset")
+        if self.precision == "fp16" and self.zero_stage == 0:
+            raise ValueError("train.zero_stage=0 with train.precision=fp16: DeepSpeed's fp16 optimizer without "
+                             "ZeRO never scales the loss yet divides the gradients by the loss scale (updates "
+                             "65536x too small); use train.zero_stage=1 or leave it unset")
         if not self.trainable:
             raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes")
         for name in self.loggers:
@@ -106,6 +138,14 @@ class TrainConfig:
                 raise ValueError(
                     f"train.trainable entry {t!r} is unknown; use {', '.join(TRAINABLE_PREFIXES)}"
                 )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepSpeedSettings:
+    config: str | None = None
+    """A DeepSpeed JSON file merged over the config mmpipe generates (monitors, communication,
+    activation checkpointing, steps_per_print, ...); keys mmpipe owns are refused (see
+    mmpipe.runtime.dsconfig.OWNED)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,6 +340,7 @@ class RunConfig:
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
     hardware: Mapping[str, Any] = field(default_factory=dict)
     """Raw hardware group (typed by the planner's HardwareSpec plus HardwareOrigin)."""
     run_dir: str = "."
@@ -354,7 +395,7 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
 
 
 GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "pretrained", "shards", "bench",
-          "report", "hardware", "hydra")
+          "report", "deepspeed", "hardware", "hydra")
 
 
 def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -392,6 +433,7 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),
         bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
         report=_section(ReportConfig, "report", _tuple_of(cfg.get("report"), "runs")),
+        deepspeed=_section(DeepSpeedSettings, "deepspeed", cfg.get("deepspeed")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
     )

@@ -92,7 +92,7 @@ def to_plain(rc: RunConfig) -> dict:
         return x
 
     out = {k: plain(getattr(rc, k)) for k in ("model", "parallel", "train", "data", "plan", "launcher", "profile",
-                                              "pretrained", "shards", "bench")}
+                                              "pretrained", "shards", "bench", "deepspeed")}
     out["hardware"] = plain(dict(rc.hardware))
     out["model"] = {k: v for k, v in out["model"].items() if v is not None}
     return out

@@ -154,6 +154,19 @@ def test_wire_format_roundtrips_frozen_floats():
     assert C.to_wire(g) is g  # a float with a gradient travels as a float
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_activations_cross_stages_bit_exact(dtype):
+    """A frozen bf16/fp16 activation travels as int16 and comes back as the same bits, neither
+    upcast nor truncated; fp32 inputs (log-mel features) reach a half layer rounded to it."""
+    t = (torch.randn(3, 5) * 100).to(dtype)
+    wire = C.to_wire(t)
+    assert wire.dtype == torch.int16
+    back = C.from_wire(wire, dtype)
+    assert back.dtype == dtype and torch.equal(back.view(torch.int16), t.view(torch.int16))
+    mels = torch.randn(2, 4)
+    assert torch.equal(C.from_wire(C.to_wire(mels), dtype), mels.to(dtype))
+
+
 def test_a_packed_sample_has_the_loss_and_gradient_of_its_unpacked_self(spec, layers):
     """Per-sample attention and positions: packing changes nothing for the sample."""
     rng = np.random.default_rng(3)
