@@ -108,13 +108,14 @@ def rate(make, n: int, repeat: int) -> tuple[int, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", default=str(ROOT / "data/shards/train-{000000..000007}.tar"))
-    ap.add_argument("--tokenizer", default=str(ROOT / "data/tokenizer.json"))
+    ap.add_argument("--path", default=str(ROOT / "mmpipe/data/shards/train-{000000..000007}.tar"))
+    ap.add_argument("--tokenizer", default=str(ROOT / "mmpipe/data/tokenizer.json"))
     ap.add_argument("--model", default="tiny", help="a conf/model preset")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    spec = spec_from_dict(yaml.safe_load((ROOT / "conf" / "model" / f"{args.model}.yaml").read_text()))
+    preset = ROOT / "mmpipe" / "conf" / "model" / f"{args.model}.yaml"
+    spec = spec_from_dict(yaml.safe_load(preset.read_text()))
     tiny = TinyTemplate(load_tokenizer(args.tokenizer))
     with tempfile.TemporaryDirectory() as tmp:
         hf_checkpoint(Path(tmp), texts(args.path))

@@ -37,7 +37,7 @@ from mmpipe.planner.stage_cost import stage_costs  # noqa: E402
 from mmpipe.planner.trace import read_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ROOT / "data" / "workloads"
+WORKLOADS = ROOT / "mmpipe" / "data" / "workloads"
 PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), ("llava-pretrain", "omni-7b"),
          ("llava-sft", "llava-1.5-7b"), ("llava-sft", "qwen2-vl-7b"), ("llava-sft", "omni-7b"),
          ("vision-dynamic", "llava-1.5-7b"), ("vision-dynamic", "qwen2-vl-7b"), ("vision-dynamic", "omni-7b"),
@@ -45,7 +45,7 @@ PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), 
 
 
 def load(kind: str, name: str) -> dict:
-    return yaml.safe_load((ROOT / "conf" / kind / f"{name}.yaml").read_text())
+    return yaml.safe_load((ROOT / "mmpipe" / "conf" / kind / f"{name}.yaml").read_text())
 
 
 def main() -> None:

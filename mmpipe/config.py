@@ -6,7 +6,10 @@ is launched, and every message names the key as the user types it, the bad value
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,9 +17,16 @@ from typing import Any, Mapping
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
+from mmpipe.planner.api import POLICIES, hardware_from_dict  # the planner owns both
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-from mmpipe.planner.api import POLICIES, hardware_from_dict  # noqa: E402 - the planner owns both
+PACKAGE_ROOT = Path(__file__).resolve().parent
+"""The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
+configs (conf/, with conf/recipes/) and sample data (data/shards/, data/tokenizer.json,
+data/workloads/), so relative paths such as data/shards/... resolve here when the current
+directory has no such file (`resolve_path`)."""
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Values of train.precision."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,6 +41,10 @@ class ParallelConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{key}={v!r} must be a positive integer")
+
+
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+"""Metric sinks train.loggers may name (mmpipe/runtime/metrics.py writes them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,9 +68,18 @@ class TrainConfig:
     trainable: tuple[str, ...] = ("all",)
     """Component prefixes that train."""
     optimizer: str = "adamw"
-    """adamw | sgd."""
+    """adamw (torch AdamW with foreach; DeepSpeed's FusedAdam on CUDA where its kernel loads) | sgd
+    (torch SGD, no momentum)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (bf16 weights and activations, fp32 master weights and fp32 gradient
+    accumulation) | fp16 (fp16 weights and activations, fp32 master weights, dynamic loss scale)."""
+    zero_stage: int | None = None
+    """0 | 1 (optimizer state sharded over the data-parallel replicas); null: 1 under bf16 and
+    fp16 (the only stage DeepSpeed trains them correctly with under a pipeline), 0 under fp32."""
     save_every: int = 0
-    """Committed checkpoint every N steps (0: only at the end)."""
+    """Committed checkpoint every N steps (0: none along the way)."""
+    save_final: bool = False
+    """Committed checkpoint after the last step (off by default: a default run writes no checkpoint)."""
     keep_last: int = 0
     """Committed checkpoints to keep (0: all); older ones go after each new commit, never the resumed one."""
     resume: str | None = None
@@ -71,6 +94,17 @@ class TrainConfig:
     """Metrics line every N steps."""
     record_samples: bool = False
     """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl)."""
+    loggers: tuple[str, ...] = ("jsonl",)
+    """Where per-step metrics go: jsonl (metrics.jsonl, always written) | tensorboard (event files in
+    RUN_DIR/tensorboard; pip install 'mmpipe[tensorboard]') | wandb (offline unless WANDB_MODE=online;
+    pip install 'mmpipe[wandb]')."""
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage the run uses (train.zero_stage, or its default for the precision)."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 0 if self.precision == "fp32" else 1
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batches", "log_every"):
@@ -89,13 +123,44 @@ class TrainConfig:
             raise ValueError(f"train.optimizer={self.optimizer!r} is unknown; use adamw or sgd")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is unknown; use stop or skip")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r} is unknown; use {', '.join(PRECISIONS)}")
+        if self.zero_stage not in (None, 0, 1):
+            raise ValueError(f"train.zero_stage={self.zero_stage!r} is not supported: DeepSpeed's pipeline engine "
+                             f"runs ZeRO stage 0 or 1 only (it refuses stages 2 and 3, which partition "
+                             f"gradients); use train.zero_stage=0 or 1")
+        if self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError("train.zero_stage=0 with train.precision=bf16: DeepSpeed keeps fp32 master weights "
+                             "and fp32 gradient accumulation for bf16 only in its ZeRO-1 optimizer "
+                             "(BF16_Optimizer), which shards them over the replicas; use train.zero_stage=1 "
+                             "or leave it unset")
+        if self.precision == "fp16" and self.zero_stage == 0:
+            raise ValueError("train.zero_stage=0 with train.precision=fp16: DeepSpeed's fp16 optimizer without "
+                             "ZeRO never scales the loss yet divides the gradients by the loss scale (updates "
+                             "65536x too small); use train.zero_stage=1 or leave it unset")
+        if self.on_nonfinite == "skip" and self.zero != 0:
+            raise ValueError(f"train.on_nonfinite=skip withholds a step's update in mmpipe's gradient hook, which runs "
+                             f"with train.precision=fp32 and ZeRO stage 0 only (now precision={self.precision}, ZeRO "
+                             f"stage {self.zero}: DeepSpeed's optimizer steps; under fp16 its loss scale already "
+                             f"skips overflowing steps); use train.on_nonfinite=stop or train.zero_stage=0")
         if not self.trainable:
             raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise ValueError(f"train.loggers entry {name!r} is unknown; use {', '.join(LOGGERS)}")
         for t in self.trainable:
             if t not in TRAINABLE_PREFIXES:
                 raise ValueError(
                     f"train.trainable entry {t!r} is unknown; use {', '.join(TRAINABLE_PREFIXES)}"
                 )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepSpeedSettings:
+    config: str | None = None
+    """A DeepSpeed JSON file merged over the config mmpipe generates (monitors, communication,
+    activation checkpointing, steps_per_print, ...); keys mmpipe owns are refused (see
+    mmpipe.runtime.dsconfig.OWNED)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +182,7 @@ class DataConfig:
     num_workers: int = 1
     """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
     sources: tuple[Mapping[str, Any], ...] | None = None
-    """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see conf/data/mixture.yaml)."""
+    """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see `mmpipe train data=mixture --cfg job`)."""
     caption_prompt: str = CAPTION_PROMPT
     """Human turn of image-caption samples (img2dataset shards: KEY.jpg + KEY.txt); one <image>."""
     max_image_pixels: int = 64_000_000
@@ -157,11 +222,11 @@ class PlanConfig:
     stages: tuple[tuple[str, str], ...] | None = None
     """User override: (first layer, last layer) of each stage."""
     out: str | None = None
-    """Plan JSON path (mmpipe plan)."""
+    """Plan JSON path (mmpipe plan; relative: in the run directory)."""
     steps: int | None = None
     """Plan only the first K steps (mmpipe plan)."""
     plot: str | None = None
-    """PNG timeline of a step (mmpipe plan)."""
+    """PNG timeline of a step (mmpipe plan; relative: in the run directory)."""
     across_replicas: bool = False
     """Training: plan each global step across the data-parallel replicas (every replica reads
     the whole stream and decodes its planned share) instead of each replica planning its own
@@ -185,6 +250,9 @@ class LauncherConfig:
     grace_s: float = 10.0
     """When ranks are stopped (one failed, or the launcher got SIGTERM/SIGINT/SIGHUP): seconds
     between SIGTERM and SIGKILL."""
+    verbose: bool = False
+    """Show the libraries' start-up output (DeepSpeed's info lines, transformers warnings); the
+    environment variable MMPIPE_DEBUG=1 does the same."""
 
     def __post_init__(self) -> None:
         if not self.grace_s >= 0:
@@ -198,7 +266,8 @@ class LauncherConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileConfig:
     out: str | None = None
-    """Where `mmpipe profile` writes the machine description (default conf/hardware/measured-<model>.yaml)."""
+    """Where `mmpipe profile` writes the machine description (default RUN_DIR/conf/hardware/measured-<model>.yaml,
+    usable with --config-dir RUN_DIR/conf; relative: in the run directory)."""
     repeats: int = 5
     """Timed repetitions per layer and shape (the median is kept)."""
 
@@ -212,7 +281,7 @@ class ShardsConfig:
     json: str | None = None
     """LLaVA-style JSON list to convert (mmpipe shards)."""
     out: str | None = None
-    """Output folder of the shards and index.json."""
+    """Output folder of the shards and index.json (your data, not the run's: relative to the current directory)."""
     image_root: str | None = None
     """Folder the JSON's image paths are relative to (default: the JSON's folder)."""
     audio_root: str | None = None
@@ -250,6 +319,28 @@ class BenchConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReportConfig:
+    runs: tuple[str, ...] = ()
+    """Run directories (or sweep / bench directories holding several) that `mmpipe report` draws;
+    `mmpipe report DIR [DIR ...]` fills this."""
+    out: str = "report.png"
+    """The PNG `mmpipe report` writes (relative: in the run directory)."""
+
+    def __post_init__(self) -> None:
+        if not self.out.lower().endswith(".png"):
+            raise ValueError(f"report.out={self.out!r} must name a .png file")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareOrigin:
+    """What a hardware config says about itself, beside the HardwareSpec the planner reads
+    (mmpipe/planner/hardware.py; together they are the `hardware` group's keys)."""
+
+    measured_for: str | None = None
+    """The model `mmpipe profile` measured this description with (null: a preset, for any model)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """One whole run, validated."""
 
@@ -263,8 +354,10 @@ class RunConfig:
     pretrained: Pretrained = field(default_factory=Pretrained)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
     hardware: Mapping[str, Any] = field(default_factory=dict)
-    """Raw hardware group (typed by the planner)."""
+    """Raw hardware group (typed by the planner's HardwareSpec plus HardwareOrigin)."""
     run_dir: str = "."
     """Where metrics.jsonl and checkpoints go."""
 
@@ -309,13 +402,15 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
     for key, value in values.items():
         if key not in fields:
-            raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(fields))}")
+            near = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"did you mean {prefix}.{near[0]}?" if near else f"known: {', '.join(sorted(fields))}"
+            raise ValueError(f"{prefix}.{key}={value!r}: no such config key; {hint}")
         _check_type(prefix, key, str(fields[key].type), value)
     return cls(**values)
 
 
 GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "pretrained", "shards", "bench",
-          "hardware", "hydra")
+          "report", "deepspeed", "hardware", "hydra")
 
 
 def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -334,9 +429,10 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         if key not in GROUPS:
             raise ValueError(f"{key} is not a config group; known: {', '.join(GROUPS)}")
     train = dict(cfg.get("train") or {})
-    if "trainable" in train:
-        t = train["trainable"]
-        train["trainable"] = (t,) if isinstance(t, str) else tuple(t)
+    for key in ("trainable", "loggers"):
+        if key in train:
+            t = train[key]
+            train[key] = (t,) if isinstance(t, str) else tuple(t)
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])
@@ -351,6 +447,8 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         pretrained=_section(Pretrained, "pretrained", cfg.get("pretrained")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),
         bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
+        report=_section(ReportConfig, "report", _tuple_of(cfg.get("report"), "runs")),
+        deepspeed=_section(DeepSpeedSettings, "deepspeed", cfg.get("deepspeed")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
     )
@@ -397,11 +495,11 @@ def check_run(rc: RunConfig) -> None:
 def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
     hw = dict(rc.hardware)
-    measured_for = hw.pop("measured_for", None)
+    measured_for = hw.pop("measured_for", HardwareOrigin().measured_for)
     if measured_for is not None and measured_for != rc.model.name:
         raise ValueError(
             f"hardware={hw.get('name', '?')} was measured for model {measured_for}, not model {rc.model.name}; "
-            f"run `mmpipe profile model={rc.model.name}` and use the file it writes"
+            f"run `mmpipe profile {shell_word(f'model={rc.model.name}')}` and use the file it writes"
         )
     return hardware_from_dict(hw)
 
@@ -417,7 +515,7 @@ def parse_stages(value: Any) -> tuple[tuple[str, str], ...]:
         if len(p) != 2:
             raise ValueError(
                 f"plan.stages entry {p!r} is not a [first_layer,last_layer] pair; "
-                f"write plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]"
+                f"write {shell_word('plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]')}"
             )
         out.append((str(p[0]).strip(), str(p[1]).strip()))
     return tuple(out)
@@ -459,12 +557,35 @@ def stages_to_bounds(stages: tuple[tuple[str, str], ...], layers: list[str]) -> 
 
 
 def resolve_path(p: str) -> str:
-    """A relative path is taken from the current directory, else from the project root."""
+    """A relative path is taken from the current directory when it is there, else from the
+    mmpipe package (its shipped configs and sample data: `data/shards/...`,
+    `data/tokenizer.json`, `data/workloads/...`); a brace list counts as there when its first
+    file is. Absolute paths and `pipe:` commands pass unchanged."""
     if not p or os.path.isabs(p) or p.startswith("pipe:"):
         return p
-    head = p.split("{")[0]
-    if Path(head).exists() or Path(head).parent.exists() and str(Path(head).parent) != ".":
-        return p
-    if (PROJECT_ROOT / head).exists() or (PROJECT_ROOT / head).parent.exists():
-        return str(PROJECT_ROOT / p)
+    first = re.sub(r"\{([^{},.]*)(?:\.\.[^{}]*|,[^{}]*)\}", r"\1", p)
+    if not Path(first).exists() and (PACKAGE_ROOT / first).exists():
+        return str(PACKAGE_ROOT / p)
     return p
+
+
+_SHELL_SAFE = re.compile(r"[\w./:@%+=,-]*")
+_HYDRA_SAFE = re.compile(r"[\w./:@%+-]*")
+
+
+def shell_word(text: str) -> str:
+    """`text` as one word a POSIX shell passes through unchanged (hints are pasted into shells:
+    brackets glob, braces expand, spaces split)."""
+    if _SHELL_SAFE.fullmatch(text):
+        return text
+    if not any(c in text for c in "\"$`!\\"):
+        return f'"{text}"'
+    return shlex.quote(text)
+
+
+def override_hint(key: str, value: str) -> str:
+    """`key=value` for a string value as a user types it: quoted for Hydra's override grammar
+    where it has brackets, braces, commas, spaces or quotes, then for the shell."""
+    if not _HYDRA_SAFE.fullmatch(value):
+        value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return shell_word(f"{key}={value}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from mmpipe.config import override_hint
 from mmpipe.data.convert import convert
 from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits
 from mmpipe.data.skips import SampleError
@@ -41,7 +42,8 @@ def run_convert(*, json_path: str, out: str, tokenizer: str, model: ModelSpec, i
     if lens.get("over_max_seq_len"):
         print(f"  {lens['over_max_seq_len']} sample(s) exceed model.llm.max_seq_len={model.llm.max_seq_len} "
               f"(data.too_long decides: drop or truncate)")
-    print(f"  train on it with data.path={report.path} data.tokenizer={tokenizer}")
+    print(f"  train on it: mmpipe train {override_hint('data.path', str(report.path))} "
+          f"{override_hint('data.tokenizer', str(tokenizer))}")
     return 0
 
 

@@ -115,6 +115,9 @@ class StepPlan:
     busy: tuple[tuple[float, ...], ...]
     """Per replica, the simulated compute time of each stage, s (empty for a replica that got
     no samples)."""
+    peak_bytes: tuple[float, ...] = ()
+    """Per stage, the predicted peak memory (weights, optimizer state and in-flight
+    activations), largest over the replicas, bytes."""
 
 
 class StepPlanner:
@@ -160,7 +163,8 @@ class StepPlanner:
         reps = _replicas(self.policy, table, self.stage_costs, self.replicas, self.micro_batches)
         ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
-                        busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas))
+                        busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
+                        peak_bytes=tuple(float(b) for b in ev.peak_bytes))
 
 
 def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import pickle
 import random
@@ -217,11 +216,10 @@ class StepVerdict:
     """Some rank was asked to stop: save now and end."""
 
 
-def agree_after_step(*, loss: float, grad_norm: float, stop: bool, device) -> StepVerdict:
-    """One all-reduce: every rank takes the same decision at the same step (`stop`: this rank
-    was asked to stop)."""
-    flags = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0,
-                          1.0 if stop else 0.0], dtype=torch.float64, device=device)
+def agree_after_step(*, nonfinite: bool, stop: bool, device) -> StepVerdict:
+    """One all-reduce: every rank takes the same decision at the same step (`nonfinite`: this
+    rank saw a non-finite loss or gradient norm; `stop`: it was asked to stop)."""
+    flags = torch.tensor([float(nonfinite), float(stop)], dtype=torch.float64, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return StepVerdict(nonfinite=bool(flags[0] > 0), stop=bool(flags[1] > 0))
 
@@ -378,6 +376,15 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
         return (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
                 f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}; "
                 f"DeepSpeed's optimizer files are per stage: resume with the same (plan.stages fixes the stages)")
+    mode = (saved.get("precision", "fp32"), saved.get("zero", 0))
+    if mode != (topology["precision"], topology["zero"]):
+        return (f"{key}: the checkpoint was written with train.precision={mode[0]} and ZeRO stage {mode[1]}; this "
+                f"run has train.precision={topology['precision']} and ZeRO stage {topology['zero']}; DeepSpeed's "
+                f"optimizer files differ between them: resume with the same")
+    if saved["dp"] != topology["dp"] and topology["zero"]:
+        return (f"{key}: the checkpoint was written with parallel.dp={saved['dp']}; under ZeRO stage "
+                f"{topology['zero']} the optimizer state is split over the replicas: resume with parallel.dp="
+                f"{saved['dp']}")
     if saved["dp"] != topology["dp"]:
         warnings.append(f"parallel.dp={topology['dp']} differs from the checkpoint's {saved['dp']}: the data "
                         f"continues approximately (see docs/data.md) and random states start afresh")

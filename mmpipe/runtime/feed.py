@@ -41,6 +41,9 @@ class PlannedStep:
     """The planner's predicted step time of these micro-batches (this replica)."""
     predicted_busy: tuple[float, ...]
     """The planner's predicted compute time of each stage (this replica)."""
+    predicted_peak_bytes: tuple[float, ...]
+    """The planner's predicted peak memory of each stage (static + activations, largest over
+    the replicas), under the hardware config's byte costs."""
     reader_state: dict
     """The reader's position after this step's samples (saved with a checkpoint)."""
 
@@ -125,7 +128,7 @@ class StepFeeder:
         t4 = time.perf_counter()
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
                            predicted_s=planned.step_time, predicted_busy=planned.busy[mine],
-                           reader_state=state)
+                           predicted_peak_bytes=planned.peak_bytes, reader_state=state)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that

@@ -9,7 +9,7 @@ from typing import Mapping
 
 import yaml
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
+from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
 
 
 def check_data(rc: RunConfig) -> None:
@@ -22,7 +22,7 @@ def check_data(rc: RunConfig) -> None:
                          f"or a data config with kind: shards")
     paths = [s["path"] for s in rc.data.sources] if rc.data.sources else [rc.data.path]
     for path in paths:
-        check_shards(resolve_path(path), root=PROJECT_ROOT, dp_size=rc.parallel.dp,
+        check_shards(resolve_path(path), root=PACKAGE_ROOT, dp_size=rc.parallel.dp,
                      num_workers=rc.data.num_workers)
     tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
     check_vocab(tok, rc.model.llm.vocab)
@@ -83,7 +83,7 @@ def to_plain(rc: RunConfig) -> dict:
         return x
 
     out = {k: plain(getattr(rc, k)) for k in ("model", "parallel", "train", "data", "plan", "launcher", "profile",
-                                              "pretrained", "shards", "bench")}
+                                              "pretrained", "shards", "bench", "deepspeed")}
     out["hardware"] = plain(dict(rc.hardware))
     out["model"] = {k: v for k, v in out["model"].items() if v is not None}
     return out

@@ -26,10 +26,12 @@ from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerd
                                        refuse_other_history, truncate_records)
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
-from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
+from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
+from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_grad_norm,
+                                     describe_training, fix_buffer_reuse, fix_zero_unused_grads, loss_scale,
                                      lr_lambda, make_optimizer)
 from mmpipe.runtime.stages import choose_stages, format_stage_table
-from mmpipe.runtime.telemetry import StageTimer, gather_stage_times, per_stage
+from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage
 
 log = logging.getLogger("mmpipe")
 
@@ -103,7 +105,10 @@ class _Pipeline:
 
     engine: object
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    clip: GlobalGradClip
+    clip: GlobalGradClip | None
+    """mmpipe's clipping (fp32 without ZeRO); None where DeepSpeed's optimizer wrapper clips."""
+    describe: str
+    """Precision, ZeRO stage, optimizer and clipping as they took effect (start-up table)."""
     first: bool
     last: bool
     dp_rank: int
@@ -112,25 +117,32 @@ class _Pipeline:
 
 def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
                          image_token=tok.image_id, audio_token=tok.audio_id,
                          trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
                          pretrained=rc.pretrained if rc.pretrained.any() else None)
     torch.manual_seed(rc.train.seed)
+    require_tested_deepspeed()
+    t = rc.train
     module = build_pipeline_module(pspec)
-    optimizer = make_optimizer(module.parameters(), lr=rc.train.lr, weight_decay=rc.train.weight_decay,
-                               kind=rc.train.optimizer)
+    optimizer = make_optimizer(module.parameters(), lr=t.lr, weight_decay=t.weight_decay, kind=t.optimizer,
+                               cuda=get_accelerator().device_name() == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, warmup=rc.train.warmup_steps, total=rc.train.steps))
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(micro_batches=rc.train.micro_batches, dp=rc.parallel.dp))
+        optimizer, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.steps))
+    user = load_user_config(rc.deepspeed.config) if rc.deepspeed.config else None
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(rc, user=user))
     fix_buffer_reuse(engine)
-    clip = GlobalGradClip(optimizer, max_norm=rc.train.grad_clip, group=engine.grid.get_pipe_parallel_group(),
-                          device=engine.device)
+    fix_zero_unused_grads(engine)
+    clip = None
+    if not deepspeed_clips(t.zero):
+        clip = GlobalGradClip(optimizer, max_norm=t.grad_clip, group=engine.grid.get_pipe_parallel_group(),
+                              device=engine.device)
     _write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module)
-    return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, first=engine.is_first_stage(),
+    describe = describe_training(t, rc.parallel.dp, engine, optimizer, mmpipe_clips=clip is not None)
+    return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, describe=describe, first=engine.is_first_stage(),
                      last=engine.is_last_stage(), dp_rank=engine.grid.data_parallel_id,
                      dp_group=engine.grid.get_data_parallel_group())
 
@@ -163,10 +175,12 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
                             reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start)
     if rank == 0 and rc.train.resume:
         truncate_records(run_dir / "metrics.jsonl", start)
-    writer = MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume)) if rank == 0 else None
+    writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
+              if rank == 0 else None)
     bar = None
     if rank == 0:
         print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
+        print(pipe.describe, flush=True)
         for w in stages.warnings:
             print(f"warning: {w}", file=sys.stderr, flush=True)
         bar = ProgressBar(rc.train.steps - start)
@@ -195,6 +209,7 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
     engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
     result = RunResult()
     timer = StageTimer(engine)
+    memory = PeakMemory(engine.device)
     calibration = StepCalibration()
     world = dist.get_world_size()
     dev = engine.device  # collectives run on the backend's device (CUDA under NCCL)
@@ -218,12 +233,16 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
             print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
                   f"{int(counts[1])} samples (first step)", flush=True)
         lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
+        fp16_scale = loss_scale(engine)  # the scale this step's backward runs with (fp16)
+        memory.start()
         t1 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=it))
         t2 = time.perf_counter()
         last_state = planned.reader_state if planned else None
-        stages = per_stage(gather_stage_times(timer.take(), world=world, device=dev).cpu(), stage_of_rank,
-                           rc.parallel.pp)
+        grad_norm = pipe.clip.last_norm if pipe.clip else deepspeed_grad_norm(engine)
+        nonfinite = _nonfinite(loss, pipe, rc.train.precision)
+        stages = per_stage(gather_stage_times(timer.take(), world=world, device=dev, peak_mem=memory.peak()).cpu(),
+                           stage_of_rank, rc.parallel.pp)
         dt = time.perf_counter() - t0
         result.losses.append(loss)
         result.samples += int(counts[1])
@@ -235,7 +254,8 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
             calibration.observe(raw, len(mbs), t2 - t1)
             rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
                    "tokens_per_s": counts[2].item() / dt, "step_time": dt,
-                   "lr": lr, "grad_norm": pipe.clip.last_norm, "samples": int(counts[1]),
+                   "lr": lr, "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                   "samples": int(counts[1]),
                    "tokens": int(counts[2]), "label_tokens": int(counts[0]), "micro_batches": len(mbs),
                    "engine_time": t2 - t1, "stage_busy_s": busy,
                    "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
@@ -244,34 +264,48 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
                    "calibration": list(calibration.coef), "predicted_busy_s": list(planned.predicted_busy),
                    "prediction_error": (t2 - t1) / pred - 1.0 if pred > 0 else None,
                    "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds,
-                   "update_skipped": not (math.isfinite(loss) and math.isfinite(pipe.clip.last_norm))}
-            if step % rc.train.log_every == 0 or step == rc.train.steps or rec["update_skipped"]:
+                   "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": memory.kind,
+                   "predicted_peak_mem_gb": [b / 1e9 for b in planned.predicted_peak_bytes], "nonfinite": nonfinite}
+            if rc.train.precision == "fp16":
+                rec["loss_scale"] = fp16_scale  # a step that overflowed was skipped: grad_norm null
+            if step % rc.train.log_every == 0 or step == rc.train.steps or nonfinite:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
         requested = stop.requested if stop is not None and stop.defer else None
-        verdict = agree_after_step(loss=loss, grad_norm=pipe.clip.last_norm, stop=requested is not None, device=dev)
-        _on_nonfinite(rc, verdict, step, loss, pipe, ckpt, result, bar)
+        verdict = agree_after_step(nonfinite=nonfinite, stop=requested is not None, device=dev)
+        _on_nonfinite(rc, verdict, step, loss, grad_norm, ckpt, result, bar)
         stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
-        if stopping or rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
+        every = rc.train.save_every and step % rc.train.save_every == 0
+        if stopping or every or (rc.train.save_final and step == rc.train.steps):
             folder = ckpt.save(step, last_state)
         if stopping:
             why = signal.Signals(requested).name if requested else "another rank's stop signal"
             result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
                               f"train.resume={run_dir}")
-            result.seconds = time.perf_counter() - t_start
-            return result
+            break
     result.seconds = time.perf_counter() - t_start
-    ckpt.save(rc.train.steps, last_state)
     return result
 
 
-def _on_nonfinite(rc: RunConfig, verdict: StepVerdict, step: int, loss: float, pipe: _Pipeline, ckpt: Checkpointer,
-                  result: RunResult, bar: ProgressBar | None) -> None:
-    """A step whose loss or gradient norm was not finite had its update withheld (GlobalGradClip);
-    stop before anything is saved, or count the skip and go on."""
+def _nonfinite(loss: float, pipe: _Pipeline, precision: str) -> bool:
+    """Whether this step's loss or gradient norm was NaN or infinite. Under fp16 an infinite
+    norm is a loss-scale overflow, which DeepSpeed's scaler skips and handles itself."""
+    if not math.isfinite(loss):
+        return True
+    if pipe.clip is not None:
+        return not math.isfinite(pipe.clip.last_norm)
+    norm = pipe.engine.get_global_grad_norm()  # None where the wrapper computed none
+    return precision != "fp16" and norm is not None and not math.isfinite(float(norm))
+
+
+def _on_nonfinite(rc: RunConfig, verdict: StepVerdict, step: int, loss: float, grad_norm: float,
+                  ckpt: Checkpointer, result: RunResult, bar: ProgressBar | None) -> None:
+    """A step whose loss or gradient norm was not finite (on some rank): stop before anything
+    is saved, or (fp32 without ZeRO, where GlobalGradClip withheld its update) count the skip
+    and go on."""
     if not verdict.nonfinite:
         return
-    what = f"step {step}: loss {loss}, gradient norm {pipe.clip.last_norm}"
+    what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
     if rc.train.on_nonfinite == "stop":
         newest = f"the newest checkpoint is {ckpt.newest}" if ckpt.newest else "no checkpoint was saved"
         raise RunStopped(f"{what}: stopped without saving (train.on_nonfinite=stop); {newest}; lower train.lr "
@@ -308,8 +342,10 @@ def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module
 
 
 def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
-    """What a checkpoint must match to load: DeepSpeed's files are per stage, positions per replica."""
-    return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages]}
+    """What a checkpoint must match to load: DeepSpeed's files are per stage (and, under ZeRO, per
+    replica), their layout depends on the precision; reader positions are per replica."""
+    return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages],
+            "precision": rc.train.precision, "zero": rc.train.zero}
 
 
 def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:
@@ -361,7 +397,8 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         f"done: {len(r.losses)} steps in {r.seconds:.1f}s | loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} "
         f"(mean of first 3 {head:.3f}, last 3 {tail:.3f}) | {r.samples / r.seconds:.1f} samples/s, "
         f"{r.tokens / r.seconds:.0f} tokens/s | skipped {skipped} samples ({why}) | "
-        f"metrics {run_dir / 'metrics.jsonl'} | checkpoint {run_dir / 'checkpoints'}"
+        f"metrics {run_dir / 'metrics.jsonl'} | "
+        + (f"checkpoint {run_dir / 'checkpoints'}" if rc.train.save_every or rc.train.save_final else "no checkpoint")
         + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),
         flush=True,
     )

@@ -4,7 +4,6 @@ test_hf_pipeline.py): one SGD step, then its checkpoint and its copy of the tied
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmpipe.config import PROJECT_ROOT
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.synth import write_shard
 
 pytestmark = pytest.mark.distributed
@@ -53,7 +53,7 @@ def js(key: str, human: str, answer: str = "red") -> tuple[str, bytes]:
 def shipped_samples(n: int) -> list[list[tuple[str, bytes]]]:
     """The members of the first n samples of the shipped shard (good ones, with their meta)."""
     groups: dict[str, list[tuple[str, bytes]]] = {}
-    with tarfile.open(PROJECT_ROOT / "data" / "shards" / "train-000000.tar") as tar:
+    with tarfile.open(PACKAGE_ROOT / "data" / "shards" / "train-000000.tar") as tar:
         for m in tar.getmembers():
             key = m.name.split(".")[0]
             if key not in groups and len(groups) == n:

@@ -135,7 +135,7 @@ def test_nonfinite_loss_stops_before_the_next_save(run_mmpipe):
 def test_nonfinite_skip_withholds_the_whole_update(run_mmpipe):
     run = run_mmpipe("train", "train.steps=3", "train.save_every=1", "train.lr=1e30", "train.on_nonfinite=skip")
     assert run.code == 0, run.out[-3000:]
-    assert [r["update_skipped"] for r in run.metrics()] == [False, True, True]
+    assert [r["nonfinite"] for r in run.metrics()] == [False, True, True]
     assert "warning: step 2: loss nan, gradient norm nan: update skipped (train.on_nonfinite=skip)" in run.out
     assert "| 2 updates skipped (non-finite)" in run.out
     # Skipped means untouched: the weights and the optimizer's moments and step counts of

@@ -8,14 +8,14 @@ from functools import partial
 
 import pytest
 
-from mmpipe.config import PROJECT_ROOT
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.reader import iter_meta
 
 pytestmark = pytest.mark.distributed
 
 
 def test_training_reads_the_shipped_shards_over_http(run_mmpipe):
-    shards = PROJECT_ROOT / "data" / "shards"
+    shards = PACKAGE_ROOT / "data" / "shards"
     asked: list[str] = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):

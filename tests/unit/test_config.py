@@ -2,46 +2,42 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from mmpipe.cli import CONF_DIR, load, main
-from mmpipe.config import PROJECT_ROOT, parse_stages, stages_to_bounds
-
-TRACE = str(PROJECT_ROOT / "tests/unit/trace_small.jsonl")
+from mmpipe.config import parse_stages, stages_to_bounds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def small_trace():
-    p = Path(TRACE)
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> str:
+    p = tmp_path_factory.mktemp("trace") / "trace_small.jsonl"
     p.write_text('{"text_tokens": 30, "images": [[336, 336]]}\n' * 4)
-    yield
-    p.unlink()
+    return str(p)
 
 
-def _overrides_for(group: str, name: str) -> list[str]:
-    extra = {"trace": ["data.path=" + TRACE]}.get(name, [])
+def _overrides_for(group: str, name: str, trace: str) -> list[str]:
+    extra = {"trace": ["data.path=" + trace]}.get(name, [])
     if group == "model" and name != "tiny":
-        extra = ["data=trace", "data.path=" + TRACE]
+        extra = ["data=trace", "data.path=" + trace]
     return [f"{group}={name}", *extra]
 
 
 @pytest.mark.parametrize("group", ["model", "data", "hardware"])
-def test_every_yaml_in_conf_composes_and_validates(group):
+def test_every_yaml_in_conf_composes_and_validates(group, trace):
     names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
     assert names
     for name in names:
-        rc = load(_overrides_for(group, name), job="test")
+        rc = load(_overrides_for(group, name, trace), job="test")
         assert rc.parallel.pp >= 1
 
 
-def test_every_recipe_composes_and_validates():
-    for path in sorted((PROJECT_ROOT / "recipes").glob("*.yaml")):
+def test_every_recipe_composes_and_validates(trace):
+    for path in sorted((CONF_DIR / "recipes").glob("*.yaml")):
         head = path.read_text().splitlines()[:3]
         assert head[0] == "# @package _global_", f"{path.name} must be a global package"
         assert any(l.startswith("# mmpipe ") for l in head), f"{path.name} must give its launch command"
-        extra = ["data.path=" + TRACE] if "data: trace" in path.read_text() or "- override /data: trace" in path.read_text() else []
+        text = path.read_text()
+        extra = ["data.path=" + trace] if "data: trace" in text or "- override /data: trace" in text else []
         rc = load([f"recipes={path.stem}", *extra], job="test")
         for line in path.read_text().splitlines():  # the recipe's own settings took effect
             if line.startswith("  pp:"):
@@ -69,6 +65,9 @@ def test_process_count_must_match_pp_times_dp(capsys):
     (["data.on_error=ignore"], "data.on_error='ignore' is unknown; use skip or raise"),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite='ignore' is unknown; use stop or skip"),
     (["train.keep_last=-1"], "train.keep_last=-1 must be a non-negative integer"),
+    (["train.on_nonfinite=skip", "train.precision=bf16"],
+     "train.on_nonfinite=skip withholds a step's update in mmpipe's gradient hook, which runs with "
+     "train.precision=fp32 and ZeRO stage 0 only (now precision=bf16, ZeRO stage 1"),
     (["model.llm.heads=5"], "model.llm.hidden=128 is not divisible by model.llm.heads=5"),
 ])
 def test_config_mistakes_fail_before_launch(overrides, message, capsys):

@@ -13,11 +13,10 @@ from typing import Iterator
 import pytest
 import yaml
 
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.synth import SynthConfig, generate
 from mmpipe.data.tokenizer import Tokenizer, load_tokenizer
 from mmpipe.model.spec import ModelSpec, spec_from_dict
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class Web:
 
 @pytest.fixture(scope="session")
 def tiny_spec() -> ModelSpec:
-    return spec_from_dict(yaml.safe_load((REPO / "conf/model/tiny.yaml").read_text()))
+    return spec_from_dict(yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text()))
 
 
 @pytest.fixture(scope="session")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
 
 from .helpers import all_keys
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = PACKAGE_ROOT  # the shipped configs and data live in the package
 
 
 def mixture_sources(mini_data, **b) -> list[dict]:

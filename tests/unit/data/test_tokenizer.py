@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.tokenizer import SPECIAL_TOKENS, build_tokenizer, check_vocab, load_tokenizer
-
-REPO = Path(__file__).resolve().parents[3]
 
 CORPUS = ["What shape is in the image?", "a red triangle on a white background",
           "Count from 7 to 12.", "7 8 9 10 11 12", "Repeat these words: apple river stone"] * 20
@@ -68,6 +65,6 @@ def test_vocab_larger_than_the_model_is_an_error() -> None:
 
 
 def test_shipped_tokenizer_fits_the_tiny_model(tiny_spec) -> None:
-    tok = load_tokenizer(REPO / "data" / "tokenizer.json")
+    tok = load_tokenizer(PACKAGE_ROOT / "data" / "tokenizer.json")
     check_vocab(tok, tiny_spec.llm.vocab)
     assert tok.vocab_size < tiny_spec.llm.vocab

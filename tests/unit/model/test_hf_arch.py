@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from mmpipe.config import PROJECT_ROOT
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.model.geometry import SampleMeta, features
 from mmpipe.model.hf.arch import spec_from_config
 from mmpipe.model.hf.build import build_layer
@@ -52,7 +52,7 @@ WHISPER_FE = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size
 
 
 def _preset(name):
-    return spec_from_dict(yaml.safe_load((PROJECT_ROOT / f"conf/model/{name}.yaml").read_text()))
+    return spec_from_dict(yaml.safe_load((PACKAGE_ROOT / f"conf/model/{name}.yaml").read_text()))
 
 
 def _same_figures(ours, preset, fields):

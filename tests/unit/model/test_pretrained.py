@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from mmpipe.cli import main
-from mmpipe.config import PROJECT_ROOT
+from mmpipe.config import PACKAGE_ROOT
 from mmpipe.model import carrier as C
 from mmpipe.model.layers import build_layers, run_layers
 from mmpipe.model.pretrained import Pretrained, check_matches
@@ -35,7 +35,7 @@ class S:
 
 @pytest.fixture(scope="module")
 def spec():
-    return spec_from_dict(yaml.safe_load((PROJECT_ROOT / "conf/model/tiny.yaml").read_text()))
+    return spec_from_dict(yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text()))
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ def test_rng_state_survives_a_safe_round_trip(tmp_path):
 
 # -- finding a checkpoint: rank 0's choice and the file checks, in a one-rank process group --
 
-TOPOLOGY = {"pp": 1, "dp": 1, "stages": [[0, 15]]}
+TOPOLOGY = {"pp": 1, "dp": 1, "stages": [[0, 15]], "precision": "fp32", "zero": 0}
 SCHEDULE = {"lr": 3e-3, "warmup_steps": 5, "steps": 10}
 
 
@@ -159,6 +159,8 @@ def test_the_newest_committed_checkpoint_is_chosen_and_unfinished_ones_are_named
                 "(train.resume={run}/checkpoints/step2)"),
     ("other stages", "the checkpoint was written with parallel.pp=1 and stages [[0, 15]] (layer index ranges); "
                      "this run has parallel.pp=2 and stages [[0, 11], [11, 15]]"),
+    ("other precision", "the checkpoint was written with train.precision=fp32 and ZeRO stage 0; this run has "
+                        "train.precision=bf16 and ZeRO stage 1"),
     ("at the end", "the checkpoint is at step 4, not below train.steps=4; raise train.steps"),
     ("older, same run", "this run directory has newer checkpoints (step4); resuming step 2 here would mix two "
                         "histories"),
@@ -177,7 +179,9 @@ def test_unusable_checkpoints_are_one_line_errors(one_rank, tmp_path, case, mess
         (run / "checkpoints" / "step4" / "rng_rank0.pt").unlink()
         (run / "checkpoints" / "step4" / "data_state_dp0.json").write_bytes(bytes(100))
     if case == "other stages":
-        kwargs["topology"] = {"pp": 2, "dp": 1, "stages": [[0, 11], [11, 15]]}
+        kwargs["topology"] = {**TOPOLOGY, "pp": 2, "stages": [[0, 11], [11, 15]]}
+    if case == "other precision":
+        kwargs["topology"] = {**TOPOLOGY, "precision": "bf16", "zero": 1}
     if case == "at the end":
         kwargs["steps"] = 4
     if case == "older, same run":
