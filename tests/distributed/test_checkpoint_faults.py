@@ -12,13 +12,13 @@ import os
 import random
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from mmpipe.config import PROJECT_ROOT as ROOT
-
 pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
 
 _spec = importlib.util.spec_from_file_location("fault_injection", ROOT / "benchmarks" / "fault_injection.py")
 fi = sys.modules.setdefault("fault_injection", importlib.util.module_from_spec(_spec))
