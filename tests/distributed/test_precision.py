@@ -33,7 +33,7 @@ def test_bf16_zero1_resume_continues_exactly(run_mmpipe):
     shards = _optimizer_shards(step2)
     assert [p.name for p in shards] == [f"bf16_zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt"
                                         for r in (0, 1) for s in (0, 1)]
-    resumed = run_mmpipe("train", *common, f"train.resume={step2}", name="resumed")
+    resumed = run_mmpipe("train", *common, f"train.resume={step2}", "train.save_final=true", name="resumed")
     assert resumed.code == 0, resumed.out[-3000:]
     assert [r["step"] for r in resumed.metrics()] == [3, 4]
     assert [r["loss"] for r in resumed.metrics()] == [r["loss"] for r in whole.metrics()[2:]]
