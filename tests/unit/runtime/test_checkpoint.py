@@ -155,8 +155,8 @@ def test_the_newest_committed_checkpoint_is_chosen_and_unfinished_ones_are_named
     ("nothing committed", "no committed checkpoint in {run}/checkpoints (unfinished saves: step3); start without"),
     ("unfinished folder", "{run}/checkpoints/step3 is not a committed checkpoint (no committed.json"),
     ("damaged", "checkpoint {run}/checkpoints/step4 is damaged: data_state_dp0.json does not match its recorded "
-                "sha256; mp_rank_00_model_states.pt has 7 bytes, 100 recorded; rng_rank0.pt is missing; restore these files or resume from an earlier one "
-                "(train.resume={run}/checkpoints/step2)"),
+                "sha256; mp_rank_00_model_states.pt has 7 bytes, 100 recorded; rng_rank0.pt is missing; restore "
+                "these files or resume from an earlier one (train.resume={run}/checkpoints/step2)"),
     ("other stages", "the checkpoint was written with parallel.pp=1 and stages [[0, 15]] (layer index ranges); "
                      "this run has parallel.pp=2 and stages [[0, 11], [11, 15]]"),
     ("other precision", "the checkpoint was written with train.precision=fp32 and ZeRO stage 0; this run has "
