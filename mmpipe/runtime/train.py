@@ -308,8 +308,9 @@ def _on_nonfinite(rc: RunConfig, verdict: StepVerdict, step: int, loss: float, g
     what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
     if rc.train.on_nonfinite == "stop":
         newest = f"the newest checkpoint is {ckpt.newest}" if ckpt.newest else "no checkpoint was saved"
+        skip = " or set train.on_nonfinite=skip to drop such steps" if rc.train.zero == 0 else ""
         raise RunStopped(f"{what}: stopped without saving (train.on_nonfinite=stop); {newest}; lower train.lr "
-                         f"(now {rc.train.lr}) or set train.on_nonfinite=skip to drop such steps")
+                         f"(now {rc.train.lr}){skip}")
     result.nonfinite_skipped += 1
     if bar is not None:
         bar.note(f"warning: {what}: update skipped (train.on_nonfinite=skip)")
