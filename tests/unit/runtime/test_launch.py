@@ -174,7 +174,7 @@ sys.exit(launch(worker_command("run.yaml"), nproc=1, log_dir="logs", grace_s=1))
     assert "current directory" not in log + proc.stderr
     assert proc.returncode == 2, proc.stderr + log
     assert proc.stderr.strip().endswith("mmpipe train: error: bogus is not a config group; known: " + (
-        "model, parallel, train, data, plan, launcher, profile, pretrained, shards, bench, hardware, hydra"))
+        "model, parallel, train, data, plan, launcher, profile, shards, bench, hardware, hydra"))
     assert f'File "{ROOT / "mmpipe" / "config.py"}"' in log  # MMPIPE_DEBUG=1: the traceback, from our package
     assert worker_command("x")[-1] == "x"
 
