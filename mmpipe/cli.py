@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, run_config_from_dict
+from mmpipe.config import PROJECT_ROOT, RunConfig, run_config_from_dict, tokenizer_source
 
 CONF_DIR = Path(os.environ.get("MMPIPE_CONF", PROJECT_ROOT / "conf"))
 USAGE = """usage: mmpipe <command> [key=value ...]
@@ -24,6 +24,7 @@ commands:
   bench      train once per policy (alternating) on the same data; compare samples/s and bubbles
   shards     convert a LLaVA-style JSON + media folders into webdataset shards
   bench-data measure the loader (full decode vs metadata only)
+  export     write a trained Hugging Face model back as its transformers class: export RUN_DIR out=DIR
 
 examples:
   mmpipe train                                  # tiny model, shipped data, pp=2
@@ -32,6 +33,8 @@ examples:
   mmpipe plan model=qwen2-vl-7b data=trace data.path=trace.jsonl hardware=h100 parallel.pp=4
   mmpipe train recipes=<name>                   # a ready experiment from recipes/
   mmpipe shards shards.json=llava.json shards.out=shards/ shards.image_root=images/
+  mmpipe train model=hf model.path=/models/llava-1.5-7b-hf   # a Hugging Face checkpoint folder
+  mmpipe export runs/a checkpoint=step100 out=/models/mine    # then from_pretrained("/models/mine")
 """
 
 
@@ -61,9 +64,11 @@ def load(overrides: list[str], *, job: str) -> RunConfig:
 
 
 def cmd_train(rc: RunConfig) -> int:
+    from mmpipe.runtime.hf_run import check_model
     from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
     from mmpipe.runtime.preflight import check_data, check_launch, write_run_config
 
+    memory = check_model(rc)
     check_data(rc)
     check_launch(rc)
     if under_external_launcher():
@@ -73,6 +78,8 @@ def cmd_train(rc: RunConfig) -> int:
     path = write_run_config(rc)
     nproc = rc.launcher.nproc or rc.parallel.pp * rc.parallel.dp
     logs = Path(rc.run_dir) / "logs"
+    if memory:
+        print(memory, flush=True)
     print(f"mmpipe train: {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), run dir {rc.run_dir}, "
           f"each rank's output in {logs}/rank<R>.log", flush=True)
     return launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
@@ -109,19 +116,18 @@ def cmd_bench_data(rc: RunConfig) -> int:
     from mmpipe.config import resolve_path
     from mmpipe.data.commands import run_bench_data
 
-    return run_bench_data(path=resolve_path(rc.data.path), tokenizer=resolve_path(rc.data.tokenizer or ""),
+    return run_bench_data(path=resolve_path(rc.data.path), tokenizer=tokenizer_source(rc)[0],
                           model=rc.model, samples=rc.bench.samples, generated=rc.bench.generated,
                           root=str(PROJECT_ROOT))
 
 
 def cmd_shards(rc: RunConfig) -> int:
-    from mmpipe.config import resolve_path
     from mmpipe.data.commands import run_convert
 
     s = rc.shards
     if not s.json or not s.out:
         raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
-    return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
+    return run_convert(json_path=s.json, out=s.out, tokenizer=tokenizer_source(rc)[0],
                        model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
                        maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix, limits=rc.data.limits,
                        allow_outside_roots=s.allow_outside_roots)
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     cmd, overrides = argv[0], argv[1:]
+    if cmd == "export":
+        return cmd_export(overrides)
     if any(o in ("-h", "--help") for o in overrides):
         print(USAGE)
         print(f"configuration ({CONF_DIR / 'config.yaml'}; groups: "
@@ -161,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         print((CONF_DIR / "config.yaml").read_text())
         return 0
     if cmd not in COMMANDS:
-        print(f"mmpipe: unknown command {cmd!r}; use one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        print(f"mmpipe: unknown command {cmd!r}; use one of {', '.join([*COMMANDS, 'export'])}\n\n{USAGE}",
+              file=sys.stderr)
         return 2
     try:
         rc = load(overrides, job=cmd)
@@ -180,6 +189,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR"
+
+
+def cmd_export(args: list[str]) -> int:
+    """`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR`: not a Hydra command (its arguments name
+    a finished run, not a configuration); mmpipe.runtime.export.run_export does the work."""
+    from mmpipe.runtime.export import run_export
+
+    if any(a in ("-h", "--help") for a in args):
+        print(EXPORT_USAGE)
+        return 0
+    runs = [a for a in args if "=" not in a]
+    keys = dict(a.split("=", 1) for a in args if "=" in a)
+    try:
+        unknown = sorted(set(keys) - {"checkpoint", "out"})
+        if unknown:
+            raise ValueError(f"{unknown[0]}={keys[unknown[0]]}: not an export argument; {EXPORT_USAGE}")
+        if len(runs) != 1 or not keys.get("out"):
+            raise ValueError(f"give one run directory and out=DIR; {EXPORT_USAGE}")
+        report = run_export(runs[0], out=keys["out"], checkpoint=keys.get("checkpoint"))
+    except Exception as err:  # noqa: BLE001 - one clean line for input errors
+        if not _is_user_error(err):
+            raise
+        print(f"mmpipe export: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"mmpipe export: wrote {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB, {report.shards} "
+          f"safetensors file(s); {len(report.copied)} held by no pipeline layer, copied from the source) to "
+          f"{report.folder} in {report.seconds:.1f} s")
+    return 0
+
+
 def _explain(err: BaseException, overrides: list[str]) -> str:
     """Hydra's message, plus the closest real key when an override names one that does not exist."""
     import difflib
@@ -190,7 +230,7 @@ def _explain(err: BaseException, overrides: list[str]) -> str:
     if m:
         key = m.group(1)
         value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "?")
-        known = _known_keys()
+        known = _known_keys(overrides)
         near = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean {near[0]}?" if near else "run `mmpipe train --help` for the groups"
         return f"{key}={value}: no such config key; {hint}"
@@ -205,8 +245,9 @@ def _explain(err: BaseException, overrides: list[str]) -> str:
     return msg
 
 
-def _known_keys() -> list[str]:
-    """Every settable key, dotted, from the root config and each group's default file."""
+def _known_keys(overrides: list[str] = ()) -> list[str]:
+    """Every settable key, dotted, from the root config and each group's file (the one an override
+    such as model=hf chooses, else the default)."""
     import yaml
 
     def flat(prefix: str, node) -> list[str]:
@@ -219,6 +260,7 @@ def _known_keys() -> list[str]:
     for entry in root.get("defaults", []):
         if isinstance(entry, dict):
             (group, name), = entry.items()
+            name = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == group), name)
             path = CONF_DIR / group / f"{name}.yaml"
             if name and path.is_file():
                 keys += flat(group, yaml.safe_load(path.read_text()))
