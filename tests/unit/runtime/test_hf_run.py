@@ -124,6 +124,27 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         assert mb.tokens == sum(planned)
 
 
+def test_an_image_the_processor_refuses_is_a_counted_skip(hf_checkpoints):
+    """Qwen2-VL's resize refuses an aspect ratio over 200: the sample is an `undecodable image`
+    (counted and skipped by the reader), not an exception in a rank."""
+    import io
+    import json
+
+    from PIL import Image
+
+    from mmpipe.data.records import make_record
+    from mmpipe.data.skips import SampleError
+
+    rc = load(model_overrides("qwen2-vl", hf_checkpoints), job="test")
+    png = io.BytesIO()
+    Image.new("RGB", (420, 2)).save(png, format="PNG")
+    raw = {"__key__": "k", "__url__": "x.tar", "0.png": png.getvalue(), "json": json.dumps({"conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "a line"}]}).encode()}
+    with pytest.raises(SampleError, match=r"undecodable image: the model's image processor refuses it \(image of "
+                                          r"2x420 has an aspect ratio over 200"):
+        make_record(raw, load_templater(rc), rc.model)
+
+
 def test_export_right_after_loading_is_the_source_bit_for_bit(capsys, tmp_path, hf_checkpoints):
     """A checkpoint of the layers as every rank loads them, saved in the pipeline's layout, exports
     to the very tensors of the source, loads with the original class with no missing or
