@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from mmpipe.model.geometry import features  # noqa: E402
-from mmpipe.model.spec import spec_from_dict  # noqa: E402
+from mmpipe.model.group import model_from_group  # noqa: E402
 from mmpipe.planner.balancer import balance_step  # noqa: E402
 from mmpipe.planner.command import run_plan  # noqa: E402
 from mmpipe.planner.cost import build_cost_model  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
     print(f"{'workload':<15} {'model':<15} {'data-aware':>10} {'ds-default':>10} {'llava-grp':>10} "
           f"{'packed-ffd':>10} {'lower bd':>9} {'ratio':>6} {'beats all':>9} {'plan ms/step':>12}")
     for trace, mname in PAIRS:
-        m = spec_from_dict(load("model", mname))
+        m = model_from_group(load("model", mname)).spec
         tr = tuple(args.trainable.split(","))
         if mname == "qwen2-audio-7b":
             tr = tuple(t.replace("vision", "audio") for t in tr)
@@ -99,7 +99,7 @@ def _time_steps(m, hw, tr, trace, plan) -> float:
 def scaling(hw, wl: Path) -> None:
     print("\nplanning time of one step (balance_step), qwen2-vl-7b on vision-dynamic, pp=4 dp=2, one core")
     print(f"{'N':>6} {'ms':>8} {'ms per 256 samples':>19}")
-    m = spec_from_dict(load("model", "qwen2-vl-7b"))
+    m = model_from_group(load("model", "qwen2-vl-7b")).spec
     base = [features(m, x) for x in read_trace(wl / "vision-dynamic.jsonl")]
     cost = build_cost_model(model=m, hardware=hw, trainable=("vision.proj", "llm"), dp=2)
     table0 = sample_table(base)

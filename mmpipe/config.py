@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mmpipe.data.options import CAPTION_PROMPT, check_options
-from mmpipe.model.pretrained import Pretrained, check_matches
-from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
+from mmpipe.model.group import model_from_group
+from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names
 from mmpipe.planner.api import POLICIES, hardware_from_dict  # the planner owns both
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
@@ -56,7 +56,7 @@ class TrainConfig:
     micro_batches: int = 4
     """Micro-batches per replica per step."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (0: the weights never change; each step only measures the loss)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 5
@@ -115,8 +115,8 @@ class TrainConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train.{key}={v!r} must be a non-negative integer")
-        if not self.lr > 0:
-            raise ValueError(f"train.lr={self.lr!r} must be > 0")
+        if not self.lr >= 0:
+            raise ValueError(f"train.lr={self.lr!r} must be >= 0 (0 keeps the weights as loaded)")
         if self.grad_clip < 0:
             raise ValueError(f"train.grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         if self.optimizer not in ("adamw", "sgd"):
@@ -170,7 +170,8 @@ class DataConfig:
     path: str = ""
     """Shard brace list or trace file."""
     tokenizer: str | None = None
-    """Tokenizer JSON made by mmpipe.data.synth."""
+    """mmpipe's tokenizer JSON (made by mmpipe.data.synth) or a Hugging Face checkpoint folder (its
+    tokenizer and chat template); None: the model's own (`tokenizer_source`)."""
     on_error: str = "skip"
     """skip (count and go on) | raise."""
     shuffle_buffer: int = 0
@@ -351,7 +352,6 @@ class RunConfig:
     plan: PlanConfig
     launcher: LauncherConfig
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    pretrained: Pretrained = field(default_factory=Pretrained)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -360,6 +360,11 @@ class RunConfig:
     """Raw hardware group (typed by the planner's HardwareSpec plus HardwareOrigin)."""
     run_dir: str = "."
     """Where metrics.jsonl and checkpoints go."""
+    model_settings: Mapping[str, Any] = field(default_factory=dict)
+    """A Hugging Face model group as given, folders absolute (run.yaml records it; see
+    mmpipe.model.group.ModelChoice); empty for mmpipe's own figures."""
+    planner_only: str | None = None
+    """Why the model preset can be planned but not trained (omni-7b), else None."""
 
     @property
     def layers(self) -> list[str]:
@@ -409,8 +414,8 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     return cls(**values)
 
 
-GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "pretrained", "shards", "bench",
-          "report", "deepspeed", "hardware", "hydra")
+GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "shards", "bench", "report",
+          "deepspeed", "hardware", "hydra")
 
 
 def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -436,21 +441,23 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])
+    model = model_from_group(cfg["model"], resolve=model_folder)
     rc = RunConfig(
-        model=spec_from_dict(cfg["model"]),
+        model=model.spec,
         parallel=_section(ParallelConfig, "parallel", cfg.get("parallel")),
         train=_section(TrainConfig, "train", train),
         data=_section(DataConfig, "data", cfg.get("data")),
         plan=_section(PlanConfig, "plan", plan),
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
         profile=_section(ProfileConfig, "profile", cfg.get("profile")),
-        pretrained=_section(Pretrained, "pretrained", cfg.get("pretrained")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),
         bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
         report=_section(ReportConfig, "report", _tuple_of(cfg.get("report"), "runs")),
         deepspeed=_section(DeepSpeedSettings, "deepspeed", cfg.get("deepspeed")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
+        model_settings=model.settings,
+        planner_only=model.planner_only,
     )
     check_run(rc)
     return rc
@@ -488,8 +495,6 @@ def check_run(rc: RunConfig) -> None:
         )
     rc.stage_bounds  # validates names and tiling
     hardware_spec(rc)
-    if rc.pretrained.any():
-        check_matches(rc.model, rc.pretrained)
 
 
 def hardware_spec(rc: RunConfig):
@@ -589,3 +594,31 @@ def override_hint(key: str, value: str) -> str:
     if not _HYDRA_SAFE.fullmatch(value):
         value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return shell_word(f"{key}={value}")
+
+
+def model_folder(p: str) -> str:
+    """A model folder as given, made absolute (the workers and `mmpipe export` read it from run.yaml)."""
+    return str(Path(resolve_path(p)).expanduser().absolute())
+
+
+DEFAULT_TOKENIZER = "data/tokenizer.json"
+"""mmpipe's own tokenizer (the shipped data's), the tokenizer of mmpipe's own models."""
+
+
+def tokenizer_source(rc: RunConfig) -> tuple[str, str]:
+    """(file or folder, the key it comes from) of the run's tokenizer: data.tokenizer when set;
+    else a Hugging Face model's checkpoint folder (its tokenizer and chat template: model.path, or
+    a composition's model.llm.path); else mmpipe's own tokenizer."""
+    from mmpipe.data.chat import checkpoint_folder
+
+    if rc.data.tokenizer:
+        return resolve_path(rc.data.tokenizer), "data.tokenizer"
+    if rc.model.hf is None:
+        return resolve_path(DEFAULT_TOKENIZER), "data.tokenizer"
+    folder = checkpoint_folder(rc.model)
+    if folder is None:
+        raise ValueError(f"model {rc.model.name} has no checkpoint folder to take its tokenizer and chat template "
+                         f"from (a preset builds random weights); give data.tokenizer=DIR, a folder holding the "
+                         f"model's tokenizer with a chat template")
+    key = "model.path" if any(part == "model" for part, _ in rc.model.hf.weights) else "model.llm.path"
+    return str(folder), key

@@ -147,12 +147,12 @@ def test_frozen_stage_trains_nothing_and_the_rest_learns(run_mmpipe):
     run = run_mmpipe("train", "train.steps=3", "train.trainable=[llm]", "train.save_final=true",
                      "plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]")
     assert run.code == 0, run.out[-3000:]
-    from mmpipe.config import resolve_path
+    from mmpipe.config import tokenizer_source
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.model.layers import build_layer
 
     rc = load(["train.trainable=[llm]"], job="test")
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer))
+    tok = load_tokenizer(tokenizer_source(rc)[0])
     names = layer_names(rc.model)
     ckpt = run.run_dir / "checkpoints" / "step3"
     for i in (names.index("vision.block.0"), names.index("llm.block.0")):
