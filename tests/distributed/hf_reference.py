@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARDS = ROOT / "data" / "shards"
+SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
 PLACEHOLDER = re.compile(r"(<image>|<audio>)")
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
@@ -33,7 +33,10 @@ ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 def raw_samples(keys: set[str]) -> dict[str, dict]:
     """{key: {"conversations", "images": [bytes], "audio": [bytes]}} read from the shipped tars."""
     found: dict[str, dict] = {}
-    for shard in sorted(SHARDS.glob("train-*.tar")):
+    shards = sorted(SHARDS.glob("train-*.tar"))
+    if not shards:
+        raise FileNotFoundError(f"no shipped shards in {SHARDS}")
+    for shard in shards:
         with tarfile.open(shard) as tar:
             for m in tar.getmembers():
                 key, _, rest = m.name.partition(".")

@@ -23,7 +23,7 @@ import torch
 from .hf_cases import perturb
 
 ROOT = Path(__file__).resolve().parents[3]
-SHARDS = ROOT / "data" / "shards"
+SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
 
 LLAVA_TEMPLATE = (  # LLaVA-1.5's conversation format: "USER: <image>\n... ASSISTANT: answer</s>"
     "{% for m in messages %}"
@@ -61,7 +61,10 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|
 def corpus() -> list[str]:
     """Every turn of the shipped shards' conversations, and the chat templates' own words."""
     texts = ["USER: ASSISTANT:", "You are a helpful assistant.", "system user assistant Audio 1: 2: 3:"]
-    for shard in sorted(SHARDS.glob("train-*.tar")):
+    shards = sorted(SHARDS.glob("train-*.tar"))
+    if not shards:
+        raise FileNotFoundError(f"no shipped shards in {SHARDS}")  # the tokenizers would be trained on nothing
+    for shard in shards:
         with tarfile.open(shard) as tar:
             for m in tar.getmembers():
                 if m.name.endswith(".json"):
