@@ -39,10 +39,12 @@ from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import (BASELINES, PACK_TOKENS, ds_default_step,
                                       llava_grouped_step, packed_ffd_step, tune_baseline)
-from mmpipe.planner.calibrate import StepCalibration
-from mmpipe.planner.cost import CostModel, build_cost_model, validate_trainable
+from mmpipe.planner.calibrate import StepCalibration, calibrated_hardware
+from mmpipe.planner.cost import (DEFAULT_PRECISION, CostModel, build_cost_model, check_headroom,
+                                 validate_trainable)
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
+from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import SampleTable, sample_table
 from mmpipe.planner.stage_cost import StageCosts, stage_costs
 from mmpipe.planner.step import Replicas, evaluate_step
@@ -54,8 +56,9 @@ PACKED_POLICIES = ("data-aware", "packed-ffd")
 UNLIMITED_MEMORY_GB = 1e6
 """Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
-__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "HardwareSpec", "Replicas", "StagePlan",
-           "StepCalibration", "StepPlan", "StepPlanner", "build_cost_model", "check_policy",
+__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "DEFAULT_PRECISION", "HardwareSpec",
+           "Replicas", "StagePlan", "StepCalibration", "StepPlan", "StepPlanner", "TrainingPrecision",
+           "build_cost_model", "calibrated_hardware", "check_headroom", "check_policy",
            "hardware_from_dict", "hardware_to_dict", "plan_stages", "plan_step",
            "stage_memory_warnings", "validate_trainable"]
 
@@ -68,11 +71,13 @@ def check_policy(policy: str) -> None:
 
 def plan_stages(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int,
                 trainable: tuple[str, ...], sample: list[SampleFeatures], micro_batches: int,
-                policy: str) -> StagePlan:
+                policy: str, precision: TrainingPrecision = DEFAULT_PRECISION,
+                memory_headroom: float = 0.0) -> StagePlan:
     """Stage ranges and recompute for a policy (see module docstring)."""
     check_policy(policy)
     check_pp(pp, len(layer_names(model)), model.name)
-    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                            precision=precision, memory_headroom=memory_headroom)
     table = sample_table(sample)
     rows = list(range(len(sample)))
     if policy == "data-aware":
@@ -111,10 +116,15 @@ class StepPlan:
     """Per replica, its micro-batches in execution order, each a list of indices into the
     step's samples."""
     step_time: float
-    """Simulated step time: the slowest replica's 1F1B makespan, s."""
+    """Simulated step time: the slowest replica's 1F1B makespan and per-micro-batch overhead,
+    plus the per-step overhead, s."""
     busy: tuple[tuple[float, ...], ...]
     """Per replica, the simulated compute time of each stage, s (empty for a replica that got
     no samples)."""
+    peak_bytes: tuple[tuple[float, ...], ...]
+    """Per replica, the predicted peak memory of each stage: weights, gradients, optimizer
+    states and the exact 1F1B in-flight activations, bytes (what the runtime logs beside the
+    measured peak of that stage's rank)."""
 
 
 class StepPlanner:
@@ -126,7 +136,9 @@ class StepPlanner:
 
     def __init__(self, *, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
                  dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
-                 replicas: int | None = None, memory_limit: bool = True) -> None:
+                 replicas: int | None = None, memory_limit: bool = True,
+                 precision: TrainingPrecision = DEFAULT_PRECISION,
+                 memory_headroom: float = 0.0) -> None:
         """Args:
             model, hardware, trainable, dp: what the cost model prices (dp: data-parallel
                 replicas of the run, over which ZeRO-1 shards optimizer states).
@@ -138,6 +150,12 @@ class StepPlanner:
             memory_limit: False plans as if memory were unlimited: for a user's stages that
                 already exceed it under the cost model (trained with a warning), planning
                 within it would refuse samples or steps the user chose to run anyway.
+            precision: train.precision, train.zero_stage and train.optimizer (default the
+                spec's bf16, ZeRO-1, AdamW).
+            memory_headroom: plan.memory_headroom, the share of usable memory never planned
+                into (default 0: all of it).
+        To re-plan with what the runtime measured, build a new StepPlanner with
+        `calibrated_hardware(hardware, calibration.coef)`.
         """
         check_policy(policy)
         if not memory_limit:
@@ -146,7 +164,8 @@ class StepPlanner:
         self.policy = policy
         self.micro_batches = micro_batches
         self.replicas = dp if replicas is None else replicas
-        self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+        self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                                     precision=precision, memory_headroom=memory_headroom)
         self.stage_costs = stage_costs(self.cost, stage_plan.stages, stage_plan.recompute)
 
     @property
@@ -160,18 +179,22 @@ class StepPlanner:
         reps = _replicas(self.policy, table, self.stage_costs, self.replicas, self.micro_batches)
         ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
-                        busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas))
+                        busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
+                        peak_bytes=ev.replica_peaks)
 
 
 def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
                           dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
-                          sample: Sequence[SampleFeatures]) -> tuple[str, ...]:
+                          sample: Sequence[SampleFeatures],
+                          precision: TrainingPrecision = DEFAULT_PRECISION,
+                          memory_headroom: float = 0.0) -> tuple[str, ...]:
     """Stages of a user's stage plan whose planned peak memory on `sample` (one step's samples,
     all replicas) exceeds the device under the cost model, one warning line each (the user's
     stages are trained anyway; the user hears which stage and by how much). A sample that
     fits on no micro-batch is one warning too."""
     check_policy(policy)
-    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                            precision=precision, memory_headroom=memory_headroom)
     sc = stage_costs(cost, stage_plan.stages, stage_plan.recompute)
     table = sample_table(sample)
     try:
@@ -186,6 +209,6 @@ def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable
         if need > usable:
             out.append(f"plan.stages: stage {s} ({names[a]}..{names[b - 1]}) needs {need / 1e9:.3g} GB "
                        f"under the cost model, {(need - usable) / 1e9:.3g} GB more than the "
-                       f"{usable / 1e9:.3g} GB usable on hardware {hardware.name}; it may run out of "
+                       f"{cost.usable_text()} on hardware {hardware.name}; it may run out of "
                        f"memory (move layers off it, or enable recompute)")
     return tuple(out)

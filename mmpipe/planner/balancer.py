@@ -72,7 +72,7 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         return [[] for _ in range(dp)]
     sub = table.rows(rows)
     work, act, tr = sample_work(sc, sub)
-    budget = sc.cost.hardware.usable_bytes - sc.static
+    budget = sc.cost.usable_bytes - sc.static
     _check_static(sc, budget)
     _check_alone(sc, rows, act + tr, budget, labels)
     per_replica = deal(work, dp)
@@ -164,7 +164,7 @@ def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
     hw = sc.cost.hardware
     raise ValueError(
         f"stage {s} ({names[a]}..{names[b - 1]}) needs {sc.static[s] / GB:.3g} GB for weights, "
-        f"gradients and optimizer states alone, more than the {hw.usable_bytes / GB:.3g} GB usable "
+        f"gradients and optimizer states alone, more than the {sc.cost.usable_text()} "
         f"(hardware.memory_gb={hw.memory_gb:g}); raise parallel.pp or parallel.dp, or train fewer "
         f"layers (train.trainable)")
 
@@ -181,6 +181,6 @@ def _check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.n
     raise ValueError(
         f"{who} needs {need[i, s] / GB:.3g} GB of activations on stage {s} "
         f"({names[a]}..{names[b - 1]}) even alone, but only {max(budget[s], 0) / GB:.3g} GB "
-        f"are left there ({sc.cost.hardware.usable_fraction:.0%} of "
-        f"hardware.memory_gb={sc.cost.hardware.memory_gb:g} less {sc.static[s] / GB:.3g} GB of "
+        f"are left there (the {sc.cost.usable_text()} of hardware.memory_gb="
+        f"{sc.cost.hardware.memory_gb:g} less {sc.static[s] / GB:.3g} GB of "
         f"weights and optimizer states); raise parallel.pp, recompute that stage or drop the sample")

@@ -309,7 +309,7 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         mbs = [mb for rep in reps for r in rep for mb in r]
         T, S2 = mb_streams(table, mbs, packing=True)
         loads = layer_loads(cost, T, S2)
-        cand = balanced_partition(loads, pp, hw.usable_bytes) or plan
+        cand = balanced_partition(loads, pp, cost.usable_bytes) or plan
 
         def score(p: StagePlan) -> float:
             s = stage_costs(cost, p.stages, p.recompute)

@@ -120,7 +120,7 @@ class ReplicaPlanner(BinCosts):
         T = share * self.tokens.sum(axis=0)[None, :]
         S2 = share * self.squares.sum(axis=0)[None, :]
         f, b, sf, sb = self.times(T, S2)
-        return makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb)
+        return self.replica_time(makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb), m)
 
     def plan(self, m_hint: int, search: bool) -> Bins:
         """The replica's micro-batches in execution order (rows of its samples); `m_hint` (the

@@ -32,7 +32,7 @@ def stage_table(sc: StageCosts, evals: Sequence[StepEval]) -> str:
         bubble += np.asarray(r.bubble)
     k = max(1, len(evals))
     peak = np.max([e.peak_bytes for e in evals], axis=0) if evals else sc.static
-    usable = sc.cost.hardware.usable_bytes
+    usable = sc.cost.usable_bytes
     lines = [f"{'stage':>5}  {'layers':<36} {'#':>3} {'recomp':>6} {'busy':>6} {'bubble':>6} "
              f"{'static GB':>9} {'peak GB':>8}"]
     for s, (a, b) in enumerate(sc.stages):
