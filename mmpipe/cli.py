@@ -79,20 +79,45 @@ def cmd_train(rc: RunConfig) -> int:
 
 
 def cmd_plan(rc: RunConfig, *, compare_schedules: bool = False) -> int:
-    from mmpipe.config import hardware_spec
+    from mmpipe.config import hardware_spec, resolve_path
+    from mmpipe.planner.api import TrainingPrecision
     from mmpipe.planner.command import run_plan
 
-    if rc.data.kind != "trace":
-        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace; "
-                         f"use data=trace data.path=FILE.jsonl")
-    from mmpipe.config import resolve_path
-
-    run_plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.pp,
-             dp=rc.parallel.dp, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
-             trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=resolve_path(rc.data.path),
-             out=rc.plan.out, steps=rc.plan.steps, plot=rc.plan.plot, stages=list(rc.plan.stages or []) or None,
-             compare_schedules=compare_schedules)
+    trace, samples = None, None
+    if rc.data.kind == "trace":
+        trace = resolve_path(rc.data.path)
+    else:  # the planner reads no data package: the shards' metadata is read here
+        samples = _shard_meta(rc)
+    run_plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.fixed("pp"), dp=rc.parallel.fixed("dp"),
+             devices=rc.parallel.devices, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
+             trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=trace, samples=samples,
+             source=rc.data.path, out=rc.plan.out, steps=rc.plan.steps, plot=rc.plan.plot,
+             stages=list(rc.plan.stages or []) or None, compare_schedules=compare_schedules,
+             memory_headroom=rc.plan.memory_headroom, precision=TrainingPrecision(optimizer=rc.train.optimizer))
     return 0
+
+
+def _shard_meta(rc: RunConfig) -> list:
+    """(key, metadata) of the shards' samples in stream order, media never read (every
+    sample's `meta` is a trace line, docs/spec.md section 1); as many as plan.steps needs."""
+    import itertools
+
+    from mmpipe.config import resolve_path
+    from mmpipe.data.reader import iter_meta
+
+    if rc.data.sources is not None:
+        raise ValueError("mmpipe plan data=shards reads one shard list (data.path); a mixture (data.sources) "
+                         "is not supported: set data.sources=null")
+    tok = None
+    if rc.data.too_long == "truncate":
+        from mmpipe.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
+    metas = iter_meta(path=resolve_path(rc.data.path), seed=rc.train.seed, epochs=1,
+                      shuffle_buffer=rc.data.shuffle_buffer, on_error=rc.data.on_error, spec=rc.model,
+                      too_long=rc.data.too_long, tokenizer=tok)
+    limit = rc.plan.steps * rc.train.global_batch if rc.plan.steps else None
+    return list(itertools.islice(metas, limit))
 
 
 def cmd_bench(rc: RunConfig, overrides: list[str]) -> int:

@@ -20,12 +20,24 @@
     plan_step(*, policy, features, stage_plan, cost, dp, micro_batches) -> Replicas
         `StepPlanner.plan` without the prediction, on a given CostModel.
 
+    choose_layout(*, model, hardware, trainable, devices, global_batch, micro_batches, sample,
+                  pp=None, dp=None, ...) -> LayoutChoice
+        parallel.pp=auto / parallel.dp=auto: rank every pp x dp split of `devices` on the first
+        steps of `sample` (features in stream order, whole steps of global_batch); `.best` has
+        pp, dp and the stage plan it was priced with; `.layouts` the ranked table.
+
+    calibrated_hardware(hardware, coef) -> HardwareSpec
+        The hardware whose predicted step time is a StepCalibration fit's prediction (its
+        per-micro-batch and per-step costs become micro_batch_overhead_s / step_overhead_s).
+
     validate_trainable(trainable, model) -> tuple[str, ...]
         ValueError for a name matching no layer, e.g. "train.trainable=[visoin] names
         'visoin', which matches no layer of model qwen2-vl-7b; use all, vision, ...".
 
 Policies: data-aware, ds-default, llava-grouped, packed-ffd. The plan's contract is
-docs/spec.md section 4.
+docs/spec.md section 4. Every function takes `precision` (a TrainingPrecision: train.precision,
+train.zero_stage, train.optimizer; default the spec's bf16, ZeRO-1, AdamW) and
+`memory_headroom` (plan.memory_headroom; default 0 here, the config's default for commands).
 """
 
 from __future__ import annotations
@@ -40,9 +52,10 @@ from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import (BASELINES, PACK_TOKENS, ds_default_step,
                                       llava_grouped_step, packed_ffd_step, tune_baseline)
 from mmpipe.planner.calibrate import StepCalibration, calibrated_hardware
-from mmpipe.planner.cost import (DEFAULT_PRECISION, CostModel, build_cost_model, check_headroom,
-                                 validate_trainable)
+from mmpipe.planner.cost import (DEFAULT_HEADROOM, DEFAULT_PRECISION, CostModel, build_cost_model,
+                                 check_headroom, validate_trainable)
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
+from mmpipe.planner.layout import Layout, LayoutChoice, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import SampleTable, sample_table
@@ -56,9 +69,11 @@ PACKED_POLICIES = ("data-aware", "packed-ffd")
 UNLIMITED_MEMORY_GB = 1e6
 """Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
-__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "DEFAULT_PRECISION", "HardwareSpec",
-           "Replicas", "StagePlan", "StepCalibration", "StepPlan", "StepPlanner", "TrainingPrecision",
-           "build_cost_model", "calibrated_hardware", "check_headroom", "check_policy",
+__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
+           "HardwareSpec",
+           "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
+           "StepPlanner", "TrainingPrecision", "build_cost_model", "calibrated_hardware",
+           "check_headroom", "check_policy", "choose_layout",
            "hardware_from_dict", "hardware_to_dict", "plan_stages", "plan_step",
            "stage_memory_warnings", "validate_trainable"]
 
@@ -212,3 +227,34 @@ def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable
                        f"{cost.usable_text()} on hardware {hardware.name}; it may run out of "
                        f"memory (move layers off it, or enable recompute)")
     return tuple(out)
+
+
+def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
+                  devices: int, global_batch: int, micro_batches: int,
+                  sample: Sequence[SampleFeatures], pp: int | None = None, dp: int | None = None,
+                  precision: TrainingPrecision = DEFAULT_PRECISION,
+                  memory_headroom: float = 0.0, probe_steps: int = 2) -> LayoutChoice:
+    """Rank the pp x dp splits of `devices` for the data-aware policy (planner.layout).
+
+    Args:
+        sample: features of the run's first samples in stream order, all replicas together
+            (at least one whole step of global_batch); up to `probe_steps` whole steps are
+            priced.
+        pp, dp: the value the user fixed, or None for auto.
+    Raises ValueError naming the keys when no layout is valid or the sample is short.
+    """
+    if global_batch < 1 or len(sample) < global_batch:
+        raise ValueError(f"parallel.devices={devices}: choosing a layout needs one whole step of "
+                         f"train.global_batch={global_batch} samples; the data gave "
+                         f"{len(sample)}")
+    k = max(1, min(probe_steps, len(sample) // global_batch))
+    table = sample_table(list(sample[:k * global_batch]))
+    steps = [list(range(i * global_batch, (i + 1) * global_batch)) for i in range(k)]
+    costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
+                                 precision=precision, memory_headroom=memory_headroom)
+             for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
+    if not costs:
+        raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a "
+                         f"divisor or auto")
+    return search_layouts(costs=costs, table=table, steps=steps, devices=devices,
+                          global_batch=global_batch, micro_batches=micro_batches, pp=pp, dp=dp)

@@ -73,8 +73,8 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
     sub = table.rows(rows)
     work, act, tr = sample_work(sc, sub)
     budget = sc.cost.usable_bytes - sc.static
-    _check_static(sc, budget)
-    _check_alone(sc, rows, act + tr, budget, labels)
+    check_static(sc, budget)
+    check_alone(sc, rows, act + tr, budget, labels)
     per_replica = deal(work, dp)
     plans: Replicas = []
     for local in per_replica:
@@ -155,7 +155,9 @@ def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replic
     return [r.bins if r is not None else [] for r in reps]
 
 
-def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
+def check_static(sc: StageCosts, budget: np.ndarray) -> None:
+    """ValueError naming the first stage whose weights, gradients and optimizer states alone
+    leave no room (`budget`: bytes left per stage for activations)."""
     if np.all(budget > 0):
         return
     s = int(np.argmin(budget))
@@ -169,8 +171,10 @@ def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
         f"layers (train.trainable)")
 
 
-def _check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.ndarray,
-                 labels: Sequence[str] | None) -> None:
+def check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.ndarray,
+                labels: Sequence[str] | None) -> None:
+    """ValueError naming the first sample that does not fit on some stage even alone (`need`:
+    its kept + transient bytes per stage)."""
     over = need > budget[None, :]
     if not over.any():
         return

@@ -33,6 +33,9 @@ from mmpipe.planner.samples import STREAMS, SampleTable
 
 DEFAULT_PRECISION = TrainingPrecision()
 """bf16 mixed precision, ZeRO-1, AdamW: the run docs/spec.md section 6 prices."""
+DEFAULT_HEADROOM = 0.08
+"""plan.memory_headroom's default: the share of usable memory no plan fills (docs/planner.md
+says why 8%)."""
 KINDS = ("vision.embed", "vision.block", "vision.proj", "audio.embed", "audio.block",
          "audio.proj", "llm.embed", "llm.block", "llm.norm", "llm.head")
 """Layer kinds with a cost; any other layer name is free."""

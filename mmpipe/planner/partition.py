@@ -19,9 +19,13 @@ import numpy as np
 
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.cost import CostModel
+from mmpipe.planner.packing import deal
 from mmpipe.planner.samples import SampleTable, mb_streams
-from mmpipe.planner.stage_cost import micro_batch_costs, send_seconds, stage_costs
+from mmpipe.planner.stage_cost import micro_batch_costs, sample_work, send_seconds, stage_costs
 from mmpipe.planner.step import evaluate_step
+
+SAMPLE_REPLICAS = 2
+"""Replicas per step the partition search plans (the heaviest ones) when dp is larger."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -265,6 +269,27 @@ def hill_climb(plan: StagePlan, score: Callable[[StagePlan], float], *, rounds: 
     return best, best_s
 
 
+def representative_steps(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]], *,
+                         pp: int, dp: int, keep: int = SAMPLE_REPLICAS
+                         ) -> tuple[list[list[int]], int]:
+    """What the partition search plans: the steps themselves when dp <= keep, else, per step,
+    the `keep` replicas with the heaviest busiest stage (the step ends with its slowest
+    replica) after dealing the step as the balancer does on a parameter-balanced partition,
+    each planned as a replica of its own. Returns the row lists and the replicas each one is
+    dealt to. Planning `keep` replicas instead of dp keeps the search's cost flat in dp."""
+    if dp <= keep:
+        return [list(rows) for rows in steps], dp
+    sc = stage_costs(cost, parameters_partition([l.params for l in cost.layers], pp), [False] * pp)
+    out = []
+    for rows in steps:
+        rows = list(rows)
+        work, _, _ = sample_work(sc, table.rows(rows))
+        reps = [r for r in deal(work, dp) if r]
+        heavy = sorted(reps, key=lambda r: -float(work[r].sum(axis=0).max()))[:keep]
+        out += [[rows[i] for i in r] for r in heavy]
+    return out, 1
+
+
 def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]], *,
                       pp: int, dp: int, micro_batches: int,
                       labels: Sequence[str] | None = None) -> StagePlan:
@@ -273,10 +298,11 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
     on the simulated step time of the same micro-batches, and keep whichever candidate is
     fastest once its own micro-batches are re-planned (the best micro-batch count and sizes
     depend on the partition). A last hill climb moves single cuts by one layer, each candidate
-    judged with its re-planned micro-batches."""
+    judged with its re-planned micro-batches. Above SAMPLE_REPLICAS replicas, the search
+    plans the heaviest replicas of each step only (`representative_steps`)."""
     L = len(cost.layers)
     check_pp(pp, L, cost.model.name)
-    hw = cost.hardware
+    steps, dp = representative_steps(cost, table, steps, pp=pp, dp=dp)
     replanned: dict[tuple, float] = {}
 
     def replan(p: StagePlan) -> float:

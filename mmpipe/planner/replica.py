@@ -18,7 +18,7 @@ from mmpipe.planner.bins import BinCosts, Bins, CostedBins, edge_positions, edit
 from mmpipe.planner.memory import in_flight_counts, window_peaks
 from mmpipe.planner.packing import lpt_pack, ramp_shares
 from mmpipe.planner.schedules import make_schedule
-from mmpipe.planner.simulator import makespan
+from mmpipe.planner.simulator import makespan, simulate
 from mmpipe.planner.stage_cost import StageCosts
 
 TARGETED_BUDGET = 1000
@@ -122,9 +122,9 @@ class ReplicaPlanner(BinCosts):
         f, b, sf, sb = self.times(T, S2)
         return self.replica_time(makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb), m)
 
-    def plan(self, m_hint: int, search: bool) -> Bins:
-        """The replica's micro-batches in execution order (rows of its samples); `m_hint` (the
-        configured count) is among the counts tried; `search` off: equal sizes, no search."""
+    def rank_profiles(self, m_hint: int, search: bool) -> list[tuple[float, int, float]]:
+        """(fluid time, m, ramp) of the best micro-batch counts per size profile, best first:
+        counts on a geometric grid (with `m_hint`), equal sizes and (`search`) ramps."""
         n = self.n
         grid = sorted({int(round(x)) for x in np.geomspace(1, n, max(2, int(np.log(n) / 0.12)))}
                       | {max(1, min(n, m_hint)), n})
@@ -143,6 +143,29 @@ class ReplicaPlanner(BinCosts):
                 # a ramp wants a few more micro-batches: its edges are small
                 scored.append((ts[k + 1], grid[k + 1], ramp))
         scored.sort()
+        return scored
+
+    def fluid_outcome(self, m: int, ramp: float) -> tuple[float, np.ndarray, np.ndarray]:
+        """The fluid profile's replica time, per-stage in-flight activation peak (bytes; the
+        replica's transients spread like its tokens) and per-stage idle share (for layout
+        estimates, where packing every candidate would cost too much)."""
+        share = self.clip(ramp_shares(m, ramp))
+        if share is None:
+            return np.inf, np.full(self.P, np.inf), np.ones(self.P)
+        T = share[:, None] * self.tokens.sum(axis=0)[None, :]
+        S2 = share[:, None] * self.squares.sum(axis=0)[None, :]
+        f, b, sf, sb = self.times(T, S2)
+        sim = simulate(make_schedule("1f1b", self.P, m), fwd=f, bwd=b, send_fwd=sf, send_bwd=sb)
+        act = np.outer(self.act.sum(axis=0), share)
+        tr = np.outer(self.tr.sum(axis=0), share)
+        return (self.replica_time(sim.makespan, m), window_peaks(act, tr),
+                np.asarray(sim.bubble))
+
+    def plan(self, m_hint: int, search: bool) -> Bins:
+        """The replica's micro-batches in execution order (rows of its samples); `m_hint` (the
+        configured count) is among the counts tried; `search` off: equal sizes, no search."""
+        n = self.n
+        scored = self.rank_profiles(m_hint, search)
         for _, m, ramp in scored[:4 if search else 2]:
             self.pack(m, ramp)
         if search and scored[0][1] >= 3:
