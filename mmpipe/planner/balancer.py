@@ -53,7 +53,7 @@ GB = 1e9
 
 def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp: int,
                  micro_batches: int, labels: Sequence[str] | None = None,
-                 search: bool = True) -> Replicas:
+                 search: bool = True, thorough: bool = True) -> Replicas:
     """Plan one step of the data-aware policy.
 
     Args:
@@ -64,6 +64,9 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         micro_batches: the configured count (one of the candidates tried).
         labels: how to name each row in errors (e.g. `trace line 17`), indexed like `table`.
         search: try ramped profiles and run the local search (off = equal micro-batches only).
+        thorough: shape the profile at the neighbouring counts too and run the local search
+            from two starts (off: the partition search's many trial plans, where a fair
+            comparison matters more than the last percent).
     Returns:
         per replica, its micro-batches in execution order, lists of rows of `table`.
     """
@@ -84,7 +87,7 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         idx = np.asarray(local, dtype=np.int64)
         planner = ReplicaPlanner(sc, sub.tokens[idx], sub.squares[idx], work[idx], act[idx],
                                  tr[idx], budget)
-        bins = planner.plan(micro_batches, search)
+        bins = planner.plan(micro_batches, search, thorough)
         plans.append([[local[i] for i in b] for b in bins])
     if search and dp > 1:
         plans = _even_replicas(BinCosts(sc, sub.tokens, sub.squares, work, act, tr, budget), plans)

@@ -237,26 +237,40 @@ def balanced_partition(loads: LayerLoads, pp: int, usable: float) -> StagePlan |
     return best
 
 
+def shift_cuts(plan: StagePlan, first: int, last: int, d: int) -> StagePlan | None:
+    """The plan with cuts first..last (cut c starts stage c) moved by d layers together, or
+    None when a stage would become empty."""
+    cuts = [a for a, _ in plan.stages] + [plan.stages[-1][1]]
+    for c in range(first, last + 1):
+        cuts[c] += d
+    if any(cuts[i] >= cuts[i + 1] for i in range(len(cuts) - 1)):
+        return None
+    return StagePlan(stages=[(cuts[i], cuts[i + 1]) for i in range(plan.pp)],
+                     recompute=plan.recompute)
+
+
 def hill_climb(plan: StagePlan, score: Callable[[StagePlan], float], *, rounds: int = 3,
-               steps: Sequence[int] = (1, 2, 4)) -> tuple[StagePlan, float]:
-    """Move single cuts by a few layers (and toggle recompute) while the score improves."""
+               steps: Sequence[int] = (1, 2, 4), blocks: bool = False) -> tuple[StagePlan, float]:
+    """Move single cuts by a few layers (and toggle recompute) while the score improves;
+    `blocks`: also move runs of neighbouring cuts together by one layer. A single move cannot
+    shift every stage by one block at once (each step through is worse when the layers are
+    coarse: a 7B LLM block is 1/8 of a stage at pp=4), and that is often what balances the
+    stages or moves load off the last ones, which wait for every earlier stage's first
+    forward and last backward."""
     best, best_s = plan, score(plan)
     for _ in range(rounds):
         improved = False
-        for c in range(1, best.pp):
-            for d in steps:
-                for sign in (-1, 1):
-                    st = list(best.stages)
-                    a0, b0 = st[c - 1]
-                    a1, b1 = st[c]
-                    cut = b0 + sign * d
-                    if not a0 < cut < b1:
-                        continue
-                    st[c - 1], st[c] = (a0, cut), (cut, b1)
-                    cand = StagePlan(stages=st, recompute=best.recompute)
-                    s = score(cand)
-                    if s < best_s:
-                        best, best_s, improved = cand, s, True
+        moves = [(c, c, sign * d) for c in range(1, best.pp) for d in steps for sign in (-1, 1)]
+        if blocks:
+            moves += [(c0, c1, sign) for c0 in range(1, best.pp) for c1 in range(c0 + 1, best.pp)
+                      for sign in (-1, 1)]
+        for c0, c1, d in moves:
+            cand = shift_cuts(best, c0, c1, d)
+            if cand is None:
+                continue
+            s = score(cand)
+            if s < best_s:
+                best, best_s, improved = cand, s, True
         for s_i in range(best.pp):
             rc = list(best.recompute)
             rc[s_i] = not rc[s_i]
@@ -313,7 +327,7 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
             try:
                 for rows in steps:
                     rep = balance_step(s, table, rows, dp=dp, micro_batches=micro_batches,
-                                       labels=labels)
+                                       labels=labels, thorough=False)
                     ev = evaluate_step(s, table, rep, packing=True)
                     if not ev.fits:
                         total = np.inf
@@ -331,7 +345,7 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         sc = stage_costs(cost, plan.stages, plan.recompute)
         # equal micro-batches on the first round, the policy's own (ramped) ones after
         reps = [balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
-                             labels=labels, search=it > 0) for rows in steps]
+                             labels=labels, search=it > 0, thorough=False) for rows in steps]
         mbs = [mb for rep in reps for r in rep for mb in r]
         T, S2 = mb_streams(table, mbs, packing=True)
         loads = layer_loads(cost, T, S2)
@@ -348,12 +362,12 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
             return total
 
         for start in (cand, plan):
-            p, _ = hill_climb(start, score)
+            p, _ = hill_climb(start, score, blocks=True)
             t = replan(p)
             if t < best_t:
                 best_plan, best_t = p, t
         if it > 0 and best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
             break
         plan = best_plan
-    best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,))
+    best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,), blocks=True)
     return best_plan
