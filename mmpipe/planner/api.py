@@ -49,8 +49,7 @@ from typing import Sequence
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
-from mmpipe.planner.baselines import (BASELINES, PACK_TOKENS, ds_default_step,
-                                      llava_grouped_step, packed_ffd_step, tune_baseline)
+from mmpipe.planner.baselines import BASELINES, fitting_baseline_step, tune_baseline
 from mmpipe.planner.calibrate import StepCalibration, calibrated_hardware
 from mmpipe.planner.cost import (DEFAULT_HEADROOM, DEFAULT_PRECISION, CostModel, build_cost_model,
                                  check_headroom, validate_trainable)
@@ -115,12 +114,7 @@ def _replicas(policy: str, table: SampleTable, sc: StageCosts, dp: int,
     rows = list(range(len(table)))
     if policy == "data-aware":
         return balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches)
-    if policy == "ds-default":
-        return ds_default_step(rows, dp=dp, m=micro_batches)
-    if policy == "llava-grouped":
-        return llava_grouped_step(table, rows, dp=dp, m=micro_batches)
-    longest = int(table.tokens[:, 4].max()) if len(table) else 1
-    return packed_ffd_step(table, rows, dp=dp, pack_len=max(longest, PACK_TOKENS))
+    return fitting_baseline_step(policy, sc, table, rows, dp=dp, micro_batches=micro_batches)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

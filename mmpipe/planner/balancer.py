@@ -64,9 +64,9 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         micro_batches: the configured count (one of the candidates tried).
         labels: how to name each row in errors (e.g. `trace line 17`), indexed like `table`.
         search: try ramped profiles and run the local search (off = equal micro-batches only).
-        thorough: shape the profile at the neighbouring counts too and run the local search
-            from two starts (off: the partition search's many trial plans, where a fair
-            comparison matters more than the last percent).
+        thorough: shape the profiles, run the targeted search and search from two starts (off:
+            ramps and the neighbour search only, for the partition search's many trial plans,
+            where a fair comparison matters more than the last percent).
     Returns:
         per replica, its micro-batches in execution order, lists of rows of `table`.
     """

@@ -246,7 +246,7 @@ def _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, ev
     if micro_batches < pp and policy != "data-aware":
         head += f"\nwarning: train.micro_batches={micro_batches} < parallel.pp={pp}: large bubbles"
     per_replica = global_batch // dp
-    if per_replica < SMALL_REPORT * pp:
+    if pp > 1 and per_replica < SMALL_REPORT * pp:
         head += (f"\nsmall step: each replica gets {per_replica} samples per step for {pp} stages; "
                  f"1F1B with m equal micro-batches idles (pp-1)/(m+pp-1) of the step, "
                  f"{equal_bubble(pp, per_replica):.1%} even at one sample per micro-batch (which "

@@ -102,9 +102,14 @@ def equal_bubble(pp: int, m: int) -> float:
     return (pp - 1) / (m + pp - 1)
 
 
+def is_small_step(pp: int, per_replica: int) -> bool:
+    """Whether replicas of `per_replica` samples make a small step on pp stages."""
+    return pp > 1 and per_replica < SMALL_STEP * pp
+
+
 def small_step_note(pp: int, per_replica: int) -> str:
     """What a small step costs, for reports (empty when the step is not small)."""
-    if per_replica >= SMALL_STEP * pp:
+    if not is_small_step(pp, per_replica):
         return ""
     return (f"{per_replica} samples per replica for {pp} stages: equal micro-batches idle "
             f"{equal_bubble(pp, per_replica):.0%} even at one sample each")
@@ -194,18 +199,31 @@ def search_layouts(*, costs: dict[int, CostModel], table: SampleTable,
                                                 dp=est.dp, micro_batches=micro_batches,
                                                 labels=labels)
     shown = [planned.get((e.pp, e.dp), e) for e in estimates]
-    ranked = sorted(shown, key=lambda x: (x.how != "planned" or not x.fits,) + _rank(x))
-    return LayoutChoice(devices=devices, layouts=tuple(ranked + excluded))
+    return LayoutChoice(devices=devices, layouts=tuple(rank_layouts(shown) + excluded))
+
+
+def rank_layouts(layouts: Sequence[Layout]) -> list[Layout]:
+    """Best first: planned layouts that fit, then the rest; within each, layouts that fit
+    before those that do not, layouts that are not small steps before small steps (chosen
+    only when nothing else fits, however fast their prediction: with a few samples per
+    replica the plan rests on the bubble and on per-micro-batch costs the model prices least
+    well), then by predicted step time, then fewer stages."""
+    return sorted(layouts, key=lambda x: (x.how != "planned" or not x.fits,) + _rank(x))
 
 
 def estimate_layout(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]], *,
                     pp: int, dp: int, micro_batches: int) -> Layout:
     """The fluid estimate of one layout (see the module docstring)."""
     per_replica = len(steps[0]) // dp
-    small = per_replica < SMALL_STEP * pp
+    small = is_small_step(pp, per_replica)
     heavy = [_heaviest_replica(cost, table, rows, pp=pp, dp=dp) for rows in steps]
     lb = float(np.mean([lower_bound_s(cost, table.rows(list(rows)), pp=pp, dp=dp)
                         for rows in steps]))
+    static = min_max_cut([cost.static_bytes(i, i + 1) for i in range(len(cost.layers))], pp)
+    if static > cost.usable_bytes:
+        return _unfit(pp, dp, lb, small, f"weights, gradients and optimizer states alone need "
+                      f"{static / 1e9:.3g} GB on the fullest stage, more than the "
+                      f"{cost.usable_text()}")
     plans = _fluid_partitions(cost, table, heavy, pp=pp, micro_batches=micro_batches)
     if not plans:
         return _unfit(pp, dp, lb, small, "no partition fits in memory, even with recompute")
@@ -249,7 +267,7 @@ def plan_layout(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[in
     """One layout planned in full: the data-aware partition on the probe steps, every replica
     of every probe step balanced and simulated."""
     per_replica = len(steps[0]) // dp
-    small = per_replica < SMALL_STEP * pp
+    small = is_small_step(pp, per_replica)
     lb = float(np.mean([lower_bound_s(cost, table.rows(list(rows)), pp=pp, dp=dp)
                         for rows in steps]))
     try:
@@ -319,7 +337,7 @@ def _bounded(pp: int, dp: int, bound: float, cost: CostModel, table: SampleTable
                         for rows in steps]))
     return Layout(pp=pp, dp=dp, how="bounded", step_time=bound, lower_bound=lb,
                   samples_per_s=len(steps[0]) / bound, peak_bytes=(), bubble=0.0, fits=True,
-                  small_step=per_replica < SMALL_STEP * pp,
+                  small_step=is_small_step(pp, per_replica),
                   note=f"busiest stage alone takes {bound:.3g} s: slower than the best estimate")
 
 
@@ -392,7 +410,7 @@ def _unfit(pp: int, dp: int, lb: float, small: bool, why: str,
 def _excluded(pp: int, dp: int, why: str, global_batch: int) -> Layout:
     return Layout(pp=pp, dp=dp, how="excluded", step_time=math.inf, lower_bound=0.0,
                   samples_per_s=0.0, peak_bytes=(), bubble=1.0, fits=False,
-                  small_step=global_batch // dp < SMALL_STEP * pp, note=why)
+                  small_step=is_small_step(pp, global_batch // dp), note=why)
 
 
 def _divisors(n: int) -> list[int]:

@@ -21,7 +21,11 @@ from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.cost import CostModel
 from mmpipe.planner.packing import deal
 from mmpipe.planner.samples import SampleTable, mb_streams
-from mmpipe.planner.stage_cost import micro_batch_costs, sample_work, send_seconds, stage_costs
+from mmpipe.planner.memory import window_peaks
+from mmpipe.planner.schedules import make_schedule
+from mmpipe.planner.simulator import makespan
+from mmpipe.planner.stage_cost import (StageCosts, micro_batch_costs, sample_work, send_seconds,
+                                       stage_costs, stage_times)
 from mmpipe.planner.step import evaluate_step
 
 SAMPLE_REPLICAS = 2
@@ -318,6 +322,7 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
     check_pp(pp, L, cost.model.name)
     steps, dp = representative_steps(cost, table, steps, pp=pp, dp=dp)
     replanned: dict[tuple, float] = {}
+    costed: dict[tuple, StageCosts] = {}
 
     def replan(p: StagePlan) -> float:
         key = (p.stages, p.recompute)
@@ -351,14 +356,27 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         loads = layer_loads(cost, T, S2)
         cand = balanced_partition(loads, pp, cost.usable_bytes) or plan
 
+        streams = [[mb_streams(table, r, packing=True) for r in rep if r] for rep in reps]
+
         def score(p: StagePlan) -> float:
-            s = stage_costs(cost, p.stages, p.recompute)
+            # what evaluate_step gives for these fixed micro-batches, on the fast paths
+            # (1F1B makespan, exact in-flight windows): this is the search's inner loop
+            key = (p.stages, p.recompute)
+            s = costed.get(key)
+            if s is None:
+                s = costed[key] = stage_costs(cost, p.stages, p.recompute)
+            hw = cost.hardware
             total = 0.0
-            for rep in reps:
-                ev = evaluate_step(s, table, rep, packing=True)
-                if not ev.fits:
-                    return np.inf
-                total += ev.step_time
+            for step in streams:
+                slowest = 0.0
+                for T, S2 in step:
+                    m = T.shape[0]
+                    span = makespan(make_schedule("1f1b", pp, m), *stage_times(s, T, S2))
+                    tr = (s.transient[:, None, :] * T[None, :, :]).max(axis=2)
+                    if np.any(window_peaks(s.act @ T.T, tr) + s.static > cost.usable_bytes * (1 + 1e-9)):
+                        return np.inf
+                    slowest = max(slowest, hw.replica_seconds(span, m))
+                total += hw.step_seconds(slowest)
             return total
 
         for start in (cand, plan):

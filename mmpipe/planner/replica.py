@@ -181,16 +181,17 @@ class ReplicaPlanner(BinCosts):
     def plan(self, m_hint: int, search: bool, thorough: bool = True) -> Bins:
         """The replica's micro-batches in execution order (rows of its samples); `m_hint` (the
         configured count) is among the counts tried; `search` off: equal sizes, no search;
-        `thorough` off: the profile shaped at the best count only, one search start."""
+        `thorough` off: ramped profiles and the neighbour search only (no shaping, no
+        targeted search, one start)."""
         n = self.n
         scored = self.rank_profiles(m_hint, search)
         for _, m, ramp in scored[:4 if search else 2]:
             self.pack(m, ramp)
-        if search and scored[0][1] >= 3:
+        if search and thorough and scored[0][1] >= 3:
             # shape the sizes freely around the best profile, still on the fluid model, at
             # the best count and its neighbours (a shaped profile may want one more or less)
             _, m, ramp = scored[0]
-            counts = {max(3, m - 1), m, min(n, m + 1)} if thorough else {m}
+            counts = {max(3, m - 1), m, min(n, m + 1)}
             shaped = sorted(self._shape(k, ramp) for k in sorted(counts) if k <= n)
             for key, (_, k, share) in enumerate(shaped[:2]):
                 self.pack(k, -1.0 - key, share)
@@ -213,7 +214,8 @@ class ReplicaPlanner(BinCosts):
             bins = [list(b) for b in self.cache[key][2]]
             if len(bins) > 1:
                 bins = self._local_search(bins)
-                bins = self._targeted(bins, TARGETED_BUDGET)
+                if thorough:
+                    bins = self._targeted(bins, TARGETED_BUDGET)
             t = self.makespan(bins)
             if t < best_t:
                 best_bins, best_t = bins, t
