@@ -15,8 +15,7 @@ from mmpipe.model.pretrained import Pretrained, check_matches
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-from mmpipe.planner.api import (DEFAULT_HEADROOM, POLICIES, check_headroom,  # noqa: E402 - the planner
-                                hardware_from_dict)  # owns them
+from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -411,7 +410,8 @@ def _check_auto(rc: RunConfig) -> None:
     if rc.plan.stages is not None and rc.parallel.pp == "auto":
         raise ValueError(f"plan.stages gives {len(rc.plan.stages)} stages: with a stage override set "
                          f"parallel.pp={len(rc.plan.stages)} instead of auto")
-    rc.stage_bounds  # validates names and tiling
+    if rc.plan.stages is not None:
+        stages_to_bounds(rc.plan.stages, rc.layers)  # validates names and tiling
     hardware_spec(rc)
     if rc.pretrained.any():
         check_matches(rc.model, rc.pretrained)

@@ -51,8 +51,14 @@ from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, fitting_baseline_step, tune_baseline
 from mmpipe.planner.calibrate import StepCalibration, calibrated_hardware
-from mmpipe.planner.cost import (DEFAULT_HEADROOM, DEFAULT_PRECISION, CostModel, build_cost_model,
-                                 check_headroom, validate_trainable)
+from mmpipe.planner.cost import (
+    DEFAULT_HEADROOM,
+    DEFAULT_PRECISION,
+    CostModel,
+    build_cost_model,
+    check_headroom,
+    validate_trainable,
+)
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
 from mmpipe.planner.layout import Layout, LayoutChoice, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages

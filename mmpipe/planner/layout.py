@@ -34,8 +34,7 @@ import numpy as np
 from mmpipe.planner.balancer import balance_step, check_alone, check_static
 from mmpipe.planner.cost import CostModel, lower_bound_s
 from mmpipe.planner.packing import deal
-from mmpipe.planner.partition import (StagePlan, balanced_partition, data_aware_stages,
-                                      layer_loads, parameters_partition)
+from mmpipe.planner.partition import StagePlan, balanced_partition, data_aware_stages, layer_loads, parameters_partition
 from mmpipe.planner.replica import ReplicaPlanner
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.stage_cost import StageCosts, sample_work, stage_costs
@@ -227,7 +226,7 @@ def estimate_layout(cost: CostModel, table: SampleTable, steps: Sequence[Sequenc
     plans = _fluid_partitions(cost, table, heavy, pp=pp, micro_batches=micro_batches)
     if not plans:
         return _unfit(pp, dp, lb, small, "no partition fits in memory, even with recompute")
-    plan, why = None, ""
+    plan, why, best_t = None, "", math.inf
     for p in plans:  # the partition whose fluid plan of the first heavy replica is fastest
         try:
             t = _replica(stage_costs(cost, p.stages, p.recompute), table, heavy[0]) \
@@ -235,7 +234,7 @@ def estimate_layout(cost: CostModel, table: SampleTable, steps: Sequence[Sequenc
         except ValueError as err:
             why = str(err)
             continue
-        if plan is None or t < best_t:
+        if t < best_t:
             plan, best_t = p, t
     if plan is None:
         return _unfit(pp, dp, lb, small, why, plans[0])

@@ -19,13 +19,12 @@ import numpy as np
 
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.cost import CostModel
+from mmpipe.planner.memory import window_peaks
 from mmpipe.planner.packing import deal
 from mmpipe.planner.samples import SampleTable, mb_streams
-from mmpipe.planner.memory import window_peaks
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import makespan
-from mmpipe.planner.stage_cost import (StageCosts, micro_batch_costs, sample_work, send_seconds,
-                                       stage_costs, stage_times)
+from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, sample_work, send_seconds, stage_costs, stage_times
 from mmpipe.planner.step import evaluate_step
 
 SAMPLE_REPLICAS = 2
@@ -358,7 +357,7 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
 
         streams = [[mb_streams(table, r, packing=True) for r in rep if r] for rep in reps]
 
-        def score(p: StagePlan) -> float:
+        def score(p: StagePlan, streams: list = streams) -> float:
             # what evaluate_step gives for these fixed micro-batches, on the fast paths
             # (1F1B makespan, exact in-flight windows): this is the search's inner loop
             key = (p.stages, p.recompute)

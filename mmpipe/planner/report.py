@@ -52,7 +52,7 @@ def stage_table(sc: StageCosts, evals: Sequence[StepEval]) -> str:
 def layout_table(choice: LayoutChoice) -> str:
     """The ranked layouts: predicted step time, samples/s, efficiency against the lower bound,
     peak memory per stage, bubble, and how each was priced."""
-    lines = [f"  {'layout':<10} {'step s':>8} {'samples/s':>10} {'eff.':>5} {'bubble':>6}  "
+    lines = [f"  {'layout':<10} {'step s':>8} {'samples/s':>10} {'eff.':>6} {'bubble':>6}  "
              f"{'peak GB per stage':<28} {'priced':<9} note"]
     for i, x in enumerate(choice.layouts):
         mark = "*" if i == 0 and x.fits else " "
@@ -62,12 +62,12 @@ def layout_table(choice: LayoutChoice) -> str:
             peak += f" .. max {format(max(x.peak_bytes) / GB, fmt)}"
         if x.how == "bounded":
             nums = (f"{'>=' + format(x.step_time, '.3f'):>8} {'<=' + format(x.samples_per_s, '.1f'):>10} "
-                    f"{'<=' + format(x.efficiency, '.2f'):>5} {'-':>6}")
+                    f"{'<=' + format(x.efficiency, '.2f'):>6} {'-':>6}")
         elif x.fits:
-            nums = (f"{x.step_time:>8.3f} {x.samples_per_s:>10.1f} {x.efficiency:>5.2f} "
+            nums = (f"{x.step_time:>8.3f} {x.samples_per_s:>10.1f} {x.efficiency:>6.2f} "
                     f"{x.bubble:>6.1%}")
         else:
-            nums = f"{'-':>8} {'-':>10} {'-':>5} {'-':>6}"
+            nums = f"{'-':>8} {'-':>10} {'-':>6} {'-':>6}"
         lines.append(f"{mark} {f'{x.pp}x{x.dp}':<10} {nums}  {peak:<28} {x.how:<9} {x.note}")
     return "\n".join(lines)
 

@@ -109,8 +109,8 @@ def test_a_small_step_is_explained_in_the_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("small step: each replica gets 8 samples per step for 4 stages; 1F1B with m equal micro-batches "
             "idles (pp-1)/(m+pp-1) of the step, 27.3% even at one sample per micro-batch") in out
-    _plan(tmp_path, pp=2, dp=1, global_batch=16, steps=1)
-    assert "small step" not in capsys.readouterr().out  # 16 samples for 2 stages
+    _plan(tmp_path, pp=2, dp=1, global_batch=40, steps=1)
+    assert "small step" not in capsys.readouterr().out  # 40 samples for 2 stages
 
 
 def test_plan_from_shards_is_the_plan_of_their_metadata_as_a_trace(tmp_path):

@@ -1,6 +1,5 @@
 """Exact 1F1B in-flight memory accounting of the data-aware balancer."""
 
-import dataclasses
 import itertools
 
 import numpy as np
