@@ -178,20 +178,25 @@ def baseline_step(policy: str, table: SampleTable, rows: Sequence[int], *, dp: i
 
 def fitting_baseline_step(policy: str, sc: StageCosts, table: SampleTable, rows: Sequence[int], *,
                           dp: int, micro_batches: int) -> Replicas:
-    """One step of a baseline on a given partition and recompute (a run's stages): the
-    fastest of its settings that fits in memory (less the headroom), the least over memory if
-    none does. This is how a run of a baseline policy plans its steps, so a user's
-    train.micro_batches that would overflow the stages it was tuned with is not taken as is."""
-    best: tuple[bool, float, float, Replicas] | None = None
-    for _, value in settings(policy, table, [rows], dp=dp, micro_batches=micro_batches):
+    """One step of a baseline as a run of it plans it on the run's stages: as the user set it
+    (train.micro_batches; packed-ffd: the default pack length) when that fits in memory (less
+    the headroom), else as a user who ran out of memory would retry: the next setting of
+    section 7 that holds less (2M, 4M, ... micro-batches; half-length packs) and fits; the
+    least over memory if none does."""
+    options = settings(policy, table, [rows], dp=dp, micro_batches=micro_batches)
+    if policy == "packed-ffd":  # default first, then the shorter packs
+        options = [options[1], options[0]] if len(options) > 1 else options
+    least: tuple[float, Replicas] | None = None
+    for _, value in options:
         rep = baseline_step(policy, table, rows, dp=dp, value=value)
         ev = evaluate_step(sc, table, rep, packing=policy == "packed-ffd")
-        key = (not ev.fits, float((ev.peak_bytes / ev.usable).max()) if not ev.fits else 0.0,
-               ev.step_time, rep)
-        if best is None or key[:3] < best[:3]:
-            best = key
-    assert best is not None
-    return best[3]
+        if ev.fits:
+            return rep
+        over = float((ev.peak_bytes / ev.usable).max())
+        if least is None or over < least[0]:
+            least = (over, rep)
+    assert least is not None
+    return least[1]
 
 
 def tune_baseline(policy: str, cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
