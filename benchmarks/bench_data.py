@@ -22,18 +22,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mmpipe.data.commands import run_bench_data  # noqa: E402
-from mmpipe.model.spec import spec_from_dict  # noqa: E402
+from mmpipe.model.group import model_from_group  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", default=str(ROOT / "data/shards/train-{000000..000007}.tar"))
-    ap.add_argument("--tokenizer", default=str(ROOT / "data/tokenizer.json"))
-    ap.add_argument("--model", default="tiny", help="a conf/model preset")
+    ap.add_argument("--path", default=str(ROOT / "mmpipe/data/shards/train-{000000..000007}.tar"))
+    ap.add_argument("--tokenizer", default=str(ROOT / "mmpipe/data/tokenizer.json"))
+    ap.add_argument("--model", default="tiny", help="a model preset (mmpipe/conf/model)")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--generated", type=int, default=5000)
     args = ap.parse_args()
-    spec = spec_from_dict(yaml.safe_load((ROOT / "conf" / "model" / f"{args.model}.yaml").read_text()))
+    spec = model_from_group(yaml.safe_load((ROOT / "mmpipe" / "conf" / "model" / f"{args.model}.yaml").read_text())).spec
     return run_bench_data(path=args.path, tokenizer=args.tokenizer, model=spec, samples=args.samples,
                           generated=args.generated)
 

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from mmpipe.model.geometry import features  # noqa: E402
-from mmpipe.model.spec import spec_from_dict  # noqa: E402
+from mmpipe.model.group import model_from_group  # noqa: E402
 from mmpipe.planner.api import choose_layout  # noqa: E402
 from mmpipe.planner.balancer import balance_step  # noqa: E402
 from mmpipe.planner.command import run_plan  # noqa: E402
@@ -49,7 +49,7 @@ from mmpipe.planner.step import evaluate_step  # noqa: E402
 from mmpipe.planner.trace import read_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ROOT / "data" / "workloads"
+WORKLOADS = ROOT / "mmpipe" / "data" / "workloads"
 PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), ("llava-pretrain", "omni-7b"),
          ("llava-sft", "llava-1.5-7b"), ("llava-sft", "qwen2-vl-7b"), ("llava-sft", "omni-7b"),
          ("vision-dynamic", "llava-1.5-7b"), ("vision-dynamic", "qwen2-vl-7b"), ("vision-dynamic", "omni-7b"),
@@ -59,7 +59,7 @@ TARGET = 0.78
 
 
 def load(kind: str, name: str) -> dict:
-    return yaml.safe_load((ROOT / "conf" / kind / f"{name}.yaml").read_text())
+    return yaml.safe_load((ROOT / "mmpipe" / "conf" / kind / f"{name}.yaml").read_text())
 
 
 def trainable_for(mname: str, trainable: str) -> tuple[str, ...]:
@@ -88,7 +88,7 @@ def main() -> None:
           f"{'packed-ffd':>10} {'lower bd':>9} {'ratio':>6} {'eff.':>5} {'beats all':>9} {'plan ms/step':>12}")
     rows = []
     for trace, mname in PAIRS:
-        m = spec_from_dict(load("model", mname))
+        m = model_from_group(load("model", mname)).spec
         tr = trainable_for(mname, args.trainable)
         plan = run_plan(model=m, hardware=hw, pp=4, dp=2, global_batch=256, micro_batches=8,
                         trainable=tr, policy="data-aware", trace_path=str(wl / f"{trace}.jsonl"),
@@ -118,7 +118,7 @@ def main() -> None:
 
 def _explain(trace, mname, tr, plan, hw, wl: Path, headroom: float, *, layouts: bool) -> None:
     """The factors of the plan's ratio, averaged over its steps (slowest replica)."""
-    m = spec_from_dict(load("model", mname))
+    m = model_from_group(load("model", mname)).spec
     feats = [features(m, x) for x in read_trace(wl / f"{trace}.jsonl")]
     table = sample_table(feats)
     cost = build_cost_model(model=m, hardware=hw, trainable=tr, dp=2, memory_headroom=headroom)
@@ -161,7 +161,7 @@ def layout_timing(hw, wl: Path, headroom: float) -> None:
     for trace, mname, trainable in (("vision-dynamic", "qwen2-vl-7b", "vision.proj,llm"),
                                     ("llava-pretrain", "qwen2-vl-7b", "all"),
                                     ("audio-caption", "omni-7b", "all")):
-        m = spec_from_dict(load("model", mname))
+        m = model_from_group(load("model", mname)).spec
         tr = trainable_for(mname, trainable)
         feats = [features(m, x) for x in read_trace(wl / f"{trace}.jsonl")][:512]
         for n in (8, 16, 64):
@@ -190,7 +190,7 @@ def _time_steps(m, hw, tr, trace, plan, headroom: float) -> float:
 def scaling(hw, wl: Path) -> None:
     print("\nplanning time of one step (balance_step), qwen2-vl-7b on vision-dynamic, pp=4 dp=2, one core")
     print(f"{'N':>6} {'ms':>8} {'ms per 256 samples':>19}")
-    m = spec_from_dict(load("model", "qwen2-vl-7b"))
+    m = model_from_group(load("model", "qwen2-vl-7b")).spec
     base = [features(m, x) for x in read_trace(wl / "vision-dynamic.jsonl")]
     cost = build_cost_model(model=m, hardware=hw, trainable=("vision.proj", "llm"), dp=2)
     table0 = sample_table(base)

@@ -1,171 +1,51 @@
-"""`mmpipe <command> [key=value ...]`: the only module that sees Hydra.
+"""`mmpipe <command> [Hydra flags] [key=value ...]`: every command is a Hydra app.
 
-Commands compose conf/config.yaml with the overrides (Hydra's own syntax and errors), turn it
-into a validated RunConfig, and only then start any process.
+`main` takes the command off the command line and hands the rest to `hydra.main`, so each
+command has Hydra's whole surface: `--help` (the command's keys and examples, the config
+groups), `--cfg job|hydra|all`, `--package`, `--resolve`, `--info`, `--hydra-help`,
+`-m/--multirun` sweeps (jobs one after another, each in its own directory), `--config-dir DIR`
+(a user config folder that wins over the shipped one), the override grammar (`+key=`,
+`++key=`, `~key`), and `.hydra/` in every run directory. The configs ship inside the package
+(mmpipe/conf/, found as pkg://mmpipe.conf) and are composed onto the structured schema of
+mmpipe/schema.py. With schema.py and overrides.py this is the only code that sees Hydra: the
+composed config becomes a validated RunConfig here, before any directory or process is made.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, run_config_from_dict
+from hydra.experimental.callback import Callback
 
-CONF_DIR = Path(os.environ.get("MMPIPE_CONF", PROJECT_ROOT / "conf"))
-USAGE = """usage: mmpipe <command> [key=value ...]
+from mmpipe.commands import COMMANDS, Command, Invocation, export_command, usage
+from mmpipe.config import PACKAGE_ROOT, RunConfig, run_config_from_dict, shell_word
+from mmpipe.overrides import check_overrides, explain
 
-commands:
-  train      train the configured model through DeepSpeed pipeline stages
-  plan       plan a workload trace (stages, micro-batches) and compare with baselines
-  simulate   compare pipeline schedules on the planned micro-batches of a trace
-  profile    measure the model's layers on this machine; write conf/hardware/measured-<model>.yaml
-  bench      train once per policy (alternating) on the same data; compare samples/s and bubbles
-  shards     convert a LLaVA-style JSON + media folders into webdataset shards
-  bench-data measure the loader (full decode vs metadata only)
+CONF_DIR = PACKAGE_ROOT / "conf"
+"""The shipped configs (groups model, data, hardware, recipes)."""
 
-examples:
-  mmpipe train                                  # tiny model, shipped data, pp=2
-  mmpipe train train.steps=20 parallel.dp=2     # 4 processes
-  mmpipe train plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]
-  mmpipe plan model=qwen2-vl-7b data=trace data.path=trace.jsonl hardware=h100 parallel.pp=4
-  mmpipe train recipes=<name>                   # a ready experiment from recipes/
-  mmpipe shards shards.json=llava.json shards.out=shards/ shards.image_root=images/
-"""
+_active: Command | None = None
+"""The command of the Hydra app now running (read by its help text and CheckBeforeRun)."""
 
 
-def compose(overrides: list[str], *, job: str) -> tuple[dict[str, Any], str]:
-    """Compose the config with Hydra; return the resolved mapping and the run directory."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf, open_dict
+class ConfigRejected(BaseException):
+    """Carries a config error out of CheckBeforeRun: Hydra turns an Exception raised in a
+    callback into a warning and runs the job anyway; a BaseException passes through."""
 
-    GlobalHydra.instance().clear()
-    search = f"hydra.searchpath=[file://{PROJECT_ROOT}]"
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=f"mmpipe_{job}"):
-        cfg = hydra_compose(config_name="config", overrides=[search, *overrides], return_hydra_config=True)
-    run_dir = str(OmegaConf.select(cfg, "hydra.run.dir"))
-    with open_dict(cfg):
-        del cfg["hydra"]
-        cfg.pop("recipes", None)
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    assert isinstance(container, dict)
-    return container, run_dir
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
-def load(overrides: list[str], *, job: str) -> RunConfig:
-    cfg, run_dir = compose(overrides, job=job)
-    return run_config_from_dict(cfg, run_dir=run_dir)
+class CommandFailed(Exception):
+    """A command returned a non-zero exit status (it has said why)."""
 
-
-def cmd_train(rc: RunConfig) -> int:
-    from mmpipe.runtime.launch import launch, python_module, under_external_launcher
-    from mmpipe.runtime.preflight import check_data, write_run_config
-
-    check_data(rc)
-    if under_external_launcher():
-        from mmpipe.runtime.train import train
-
-        train(rc)
-        return 0
-    path = write_run_config(rc)
-    nproc = rc.launcher.nproc or rc.parallel.pp * rc.parallel.dp
-    print(f"mmpipe train: {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), run dir {rc.run_dir}",
-          flush=True)
-    return launch(python_module("mmpipe.runtime.worker", str(path)), nproc=nproc,
-                  backend=rc.launcher.backend, master_port=rc.launcher.master_port)
-
-
-def cmd_plan(rc: RunConfig, *, compare_schedules: bool = False) -> int:
-    from mmpipe.config import hardware_spec, resolve_path
-    from mmpipe.planner.api import TrainingPrecision
-    from mmpipe.planner.command import run_plan
-
-    trace, samples = None, None
-    if rc.data.kind == "trace":
-        trace = resolve_path(rc.data.path)
-    else:  # the planner reads no data package: the shards' metadata is read here
-        samples = _shard_meta(rc)
-    run_plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.fixed("pp"), dp=rc.parallel.fixed("dp"),
-             devices=rc.parallel.devices, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
-             trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=trace, samples=samples,
-             source=rc.data.path, out=rc.plan.out, steps=rc.plan.steps, plot=rc.plan.plot,
-             stages=list(rc.plan.stages or []) or None, compare_schedules=compare_schedules,
-             memory_headroom=rc.plan.memory_headroom, precision=TrainingPrecision(optimizer=rc.train.optimizer))
-    return 0
-
-
-def _shard_meta(rc: RunConfig) -> list:
-    """(key, metadata) of the shards' samples in stream order, media never read (every
-    sample's `meta` is a trace line, docs/spec.md section 1); as many as plan.steps needs."""
-    import itertools
-
-    from mmpipe.config import resolve_path
-    from mmpipe.data.reader import iter_meta
-
-    if rc.data.sources is not None:
-        raise ValueError("mmpipe plan data=shards reads one shard list (data.path); a mixture (data.sources) "
-                         "is not supported: set data.sources=null")
-    tok = None
-    if rc.data.too_long == "truncate":
-        from mmpipe.data.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
-    metas = iter_meta(path=resolve_path(rc.data.path), seed=rc.train.seed, epochs=1,
-                      shuffle_buffer=rc.data.shuffle_buffer, on_error=rc.data.on_error, spec=rc.model,
-                      too_long=rc.data.too_long, tokenizer=tok)
-    limit = rc.plan.steps * rc.train.global_batch if rc.plan.steps else None
-    return list(itertools.islice(metas, limit))
-
-
-def cmd_bench(rc: RunConfig, overrides: list[str]) -> int:
-    from mmpipe.runtime.bench import run_bench
-    from mmpipe.runtime.preflight import check_data
-
-    check_data(rc)
-    run_bench(rc, overrides)
-    return 0
-
-
-def cmd_bench_data(rc: RunConfig) -> int:
-    from mmpipe.config import resolve_path
-    from mmpipe.data.commands import run_bench_data
-
-    return run_bench_data(path=resolve_path(rc.data.path), tokenizer=resolve_path(rc.data.tokenizer or ""),
-                          model=rc.model, samples=rc.bench.samples, generated=rc.bench.generated,
-                          root=str(PROJECT_ROOT))
-
-
-def cmd_shards(rc: RunConfig) -> int:
-    from mmpipe.config import resolve_path
-    from mmpipe.data.commands import run_convert
-
-    s = rc.shards
-    if not s.json or not s.out:
-        raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
-    return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
-                       model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
-                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix)
-
-
-def cmd_profile(rc: RunConfig) -> int:
-    from mmpipe.runtime.profile import run_profile
-
-    run_profile(rc, out=rc.profile.out, repeats=rc.profile.repeats)
-    return 0
-
-
-COMMANDS: dict[str, Callable[[RunConfig, list[str]], int]] = {
-    "train": lambda rc, _: cmd_train(rc),
-    "plan": lambda rc, _: cmd_plan(rc),
-    "simulate": lambda rc, _: cmd_plan(rc, compare_schedules=True),
-    "profile": lambda rc, _: cmd_profile(rc),
-    "bench": cmd_bench,
-    "shards": lambda rc, _: cmd_shards(rc),
-    "bench-data": lambda rc, _: cmd_bench_data(rc),
-}
+    def __init__(self, code: int):
+        super().__init__(f"exit status {code}")
+        self.code = code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,87 +53,274 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher inserts --local_rank=N; ranks come from the environment instead.
     argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        return _run(None, ["--help"])
+    if argv[0] == "--version":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"mmpipe {version('mmpipe')}")
+        except PackageNotFoundError:
+            print("mmpipe (not installed: running from a source folder)")
         return 0
-    cmd, overrides = argv[0], argv[1:]
-    if any(o in ("-h", "--help") for o in overrides):
-        print(USAGE)
-        print(f"configuration ({CONF_DIR / 'config.yaml'}; groups: "
-              + ", ".join(f"{g}=[{' '.join(sorted(p.stem for p in (CONF_DIR / g).glob('*.yaml')))}]"
-                          for g in ("model", "data", "hardware")) + "):\n")
-        print((CONF_DIR / "config.yaml").read_text())
-        return 0
-    if cmd not in COMMANDS:
-        print(f"mmpipe: unknown command {cmd!r}; use one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+    name, args = argv[0], argv[1:]
+    if name == "export":
+        return export_command(args)
+    if name not in COMMANDS:
+        hint = " (a command comes first: mmpipe train --cfg job)" if name.startswith("-") else ""
+        print(f"mmpipe: {shell_word(name)} is not a command{hint}; use one of {', '.join(COMMANDS)}\n"
+              f"{usage()}", file=sys.stderr)
         return 2
+    overrides: list[str] = []
     try:
-        rc = load(overrides, job=cmd)
-    except Exception as err:  # noqa: BLE001
-        if not _is_user_error(err):
-            raise
-        print(f"mmpipe {cmd}: error: {_explain(err, overrides)}", file=sys.stderr)
-        return 2
-    try:
-        return COMMANDS[cmd](rc, overrides)
+        if name == "report":
+            args = _run_dirs_as_override(args)
+        parsed = _parse(f"mmpipe {name}", args)
+        overrides = parsed.overrides
+        check_overrides(overrides, command=name)
+        runs = not (parsed.help or parsed.hydra_help or parsed.cfg or parsed.info or parsed.shell_completion)
+        if runs and name in ("train", "bench") and os.environ.get("RANK", "0") == "0":
+            print(f"mmpipe {name}: composing and checking the config", flush=True)
+        return _run(COMMANDS[name], args)
+    except CommandFailed as failed:
+        return failed.code
+    except KeyboardInterrupt:
+        print(f"mmpipe {name}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as done:  # argparse has said what is wrong with a flag
+        return done.code if isinstance(done.code, int) else 2
     except Exception as err:  # noqa: BLE001 - one clean line for config and input errors
-        if not _is_user_error(err):
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(err, (HydraException, OmegaConfBaseException)):
+            msg = explain(err, overrides, command=name)
+        elif isinstance(err, (ValueError, FileNotFoundError)):
+            msg = " ".join(str(err).split())
+        else:
             raise
-        msg = str(err).strip().replace("\n", " ")
-        print(f"mmpipe {cmd}: error: {msg}", file=sys.stderr)
+        print(f"mmpipe {name}: error: {msg}", file=sys.stderr)
         return 2
 
 
-def _explain(err: BaseException, overrides: list[str]) -> str:
-    """Hydra's message, plus the closest real key when an override names one that does not exist."""
-    import difflib
-    import re
+def load(overrides: list[str], *, job: str = "mmpipe") -> RunConfig:
+    """The RunConfig `mmpipe <command> OVERRIDES` would run with (Hydra's compose API; for tests
+    and notebooks). Raises what the command line reports."""
+    from hydra import compose, initialize
+    from hydra.core.global_hydra import GlobalHydra
 
-    msg = " ".join(str(err).split())
-    m = re.search(r"Could not override '([^']+)'", msg)
-    if m:
-        key = m.group(1)
-        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "?")
-        known = _known_keys()
-        near = difflib.get_close_matches(key, known, n=1)
-        hint = f"did you mean {near[0]}?" if near else "run `mmpipe train --help` for the groups"
-        return f"{key}={value}: no such config key; {hint}"
-    m = re.search(r"Could not find '([\w-]+)/([^']+)'\s*Available options in '[\w-]+':\s*(.*?)\s*Config search path", msg)
-    if m:
-        group, name, options = m.groups()
-        return f"{group}={name}: no such {group} config; available: {', '.join(options.split())}"
-    import yaml
-
-    if isinstance(err, yaml.YAMLError):
-        return f"a config file is not valid YAML: {msg}"
-    return msg
+    register()
+    GlobalHydra.instance().clear()
+    with initialize(config_path=None, version_base="1.3", job_name=job):
+        cfg = compose(config_name=PRIMARY, overrides=list(overrides), return_hydra_config=True)
+    return run_config(cfg, run_dir=str(cfg.hydra.run.dir))
 
 
-def _known_keys() -> list[str]:
-    """Every settable key, dotted, from the root config and each group's default file."""
-    import yaml
+def run_config(cfg: Any, *, run_dir: str) -> RunConfig:
+    """A composed config (with or without its `hydra` node) as a validated RunConfig."""
+    from omegaconf import OmegaConf
 
-    def flat(prefix: str, node) -> list[str]:
-        if isinstance(node, dict):
-            return [k for key, v in node.items() for k in flat(f"{prefix}.{key}", v)]
-        return [prefix]
-
-    root = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
-    keys = [k for g, sec in root.items() if g != "defaults" and isinstance(sec, dict) for k in flat(g, sec)]
-    for entry in root.get("defaults", []):
-        if isinstance(entry, dict):
-            (group, name), = entry.items()
-            path = CONF_DIR / group / f"{name}.yaml"
-            if name and path.is_file():
-                keys += flat(group, yaml.safe_load(path.read_text()))
-    return keys
+    task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    plain = OmegaConf.to_container(task, resolve=True, throw_on_missing=False)
+    return run_config_from_dict(plain, run_dir=run_dir)  # type: ignore[arg-type]
 
 
-def _is_user_error(err: BaseException) -> bool:
-    import yaml
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+class CheckBeforeRun(Callback):
+    """Validates the config of the run, or of every job of a sweep, before Hydra makes a
+    directory, so a mistake is one line and nothing is left behind (conf/config.yaml names it)."""
 
-    return isinstance(err, (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException, yaml.YAMLError))
+    def on_run_start(self, config: Any, **_: Any) -> None:
+        from mmpipe.runtime.preflight import check_run_dir
+
+        try:
+            _check(config, run_dir=str(config.hydra.run.dir))
+            check_run_dir(str(config.hydra.run.dir))  # Hydra makes it next: say so if it cannot
+        except Exception as err:  # noqa: BLE001 - main() decides what is a user error
+            raise ConfigRejected(err) from err
+
+    def on_multirun_start(self, config: Any, **_: Any) -> None:
+        from hydra.core.global_hydra import GlobalHydra
+
+        from mmpipe.runtime.preflight import check_run_dir
+
+        try:
+            jobs = _sweep_jobs(config)
+        except Exception as err:  # noqa: BLE001 - main() decides what is a user error
+            raise ConfigRejected(err) from err
+        if jobs is None:  # another sweeper plans the jobs: each is checked when it starts
+            return
+        loader = GlobalHydra.instance().config_loader()
+        for job in jobs:
+            try:
+                _check(loader.load_sweep_config(config, list(job)), run_dir=str(config.hydra.sweep.dir))
+            except (ValueError, FileNotFoundError) as err:
+                raise ConfigRejected(ValueError(f"job {' '.join(map(shell_word, job))}: {err}")) from err
+            except Exception as err:  # noqa: BLE001
+                raise ConfigRejected(err) from err
+        try:
+            check_run_dir(str(config.hydra.sweep.dir))
+        except Exception as err:  # noqa: BLE001
+            raise ConfigRejected(err) from err
+        name = _active.name if _active else "mmpipe"
+        print(f"mmpipe {name}: {len(jobs)} jobs, one after another, each in its own directory under "
+              f"{config.hydra.sweep.dir}", flush=True)
+
+
+def _check(config: Any, *, run_dir: str) -> None:
+    rc = run_config(config, run_dir=run_dir)
+    if _active is not None and _active.check is not None:
+        _active.check(rc)
+
+
+def _sweep_jobs(config: Any) -> list[list[str]] | None:
+    """The override list of every job of a basic sweep (Hydra's BasicSweeper: the cartesian
+    product of the comma-separated values), or None under another sweeper."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    if not str(OmegaConf.select(config, "hydra.sweeper._target_", default="")).endswith("BasicSweeper"):
+        return None
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+    lines = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    choices: dict[str, list[str]] = {}
+    for o in OverridesParser.create().parse_overrides(lines):
+        key = o.get_key_element()
+        choices[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                        else [f"{key}={o.get_value_element_as_str()}"])
+    return [list(job) for job in itertools.product(*choices.values())]
+
+
+def _run(command: Command | None, args: list[str]) -> int:
+    """Run `mmpipe <command> ARGS` as a Hydra app; return the exit status."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    global _active
+    register()
+    codes: list[int] = []
+
+    def app(cfg: Any) -> None:
+        if command is None:  # only `--help` runs without a command, and it runs no job
+            return
+        hc = HydraConfig.get()
+        rc = run_config(cfg, run_dir=hc.runtime.output_dir)
+        inv = Invocation(overrides=tuple(hc.overrides.task), search_path=tuple(
+            f"{s.schema}://{s.path}" for s in hc.runtime.config_sources
+            if s.provider not in ("hydra", "schema") and f"{s.schema}://{s.path}" != PACKAGED))
+        if hc.mode == RunMode.MULTIRUN:
+            print(f"mmpipe {command.name}: job {hc.job.num}: {' '.join(map(shell_word, inv.overrides))}", flush=True)
+        code = command.run(rc, inv)
+        codes.append(code)
+        if code == 130:  # interrupted: stop a sweep too
+            raise KeyboardInterrupt
+        if code and hc.mode == RunMode.MULTIRUN:
+            print(f"mmpipe {command.name}: job {hc.job.num} failed (exit status {code}); the sweep goes on",
+                  file=sys.stderr, flush=True)
+        if code:
+            raise CommandFailed(code)
+
+    # Hydra gives a task function defined in a package a main config path (here pkg://mmpipe, the
+    # package itself), searched before --config-dir; one it takes for a script's gets none. mmpipe
+    # wants none: its configs come from the search path after the user's (see PRIMARY).
+    app.__module__ = "__main__"
+    hydra_app = hydra.main(version_base="1.3", config_path=None, config_name=PRIMARY)(app)
+    name = f"mmpipe {command.name}" if command else "mmpipe"
+    given = set(_parse(name, args).overrides)
+    args = [_packaged_last(a) if a in given else a for a in args]
+    saved = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    root = logging.getLogger()
+    root_state = root.level, list(root.handlers)  # --info adds a handler to the root logger
+    # Hydra prints its errors with a traceback hint and exits; with HYDRA_FULL_ERROR it raises
+    # them, and main() says them in one line.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    sys.argv = [name, *args]  # what hydra.main reads (and names the program after)
+    _active = command
+    try:
+        hydra_app()
+    except ConfigRejected as rejected:
+        raise rejected.error from None
+    except SystemExit as done:  # --help, --hydra-help and argparse errors end this way
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        _active = None
+        root.setLevel(root_state[0])
+        root.handlers[:] = root_state[1]
+        sys.argv = saved[0]
+        if saved[1] is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved[1]
+    return max(codes, default=0)
+
+
+PACKAGED = "pkg://mmpipe.conf"
+"""Where Hydra finds the shipped configs."""
+PRIMARY = "mmpipe"
+"""The primary config, in Hydra's ConfigStore: the shipped conf/config.yaml (or a user's config.yaml),
+with the shipped configs on the search path. There is no main config path: the search path is
+--config-dir, then hydra.searchpath, then the shipped configs, so a user's configs win over
+mmpipe's (with a main path, Hydra would put the shipped ones first)."""
+
+
+def _packaged_last(line: str) -> str:
+    """An override as given, but a user's hydra.searchpath, which replaces the primary config's,
+    keeps the shipped configs, after the user's folders."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    o = OverridesParser.create().parse_override(line)
+    if o.key_or_group != "hydra.searchpath" or o.is_delete():
+        return line
+    paths = [*(o.value() or []), PACKAGED]
+    return "hydra.searchpath=[" + ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in paths) + "]"
+
+
+def _parse(name: str, args: list[str]) -> Any:
+    """Hydra's own reading of the command line (the parser hydra.main uses), named after the command."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = name
+    return parser.parse_args(args)
+
+
+_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun")
+
+
+def _run_dirs_as_override(args: list[str]) -> list[str]:
+    """`mmpipe report DIR [DIR ...]`: the words that are neither flags nor overrides become
+    report.runs=[...] (Hydra-quoted), in their place."""
+    dirs, out, after_flag = [], [], False
+    for a in args:
+        if after_flag or a.startswith("-") or "=" in a:
+            out.append(a)
+            after_flag = a in _VALUE_FLAGS
+            continue
+        if not dirs:
+            out.append("")  # where the override goes
+        dirs.append(a)
+    if not dirs:
+        return args
+    quoted = ",".join("'" + d.replace("\\", "\\\\").replace("'", "\\'") + "'" for d in dirs)
+    return [a if a != "" else f"report.runs=[{quoted}]" for a in out]
+
+
+def register() -> None:
+    """The schema and mmpipe's help in Hydra's ConfigStore, and the help's resolver (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from mmpipe import schema
+    from mmpipe.help import render_help
+
+    schema.register()
+    cs = ConfigStore.instance()
+    cs.store(name=PRIMARY, node={"defaults": ["config", "_self_"], "hydra": {"searchpath": [PACKAGED]}})
+    cs.store(group="hydra/help", name="mmpipe",
+             node={"app_name": "mmpipe", "header": "", "footer": "", "template": "${mmpipe.help:}"})
+    OmegaConf.register_new_resolver("mmpipe.help", lambda *, _root_: render_help(_active, _root_), replace=True)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,27 @@ is launched, and every message names the key as the user types it, the bad value
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from mmpipe.model.pretrained import Pretrained, check_matches
-from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
+from mmpipe.data.options import CAPTION_PROMPT, check_options
+from mmpipe.model.group import model_from_group
+from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names
+from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # planner-owned
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # noqa: E402
+PACKAGE_ROOT = Path(__file__).resolve().parent
+"""The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
+configs (conf/, with conf/recipes/) and sample data (data/shards/, data/tokenizer.json,
+data/workloads/), so relative paths such as data/shards/... resolve here when the current
+directory has no such file (`resolve_path`)."""
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Values of train.precision."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +71,10 @@ class ParallelConfig:
         return None if v == "auto" else int(v)
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+"""Metric sinks train.loggers may name (mmpipe/runtime/metrics.py writes them)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     steps: int = 60
@@ -69,7 +84,7 @@ class TrainConfig:
     micro_batches: int = 4
     """Micro-batches per replica per step."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (0: the weights never change; each step only measures the loss)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 5
@@ -81,38 +96,99 @@ class TrainConfig:
     trainable: tuple[str, ...] = ("all",)
     """Component prefixes that train."""
     optimizer: str = "adamw"
-    """adamw | sgd."""
+    """adamw (torch AdamW with foreach; DeepSpeed's FusedAdam on CUDA where its kernel loads) | sgd
+    (torch SGD, no momentum)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (bf16 weights and activations, fp32 master weights and fp32 gradient
+    accumulation) | fp16 (fp16 weights and activations, fp32 master weights, dynamic loss scale)."""
+    zero_stage: int | None = None
+    """0 | 1 (optimizer state sharded over the data-parallel replicas); null: 1 under bf16 and
+    fp16 (the only stage DeepSpeed trains them correctly with under a pipeline), 0 under fp32."""
     save_every: int = 0
-    """DeepSpeed checkpoint every N steps (0: only at the end)."""
+    """Committed checkpoint every N steps (0: none along the way)."""
+    save_final: bool = False
+    """Committed checkpoint after the last step (off by default: a default run writes no checkpoint)."""
+    keep_last: int = 0
+    """Committed checkpoints to keep (0: all); older ones go after each new commit, never the resumed one."""
     resume: str | None = None
-    """Continue from a checkpoint: its folder (…/checkpoints/step<N>) or a run directory (its latest)."""
+    """Continue from a checkpoint: its folder (…/checkpoints/step<N>) or a run directory (its newest committed)."""
+    resume_unsafe: bool = False
+    """Allow torch.load(weights_only=False) for checkpoint files outside the run directory (runs their code)."""
+    on_nonfinite: str = "stop"
+    """A step with a non-finite loss or gradient norm (its update is withheld): stop (no save) | skip."""
+    save_on_signal: bool = False
+    """On SIGTERM, finish the current step, save a committed checkpoint and exit cleanly."""
     log_every: int = 1
     """Metrics line every N steps."""
     record_samples: bool = False
     """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl)."""
+    loggers: tuple[str, ...] = ("jsonl",)
+    """Where per-step metrics go: jsonl (metrics.jsonl, always written) | tensorboard (event files in
+    RUN_DIR/tensorboard; pip install 'mmpipe[tensorboard]') | wandb (offline unless WANDB_MODE=online;
+    pip install 'mmpipe[wandb]')."""
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage the run uses (train.zero_stage, or its default for the precision)."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 0 if self.precision == "fp32" else 1
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batches", "log_every"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"train.{key}={v!r} must be a positive integer")
-        for key in ("warmup_steps", "save_every", "seed"):
+        for key in ("warmup_steps", "save_every", "keep_last", "seed"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train.{key}={v!r} must be a non-negative integer")
-        if not self.lr > 0:
-            raise ValueError(f"train.lr={self.lr!r} must be > 0")
+        if not self.lr >= 0:
+            raise ValueError(f"train.lr={self.lr!r} must be >= 0 (0 keeps the weights as loaded)")
         if self.grad_clip < 0:
             raise ValueError(f"train.grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"train.optimizer={self.optimizer!r} is unknown; use adamw or sgd")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is unknown; use stop or skip")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r} is unknown; use {', '.join(PRECISIONS)}")
+        if self.zero_stage not in (None, 0, 1):
+            raise ValueError(f"train.zero_stage={self.zero_stage!r} is not supported: DeepSpeed's pipeline engine "
+                             f"runs ZeRO stage 0 or 1 only (it refuses stages 2 and 3, which partition "
+                             f"gradients); use train.zero_stage=0 or 1")
+        if self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError("train.zero_stage=0 with train.precision=bf16: DeepSpeed keeps fp32 master weights "
+                             "and fp32 gradient accumulation for bf16 only in its ZeRO-1 optimizer "
+                             "(BF16_Optimizer), which shards them over the replicas; use train.zero_stage=1 "
+                             "or leave it unset")
+        if self.precision == "fp16" and self.zero_stage == 0:
+            raise ValueError("train.zero_stage=0 with train.precision=fp16: DeepSpeed's fp16 optimizer without "
+                             "ZeRO never scales the loss yet divides the gradients by the loss scale (updates "
+                             "65536x too small); use train.zero_stage=1 or leave it unset")
+        if self.on_nonfinite == "skip" and self.zero != 0:
+            raise ValueError(f"train.on_nonfinite=skip withholds a step's update in mmpipe's gradient hook, which runs "
+                             f"with train.precision=fp32 and ZeRO stage 0 only (now precision={self.precision}, ZeRO "
+                             f"stage {self.zero}: DeepSpeed's optimizer steps; under fp16 its loss scale already "
+                             f"skips overflowing steps); use train.on_nonfinite=stop or train.zero_stage=0")
         if not self.trainable:
             raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise ValueError(f"train.loggers entry {name!r} is unknown; use {', '.join(LOGGERS)}")
         for t in self.trainable:
             if t not in TRAINABLE_PREFIXES:
                 raise ValueError(
                     f"train.trainable entry {t!r} is unknown; use {', '.join(TRAINABLE_PREFIXES)}"
                 )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepSpeedSettings:
+    config: str | None = None
+    """A DeepSpeed JSON file merged over the config mmpipe generates (monitors, communication,
+    activation checkpointing, steps_per_print, ...); keys mmpipe owns are refused (see
+    mmpipe.runtime.dsconfig.OWNED)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,7 +198,8 @@ class DataConfig:
     path: str = ""
     """Shard brace list or trace file."""
     tokenizer: str | None = None
-    """Tokenizer JSON made by mmpipe.data.synth."""
+    """mmpipe's tokenizer JSON (made by mmpipe.data.synth) or a Hugging Face checkpoint folder (its
+    tokenizer and chat template); None: the model's own (`tokenizer_source`)."""
     on_error: str = "skip"
     """skip (count and go on) | raise."""
     shuffle_buffer: int = 0
@@ -134,13 +211,29 @@ class DataConfig:
     num_workers: int = 1
     """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
     sources: tuple[Mapping[str, Any], ...] | None = None
-    """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see conf/data/mixture.yaml)."""
+    """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see `mmpipe train data=mixture --cfg job`)."""
+    caption_prompt: str = CAPTION_PROMPT
+    """Human turn of image-caption samples (img2dataset shards: KEY.jpg + KEY.txt); one <image>."""
+    max_image_pixels: int = 64_000_000
+    """An image whose header gives more pixels (height x width) is refused undecoded (`media too large`)."""
+    max_member_mb: float = 100.0
+    """An image or clip of more megabytes is refused undecoded (`media too large`); `mmpipe shards`
+    reads no more than this of any media file."""
+    max_audio_seconds: float = 600.0
+    """A clip whose header gives a longer duration is refused undecoded (`media too large`)."""
+
+    @property
+    def limits(self):
+        """The media limits as the data layer takes them (mmpipe.data.media.MediaLimits)."""
+        from mmpipe.data.media import MediaLimits
+
+        return MediaLimits(max_image_pixels=self.max_image_pixels, max_member_bytes=int(self.max_member_mb * 2**20),
+                           max_audio_seconds=float(self.max_audio_seconds))
 
     def __post_init__(self) -> None:
-        if self.too_long not in ("drop", "truncate"):
-            raise ValueError(f"data.too_long={self.too_long!r} is unknown; use drop or truncate")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"data.num_workers={self.num_workers!r} must be a positive integer")
+        self.limits  # validates the three limits, naming the key
+        check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
+                      epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
         if self.sources is not None:
             from mmpipe.data.mixture import mixture_from_dicts
 
@@ -149,12 +242,6 @@ class DataConfig:
             raise ValueError(f"data.kind={self.kind!r} is unknown; use shards or trace")
         if not self.path or self.path == "???":
             raise ValueError("data.path is not set; give data.path=FILE (a shard brace list or trace)")
-        if self.on_error not in ("skip", "raise"):
-            raise ValueError(f"data.on_error={self.on_error!r} is unknown; use skip or raise")
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} must be >= 0")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"data.epochs={self.epochs} must be >= 1, or null to repeat the data forever")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -164,11 +251,11 @@ class PlanConfig:
     stages: tuple[tuple[str, str], ...] | None = None
     """User override: (first layer, last layer) of each stage."""
     out: str | None = None
-    """Plan JSON path (mmpipe plan)."""
+    """Plan JSON path (mmpipe plan; relative: in the run directory)."""
     steps: int | None = None
     """Plan only the first K steps (mmpipe plan)."""
     plot: str | None = None
-    """PNG timeline of a step (mmpipe plan)."""
+    """PNG timeline of a step (mmpipe plan; relative: in the run directory)."""
     across_replicas: bool = False
     """Training: plan each global step across the data-parallel replicas (every replica reads
     the whole stream and decodes its planned share) instead of each replica planning its own
@@ -193,8 +280,16 @@ class LauncherConfig:
     """auto | gloo | nccl."""
     master_port: int = 0
     """Rendezvous port (0: a free one)."""
+    grace_s: float = 10.0
+    """When ranks are stopped (one failed, or the launcher got SIGTERM/SIGINT/SIGHUP): seconds
+    between SIGTERM and SIGKILL."""
+    verbose: bool = False
+    """Show the libraries' start-up output (DeepSpeed's info lines, transformers warnings); the
+    environment variable MMPIPE_DEBUG=1 does the same."""
 
     def __post_init__(self) -> None:
+        if not self.grace_s >= 0:
+            raise ValueError(f"launcher.grace_s={self.grace_s!r} must be >= 0 (seconds before SIGKILL)")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"launcher.backend={self.backend!r} is unknown; use auto, gloo or nccl")
         if self.nproc is not None and self.nproc < 1:
@@ -204,7 +299,8 @@ class LauncherConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileConfig:
     out: str | None = None
-    """Where `mmpipe profile` writes the machine description (default conf/hardware/measured-<model>.yaml)."""
+    """Where `mmpipe profile` writes the machine description (default RUN_DIR/conf/hardware/measured-<model>.yaml,
+    usable with --config-dir RUN_DIR/conf; relative: in the run directory)."""
     repeats: int = 5
     """Timed repetitions per layer and shape (the median is kept)."""
 
@@ -218,7 +314,7 @@ class ShardsConfig:
     json: str | None = None
     """LLaVA-style JSON list to convert (mmpipe shards)."""
     out: str | None = None
-    """Output folder of the shards and index.json."""
+    """Output folder of the shards and index.json (your data, not the run's: relative to the current directory)."""
     image_root: str | None = None
     """Folder the JSON's image paths are relative to (default: the JSON's folder)."""
     audio_root: str | None = None
@@ -229,6 +325,9 @@ class ShardsConfig:
     """Shard size limit in MB (null: count only)."""
     prefix: str = "train"
     """Shard file prefix: <prefix>-000000.tar."""
+    allow_outside_roots: bool = False
+    """Let media paths lead out of image_root / audio_root (`..`, absolute paths, symlinks);
+    by default such an entry is skipped as `outside root`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -253,6 +352,28 @@ class BenchConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReportConfig:
+    runs: tuple[str, ...] = ()
+    """Run directories (or sweep / bench directories holding several) that `mmpipe report` draws;
+    `mmpipe report DIR [DIR ...]` fills this."""
+    out: str = "report.png"
+    """The PNG `mmpipe report` writes (relative: in the run directory)."""
+
+    def __post_init__(self) -> None:
+        if not self.out.lower().endswith(".png"):
+            raise ValueError(f"report.out={self.out!r} must name a .png file")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareOrigin:
+    """What a hardware config says about itself, beside the HardwareSpec the planner reads
+    (mmpipe/planner/hardware.py; together they are the `hardware` group's keys)."""
+
+    measured_for: str | None = None
+    """The model `mmpipe profile` measured this description with (null: a preset, for any model)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """One whole run, validated."""
 
@@ -263,13 +384,19 @@ class RunConfig:
     plan: PlanConfig
     launcher: LauncherConfig
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    pretrained: Pretrained = field(default_factory=Pretrained)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
     hardware: Mapping[str, Any] = field(default_factory=dict)
-    """Raw hardware group (typed by the planner)."""
+    """Raw hardware group (typed by the planner's HardwareSpec plus HardwareOrigin)."""
     run_dir: str = "."
     """Where metrics.jsonl and checkpoints go."""
+    model_settings: Mapping[str, Any] = field(default_factory=dict)
+    """A Hugging Face model group as given, folders absolute (run.yaml records it; see
+    mmpipe.model.group.ModelChoice); empty for mmpipe's own figures."""
+    planner_only: str | None = None
+    """Why the model preset can be planned but not trained (omni-7b), else None."""
 
     @property
     def layers(self) -> list[str]:
@@ -312,13 +439,15 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
     for key, value in values.items():
         if key not in fields:
-            raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(fields))}")
+            near = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"did you mean {prefix}.{near[0]}?" if near else f"known: {', '.join(sorted(fields))}"
+            raise ValueError(f"{prefix}.{key}={value!r}: no such config key; {hint}")
         _check_type(prefix, key, str(fields[key].type), value)
     return cls(**values)
 
 
-GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "pretrained", "shards", "bench",
-          "hardware", "hydra")
+GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "shards", "bench", "report",
+          "deepspeed", "hardware", "hydra")
 
 
 def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -337,25 +466,30 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         if key not in GROUPS:
             raise ValueError(f"{key} is not a config group; known: {', '.join(GROUPS)}")
     train = dict(cfg.get("train") or {})
-    if "trainable" in train:
-        t = train["trainable"]
-        train["trainable"] = (t,) if isinstance(t, str) else tuple(t)
+    for key in ("trainable", "loggers"):
+        if key in train:
+            t = train[key]
+            train[key] = (t,) if isinstance(t, str) else tuple(t)
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])
+    model = model_from_group(cfg["model"], resolve=model_folder)
     rc = RunConfig(
-        model=spec_from_dict(cfg["model"]),
+        model=model.spec,
         parallel=_section(ParallelConfig, "parallel", cfg.get("parallel")),
         train=_section(TrainConfig, "train", train),
         data=_section(DataConfig, "data", cfg.get("data")),
         plan=_section(PlanConfig, "plan", plan),
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
         profile=_section(ProfileConfig, "profile", cfg.get("profile")),
-        pretrained=_section(Pretrained, "pretrained", cfg.get("pretrained")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),
         bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
+        report=_section(ReportConfig, "report", _tuple_of(cfg.get("report"), "runs")),
+        deepspeed=_section(DeepSpeedSettings, "deepspeed", cfg.get("deepspeed")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
+        model_settings=model.settings,
+        planner_only=model.planner_only,
     )
     check_run(rc)
     return rc
@@ -397,8 +531,6 @@ def check_run(rc: RunConfig) -> None:
         )
     rc.stage_bounds  # validates names and tiling
     hardware_spec(rc)
-    if rc.pretrained.any():
-        check_matches(rc.model, rc.pretrained)
 
 
 def _check_auto(rc: RunConfig) -> None:
@@ -413,8 +545,6 @@ def _check_auto(rc: RunConfig) -> None:
     if rc.plan.stages is not None:
         stages_to_bounds(rc.plan.stages, rc.layers)  # validates names and tiling
     hardware_spec(rc)
-    if rc.pretrained.any():
-        check_matches(rc.model, rc.pretrained)
 
 
 def resolve_layout(rc: RunConfig, sample) -> RunConfig:
@@ -445,11 +575,11 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
 def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
     hw = dict(rc.hardware)
-    measured_for = hw.pop("measured_for", None)
+    measured_for = hw.pop("measured_for", HardwareOrigin().measured_for)
     if measured_for is not None and measured_for != rc.model.name:
         raise ValueError(
             f"hardware={hw.get('name', '?')} was measured for model {measured_for}, not model {rc.model.name}; "
-            f"run `mmpipe profile model={rc.model.name}` and use the file it writes"
+            f"run `mmpipe profile {shell_word(f'model={rc.model.name}')}` and use the file it writes"
         )
     return hardware_from_dict(hw)
 
@@ -465,7 +595,7 @@ def parse_stages(value: Any) -> tuple[tuple[str, str], ...]:
         if len(p) != 2:
             raise ValueError(
                 f"plan.stages entry {p!r} is not a [first_layer,last_layer] pair; "
-                f"write plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]"
+                f"write {shell_word('plan.stages=[[vision.embed,llm.block.1],[llm.block.2,llm.head]]')}"
             )
         out.append((str(p[0]).strip(), str(p[1]).strip()))
     return tuple(out)
@@ -507,12 +637,63 @@ def stages_to_bounds(stages: tuple[tuple[str, str], ...], layers: list[str]) -> 
 
 
 def resolve_path(p: str) -> str:
-    """A relative path is taken from the current directory, else from the project root."""
+    """A relative path is taken from the current directory when it is there, else from the
+    mmpipe package (its shipped configs and sample data: `data/shards/...`,
+    `data/tokenizer.json`, `data/workloads/...`); a brace list counts as there when its first
+    file is. Absolute paths and `pipe:` commands pass unchanged."""
     if not p or os.path.isabs(p) or p.startswith("pipe:"):
         return p
-    head = p.split("{")[0]
-    if Path(head).exists() or Path(head).parent.exists() and str(Path(head).parent) != ".":
-        return p
-    if (PROJECT_ROOT / head).exists() or (PROJECT_ROOT / head).parent.exists():
-        return str(PROJECT_ROOT / p)
+    first = re.sub(r"\{([^{},.]*)(?:\.\.[^{}]*|,[^{}]*)\}", r"\1", p)
+    if not Path(first).exists() and (PACKAGE_ROOT / first).exists():
+        return str(PACKAGE_ROOT / p)
     return p
+
+
+_SHELL_SAFE = re.compile(r"[\w./:@%+=,-]*")
+_HYDRA_SAFE = re.compile(r"[\w./:@%+-]*")
+
+
+def shell_word(text: str) -> str:
+    """`text` as one word a POSIX shell passes through unchanged (hints are pasted into shells:
+    brackets glob, braces expand, spaces split)."""
+    if _SHELL_SAFE.fullmatch(text):
+        return text
+    if not any(c in text for c in "\"$`!\\"):
+        return f'"{text}"'
+    return shlex.quote(text)
+
+
+def override_hint(key: str, value: str) -> str:
+    """`key=value` for a string value as a user types it: quoted for Hydra's override grammar
+    where it has brackets, braces, commas, spaces or quotes, then for the shell."""
+    if not _HYDRA_SAFE.fullmatch(value):
+        value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return shell_word(f"{key}={value}")
+
+
+def model_folder(p: str) -> str:
+    """A model folder as given, made absolute (the workers and `mmpipe export` read it from run.yaml)."""
+    return str(Path(resolve_path(p)).expanduser().absolute())
+
+
+DEFAULT_TOKENIZER = "data/tokenizer.json"
+"""mmpipe's own tokenizer (the shipped data's), the tokenizer of mmpipe's own models."""
+
+
+def tokenizer_source(rc: RunConfig) -> tuple[str, str]:
+    """(file or folder, the key it comes from) of the run's tokenizer: data.tokenizer when set;
+    else a Hugging Face model's checkpoint folder (its tokenizer and chat template: model.path, or
+    a composition's model.llm.path); else mmpipe's own tokenizer."""
+    from mmpipe.data.chat import checkpoint_folder
+
+    if rc.data.tokenizer:
+        return resolve_path(rc.data.tokenizer), "data.tokenizer"
+    if rc.model.hf is None:
+        return resolve_path(DEFAULT_TOKENIZER), "data.tokenizer"
+    folder = checkpoint_folder(rc.model)
+    if folder is None:
+        raise ValueError(f"model {rc.model.name} has no checkpoint folder to take its tokenizer and chat template "
+                         f"from (a preset builds random weights); give data.tokenizer=DIR, a folder holding the "
+                         f"model's tokenizer with a chat template")
+    key = "model.path" if any(part == "model" for part, _ in rc.model.hf.weights) else "model.llm.path"
+    return str(folder), key

@@ -3,7 +3,8 @@
 Modes, each over the same first N samples of a shard list, in one process (= one loader
 worker):
 
-- meta: `iter_meta`, the .json members only (media bytes are seeked past) — what planning
+- meta: `iter_meta`, the .json members only (media bytes are seeked past; img2dataset
+  caption samples also read the caption and the image, for its header) — what planning
   ahead needs;
 - records: `SampleStream.records()`: JSON, conversation, image/WAV headers, tokenization
   and the template, media still bytes;
@@ -71,7 +72,7 @@ def measure(path: str, tok: Tokenizer, spec: ModelSpec, samples: int, *, root: P
         return sizes[r.key]
 
     rates = [_timed("records", stream().records(), samples, rec_size)]
-    rates.insert(0, _timed("meta", iter_meta(path=path, root=root, spec=spec), samples,
+    rates.insert(0, _timed("meta", iter_meta(path=path, root=root, spec=spec, tokenizer=tok), samples,
                            lambda km: sizes.get(km[0], 0)))
     rates.append(_timed("last stage", (decode_record(r, tok, spec, media=False) for r in stream().records()),
                         samples, lambda s: sizes.get(s.key, 0)))

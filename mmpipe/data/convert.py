@@ -1,53 +1,66 @@
 """Convert a LLaVA-style JSON dataset into webdataset shards the reader reads.
 
-    mmpipe shards convert --json llava.json --out data/llava/ --tokenizer data/tokenizer.json
-        [--image-root DIR] [--audio-root DIR] [--maxcount 1000] [--maxsize-mb 512] [--strict]
+    mmpipe shards shards.json=llava.json shards.out=data/llava/ shards.image_root=DIR [shards.audio_root=DIR]
+        [shards.maxcount=1000] [shards.maxsize_mb=512] [shards.allow_outside_roots=true] [data.on_error=raise]
 
-Input: a JSON list of {"id", "image" | "images", "audio" (a path or a list),
-"conversations": [{"from": "human" | "gpt", "value": "<image>\\n..."}]}; media paths are
-relative to --image-root / --audio-root, else to the JSON file's folder.
+Input: a JSON list of entries in one of the shapes LLaVA, LLaVA-OneVision and ShareGPT-style
+sets use (docs/data.md lists them):
+- media: `"image"` (a path or a list of paths), `"images"`, `"audio"` / `"audios"`;
+- the conversation: `"conversations": [{"from": "human" | "user" | "gpt" | "assistant",
+  "value": "<image>\n..."}]`, or `"messages": [{"role": "user" | "assistant", "content": str
+  or [{"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"}, ...]}]` (an image or
+  audio part is a placeholder; with a "path" it also names the file).
+Media paths are relative to image_root / audio_root, else to the JSON file's folder, and must
+stay inside them: `..`, absolute paths and symlinks that lead out, and anything that is not a
+regular file (a device such as /dev/zero, a FIFO) are refused as `unsafe path` unless
+`allow_outside_roots` (then only non-regular files are refused). No more than
+`limits.max_member_bytes` are read of any file (`media too large`).
 
 Output in OUT/: `train-000000.tar ...` (KEY.json with the conversation and `meta`, KEY.0.png /
-.jpg, KEY.0.wav) and `index.json` (samples per shard, totals by modality, what was skipped).
-Shards close at `maxcount` samples or before passing `maxsize` bytes. The same input always
-gives byte-identical shards (input order; members json, images, clips; tar mtime 0, uid/gid
-0, no owner names, mode 0644).
+.jpg, KEY.0.wav / .flac / .ogg) and `index.json` (samples per shard, totals by modality, what
+was skipped). `meta.text_tokens` is counted with the given templater and `meta.tokenizer` names
+it by its fingerprint: a run with another tokenizer counts again (records.hint_applies). Shards
+close at `maxcount` samples or before passing `maxsize` bytes. The same input always gives
+byte-identical shards (input order; members json, images, clips; tar mtime 0, uid/gid 0, no
+owner names, mode 0644).
 
 Conventions:
 - LLaVA puts `<image>` in the first human turn; a sample whose human turns hold no `<image>`
   (or no `<audio>`) although it has images (clips) gets one placeholder per medium prepended
-  to its first human turn, images first ("<image>\\n<audio>\\n..."). Some placeholders but
+  to its first human turn, images first ("<image>\n<audio>\n..."). Some placeholders but
   not one per medium is a `placeholder mismatch`.
 - PNG and JPEG bytes are stored as they are (.png / .jpg); other image formats are re-encoded
-  as PNG. WAV clips are stored as they are; FLAC and other formats need the optional
-  `soundfile` package and are stored as 16-bit WAV.
+  as PNG. WAV, FLAC and OGG clips are stored as they are; other formats libsndfile reads are
+  stored as 16-bit WAV.
 - Keys are the ids with every character outside [A-Za-z0-9_-] replaced by `_` (the reader
   splits member names at the first dot); a repeated key gets `-1`, `-2`, ... appended. The
   original id stays in KEY.json.
-- A sample with a missing or unreadable medium, or a conversation without an answer, is
-  left out and reported by id (or stops the conversion with on_error=raise).
+- A sample with a missing, unreadable, oversized or unsafe medium, or a conversation without
+  an answer, is left out and reported by id (or stops the conversion with on_error=raise).
 """
-
 from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import stat
 import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from mmpipe.data.media import FLAC_NEEDS_SOUNDFILE, probe_audio, read_wav, soundfile_available
+from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, open_image, read_audio
 from mmpipe.data.skips import (
-    BAD_CONVERSATION, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError,
-    SkipCounter,
+    BAD_CONVERSATION, MEDIA_TOO_LARGE, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE,
+    UNSAFE_PATH, SampleError, SkipCounter,
 )
-from mmpipe.data.template import HUMAN, count_placeholders, parse_conversation, text_tokens
+from mmpipe.data.template import (
+    GPT, HUMAN, SYSTEM, Templater, as_templater, count_placeholders, parse_conversation,
+)
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
 from mmpipe.model.geometry import SampleMeta, features
@@ -128,17 +141,121 @@ def _paths(item: dict, *names: str) -> list[str]:
     return []
 
 
-def _find(rel: str, root: Path, kind: str) -> bytes:
-    p = Path(rel) if Path(rel).is_absolute() else root / rel
+ROLES = {"human": HUMAN, "user": HUMAN, "gpt": GPT, "assistant": GPT}
+"""Speaker names the converter takes, and what the template calls them."""
+PART_PLACEHOLDERS = {"image": IMAGE, "audio": AUDIO}
+
+
+def _content_text(content: Any, i: int, found: dict[str, list[str]]) -> str:
+    """A `messages` content (a string, or typed parts) as text with placeholders; the paths of
+    media parts that name a file are appended to `found`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise SampleError(BAD_CONVERSATION, f"message {i} content must be a string or a list of parts, "
+                                            f"got {content!r:.60}")
+    pieces = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            pieces.append(part["text"])
+        elif kind in PART_PLACEHOLDERS:
+            pieces.append(PART_PLACEHOLDERS[kind])
+            path = part.get("path", part.get(kind))
+            if isinstance(path, str) and path:
+                found[kind].append(path)
+            elif path is not None:
+                raise SampleError(BAD_CONVERSATION, f"message {i}: a {kind} part's path must be a string, "
+                                                    f"got {path!r:.60}")
+        else:
+            raise SampleError(BAD_CONVERSATION, f"message {i}: part {part!r:.60} is not "
+                                                f"{{'type': 'text', 'text': ...}}, 'image' or 'audio'")
+    return "\n".join(pieces)
+
+
+def conversation_of(item: dict, *, system: bool = False) -> tuple[list[dict], list[str], list[str]]:
+    """The entry's conversation as [{"from": "human" | "gpt", "value": str}], its image paths
+    and its clip paths, from any accepted shape (see the module docstring). With `system` (a
+    templater that has a system role) a `system` turn is kept as {"from": "system", ...}.
+
+    Raises:
+        SampleError: `bad conversation` (an unknown shape or speaker, or media given twice).
+    """
+    images, clips = _paths(item, "image", "images"), _paths(item, "audio", "audios")
+    if "conversations" in item:
+        turns, speaker, text = item["conversations"], "from", "value"
+    elif "messages" in item:
+        turns, speaker, text = item["messages"], "role", "content"
+    else:
+        raise SampleError(BAD_CONVERSATION, "the entry has neither 'conversations' nor 'messages'")
+    if not isinstance(turns, list) or not turns:
+        raise SampleError(BAD_CONVERSATION, f"'{speaker == 'from' and 'conversations' or 'messages'}' must be a "
+                                            f"non-empty list, got {turns!r:.60}")
+    found: dict[str, list[str]] = {"image": [], "audio": []}
+    conv = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise SampleError(BAD_CONVERSATION, f"turn {i} must be an object, got {t!r:.60}")
+        role = t.get(speaker)
+        if role not in ROLES and not (system and role == SYSTEM):
+            raise SampleError(BAD_CONVERSATION, f"turn {i} has {speaker}={role!r}; use human/user or gpt/assistant "
+                                                f"(system turns need a checkpoint's chat template)")
+        value = _content_text(t.get(text), i, found) if speaker == "role" else t.get(text)
+        if not isinstance(value, str):
+            raise SampleError(BAD_CONVERSATION, f"turn {i} must have a string '{text}', got {value!r:.60}")
+        conv.append({"from": ROLES.get(role, role), "value": value})
+    for kind, listed in (("image", images), ("audio", clips)):
+        if found[kind] and listed:
+            raise SampleError(BAD_CONVERSATION, f"{kind} paths are given both in content parts and in the entry")
+        listed.extend(found[kind])
+    return conv, images, clips
+
+
+def _inside(path: str, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, base]) == base
+
+
+def read_media(rel: str, root: Path, kind: str, *, limits: MediaLimits = DEFAULT_LIMITS,
+               allow_outside: bool = False) -> bytes:
+    """The bytes of media file `rel` under `root`, read safely.
+
+    The path, symlinks resolved, must stay inside `root` (unless `allow_outside`) and name a
+    regular file; at most limits.max_member_bytes are read (a device such as /dev/zero is never
+    read, and a larger file is refused rather than read to its end).
+
+    Raises:
+        SampleError: `missing media`, `unsafe path` or `media too large`.
+    """
+    joined = os.path.join(root, rel)  # an absolute rel stays absolute
+    if not allow_outside and not _inside(joined, root):
+        how = ("is an absolute path outside" if os.path.isabs(rel) else
+               "leads out of" if ".." in Path(rel).parts else "leads through a symlink out of")
+        raise SampleError(UNSAFE_PATH, f"{kind} file {rel!r} {how} {kind}_root {root}; keep media inside it, "
+                                       f"or set shards.allow_outside_roots=true")
+    real = os.path.realpath(joined)
     try:
-        return p.read_bytes()
-    except OSError:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the file checked is the file read
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
         raise SampleError(MISSING_MEDIA, f"{kind} file {rel!r} not found under {root}") from None
+    except OSError as err:
+        raise SampleError(MISSING_MEDIA, f"{kind} file {rel!r} cannot be opened ({err.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SampleError(UNSAFE_PATH, f"{kind} file {rel!r} is not a regular file ({real})")
+        limit = limits.max_member_bytes
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise SampleError(MEDIA_TOO_LARGE, f"{kind} file {rel!r} is larger than data.max_member_mb={limit / 2**20:g}")
+    return data
 
 
-def _image_member(data: bytes, rel: str) -> tuple[str, bytes, tuple[int, int]]:
+def _image_member(data: bytes, rel: str, limits: MediaLimits) -> tuple[str, bytes, tuple[int, int]]:
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        img = open_image(data, limits, formats=None)  # any format PIL reads; sizes checked before decoding
+        with img:
             img.load()
             fmt = img.format
             w, h = img.size
@@ -146,33 +263,29 @@ def _image_member(data: bytes, rel: str) -> tuple[str, bytes, tuple[int, int]]:
                 buf = io.BytesIO()
                 (img if img.mode in ("RGB", "RGBA", "L", "LA", "P") else img.convert("RGB")).save(buf, format="PNG")
                 data = buf.getvalue()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-        raise SampleError(UNDECODABLE_IMAGE, f"{rel!r} is not a readable image ({err})") from None
-    if w <= 0 or h <= 0:
-        raise SampleError(UNDECODABLE_IMAGE, f"{rel!r} has size {h}x{w}")
+    except SampleError as err:
+        raise SampleError(err.reason, f"{rel!r}: {err.detail}") from None
+    except Exception as err:  # noqa: BLE001 - whatever PIL raises on hostile bytes
+        raise SampleError(UNDECODABLE_IMAGE, f"{rel!r} is not a readable image ({type(err).__name__}: {err})") from None
     return ("jpg" if fmt == "JPEG" else "png"), data, (h, w)
 
 
-def _audio_member(data: bytes, rel: str) -> tuple[bytes, float]:
-    if rel.lower().endswith(".wav"):
-        try:
-            read_wav(data)
-            return data, probe_audio(data, "wav")
-        except SampleError as err:
-            raise SampleError(UNDECODABLE_AUDIO, f"{rel!r}: {err.detail}") from None
-    if not soundfile_available():
-        raise SampleError(UNDECODABLE_AUDIO, f"{rel!r}: {FLAC_NEEDS_SOUNDFILE.replace('FLAC', 'non-WAV audio')}")
+def _audio_member(data: bytes, rel: str, limits: MediaLimits) -> tuple[str, bytes, float]:
+    """(suffix, bytes, seconds): WAV, FLAC and OGG as they are, other formats as 16-bit WAV."""
+    try:
+        # libsndfile finds the format from the bytes; "wav" only satisfies read_audio's suffix check.
+        # The whole clip is decoded: one that fails is left out now, not found at training time.
+        x, rate, head = read_audio(data, "wav", limits)
+    except SampleError as err:
+        raise SampleError(err.reason, f"{rel!r}: {err.detail}") from None
+    stored = {"WAV": "wav", "WAVEX": "wav", "FLAC": "flac", "OGG": "ogg"}.get(head.format)
+    if stored is not None:  # the suffix follows the content, whatever the file was called
+        return stored, data, head.seconds
     import soundfile
 
-    try:
-        x, rate = soundfile.read(io.BytesIO(data), dtype="int16", always_2d=True)
-    except Exception as err:  # soundfile's LibsndfileError
-        raise SampleError(UNDECODABLE_AUDIO, f"{rel!r} is not readable audio ({err})") from None
-    if len(x) == 0:
-        raise SampleError(UNDECODABLE_AUDIO, f"{rel!r} holds no samples")
     buf = io.BytesIO()
     soundfile.write(buf, x, rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue(), len(x) / rate
+    return "wav", buf.getvalue(), head.seconds
 
 
 def sample_key(raw_id: Any, index: int) -> str:
@@ -183,21 +296,20 @@ def sample_key(raw_id: Any, index: int) -> str:
     return key[:80]
 
 
-def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, audio_root: Path) -> _Converted:
+def convert_sample(item: Any, key: str, tok: Templater | Tokenizer, *, image_root: Path, audio_root: Path,
+                   limits: MediaLimits = DEFAULT_LIMITS, allow_outside: bool = False) -> _Converted:
     """One JSON entry as tar members and meta.
 
     Raises:
         SampleError: bad conversation, no/empty answer, placeholder mismatch, missing media,
-            undecodable image/audio.
+            unsafe path, media too large, undecodable image/audio.
     """
     if not isinstance(item, dict):
         raise SampleError(BAD_CONVERSATION, f"entry must be an object, got {type(item).__name__}")
-    images = _paths(item, "image", "images")
-    clips = _paths(item, "audio", "audios")
-    conv = item.get("conversations")
-    turns = parse_conversation(conv)
+    tpl = as_templater(tok)
+    conv, images, clips = conversation_of(item, system=tpl.system)
+    turns = parse_conversation(conv, system=tpl.system)
     n_img, n_aud = count_placeholders(turns)
-    conv = [{"from": t["from"], "value": t["value"]} for t in conv]
     prepend = (f"{IMAGE}\n" * len(images) if images and n_img == 0 else "") + \
               (f"{AUDIO}\n" * len(clips) if clips and n_aud == 0 else "")
     if prepend:
@@ -206,23 +318,26 @@ def convert_sample(item: Any, key: str, tok: Tokenizer, *, image_root: Path, aud
         if first is None:
             raise SampleError(BAD_CONVERSATION, "media but no human turn to put the placeholders in")
         conv[first]["value"] = prepend + conv[first]["value"]
-        n_img, n_aud = count_placeholders(parse_conversation(conv))
+        turns = parse_conversation(conv, system=tpl.system)
+        n_img, n_aud = count_placeholders(turns)
     if (n_img, n_aud) != (len(images), len(clips)):
         raise SampleError(PLACEHOLDER_MISMATCH, f"the text has {n_img} {IMAGE} and {n_aud} {AUDIO} placeholders "
                                                 f"but the entry lists {len(images)} image(s) and {len(clips)} clip(s)")
     members: list[tuple[str, bytes]] = []
     sizes, seconds = [], []
+    safe = dict(limits=limits, allow_outside=allow_outside)
     for i, rel in enumerate(images):
-        ext, data, hw = _image_member(_find(rel, image_root, "image"), rel)
+        ext, data, hw = _image_member(read_media(rel, image_root, "image", **safe), rel, limits)
         members.append((f"{key}.{i}.{ext}", data))
         sizes.append(hw)
     for i, rel in enumerate(clips):
-        data, sec = _audio_member(_find(rel, audio_root, "audio"), rel)
-        members.append((f"{key}.{i}.wav", data))
+        ext, data, sec = _audio_member(read_media(rel, audio_root, "audio", **safe), rel, limits)
+        members.append((f"{key}.{i}.{ext}", data))
         seconds.append(sec)
-    meta = SampleMeta(text_tokens=text_tokens(conv, tok), images=tuple(sizes), audio_seconds=tuple(seconds))
+    meta = SampleMeta(text_tokens=tpl.text_tokens(turns), images=tuple(sizes), audio_seconds=tuple(seconds))
     obj = {"id": str(item.get("id", key)), "conversations": conv,
-           "meta": {"text_tokens": meta.text_tokens, "images": [list(s) for s in sizes], "audio_seconds": seconds}}
+           "meta": {"text_tokens": meta.text_tokens, "tokenizer": tpl.fingerprint, "images": [list(s) for s in sizes],
+                    "audio_seconds": seconds}}
     js = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     kinds = [k for k, v in (("image", sizes), ("audio", seconds)) if v]
     return _Converted(key=key, members=[(f"{key}.json", js)] + members, meta=meta,
@@ -278,7 +393,7 @@ def convert(
     *,
     json_path: str | Path,
     out: str | Path,
-    tokenizer: Tokenizer,
+    tokenizer: Templater | Tokenizer,
     spec: ModelSpec | None = None,
     image_root: str | Path | None = None,
     audio_root: str | Path | None = None,
@@ -287,15 +402,21 @@ def convert(
     on_error: str = "skip",
     prefix: str = "train",
     progress: bool = True,
+    limits: MediaLimits = DEFAULT_LIMITS,
+    allow_outside_roots: bool = False,
 ) -> ConvertReport:
     """Convert a LLaVA-style JSON file into shards in `out` (see the module docstring).
 
     Args:
+        tokenizer: counts meta.text_tokens (a Templater, or an mmpipe Tokenizer for its tiny
+            template); its fingerprint goes into meta.tokenizer and index.json.
         spec: when given, index.json also counts LLM tokens under this model and samples
             longer than its max_seq_len (they are kept: data.too_long decides at read time).
         maxcount: samples per shard at most; maxsize_mb: megabytes per shard at most (a
             single larger sample still gets its own shard).
         on_error: skip (leave bad samples out, report them) or raise (stop at the first).
+        limits: media sizes refused (data.max_image_pixels, data.max_member_mb, data.max_audio_seconds).
+        allow_outside_roots: let media paths lead out of the roots (shards.allow_outside_roots).
     Returns:
         The report; `report.summary()` is what the command prints.
     """
@@ -332,7 +453,8 @@ def convert(
         if used[key] > 1:
             key = f"{key}-{used[key] - 1}"
         try:
-            c = convert_sample(item, key, tokenizer, image_root=img_root, audio_root=aud_root)
+            c = convert_sample(item, key, tokenizer, image_root=img_root, audio_root=aud_root, limits=limits,
+                               allow_outside=allow_outside_roots)
         except SampleError as err:
             err = err.at(shard=json_path.name, key=shown)
             if on_error == "raise":
@@ -380,7 +502,7 @@ def convert(
         "by_modality": by_mod,
         "skipped": report.skips.as_dict(),
         "prepended_placeholders": report.prepended,
-        "tokenizer": {"vocab_size": tokenizer.vocab_size},
+        "tokenizer": {"vocab_size": tokenizer.vocab_size, "fingerprint": as_templater(tokenizer).fingerprint},
     }
     if spec is not None and lens:
         report.index["model"] = {"name": spec.name, "llm_tokens": {"min": min(lens), "max": max(lens),

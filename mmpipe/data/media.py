@@ -1,35 +1,75 @@
-"""Media decoding: PNG/JPEG bytes to resized pixels, WAV bytes to log-mel features.
+"""Media decoding: image bytes to resized pixels, audio bytes to Whisper log-mel features.
 
 Shapes obey the planner's rules in `mmpipe.model.geometry`, so the encoder sequence lengths
 the planner predicts are the ones the model gets:
 
 - an image of h x w pixels becomes uint8 [H, W, 3] with (H, W) = resize_image(vision, h, w)
   (PIL bicubic);
-- a clip of s seconds becomes float32 [mel_bins, audio_frames(audio, s)]: Whisper-style
-  log-mel features (hann-window STFT of 25 ms, hop = sample_rate / frames_per_s, a Slaney
-  mel filter bank, log10 clamped 8 decades below the peak, scaled as (x + 4) / 4), the
-  clip cut at max_seconds.
+- a clip of s seconds becomes float32 [mel_bins, audio_frames(audio, s)]: the log-mel
+  features of transformers' `WhisperFeatureExtractor` (configured with the model's mel bins,
+  sample rate and hop, a 25 ms window) over the clip cut at max_seconds and zero-padded to
+  whole frames.
+
+Audio is read with `soundfile` (libsndfile: WAV of any sample format, FLAC, OGG) and
+resampled with `soxr` (band-limited, so tones above the new Nyquist frequency are filtered out
+rather than folded into the band as linear interpolation would).
+
+Everything here treats its input as hostile: sizes are checked against `MediaLimits` from the
+headers before any pixel or sample is decoded, and any error a decoder raises becomes a
+`SampleError` with a reason (`undecodable image`, `undecodable audio`, `media too large`),
+never an exception of the decoder's own.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import wave
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-import torch
-from PIL import Image, UnidentifiedImageError
-from transformers.audio_utils import mel_filter_bank
+from PIL import Image
 
-from mmpipe.data.skips import UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError
-from mmpipe.model.spec import AudioSpec, VisionSpec
+from mmpipe.data.skips import MEDIA_TOO_LARGE, UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError
 from mmpipe.model.geometry import audio_frames, resize_image
+from mmpipe.model.spec import AudioSpec, VisionSpec
 
 WINDOW_S = 0.025
 """STFT window length in seconds (Whisper: 400 samples at 16 kHz)."""
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+"""What PIL may open as a sample's image: the formats of the member suffixes the reader takes
+(fewer decoders exposed to hostile bytes)."""
+AUDIO_EXTS = ("wav", "flac", "ogg")
+"""Audio member suffixes the reader takes (libsndfile reads each; MP3 is left out because its
+length is not in its header, and the planner needs the exact duration before decoding)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MediaLimits:
+    """Sizes above which a medium is refused (`media too large`) before it is decoded."""
+
+    max_image_pixels: int = 64_000_000
+    """Height x width from the image header (data.max_image_pixels)."""
+    max_member_bytes: int = 100 * 2**20
+    """Bytes of one image or clip (data.max_member_mb)."""
+    max_audio_seconds: float = 600.0
+    """Clip duration from the audio header (data.max_audio_seconds)."""
+
+    def __post_init__(self) -> None:
+        for key, v in (("data.max_image_pixels", self.max_image_pixels),
+                       ("data.max_member_mb", self.max_member_bytes),
+                       ("data.max_audio_seconds", self.max_audio_seconds)):
+            if not v > 0:
+                raise ValueError(f"{key}={v!r} must be > 0")
+
+    def check_bytes(self, data: bytes, what: str) -> None:
+        if len(data) > self.max_member_bytes:
+            raise SampleError(MEDIA_TOO_LARGE, f"{what} of {len(data) / 2**20:.1f} MB > data.max_member_mb="
+                                               f"{self.max_member_bytes / 2**20:g}")
+
+
+DEFAULT_LIMITS = MediaLimits()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,65 +92,173 @@ class DecodedAudio:
     """Duration of the stored clip (samples / sample rate), before cutting at max_seconds."""
 
 
-def decode_image(data: bytes, v: VisionSpec) -> DecodedImage:
-    """Decode image bytes (any format PIL reads) to RGB and resize by the vision rules.
+# ---------------------------------------------------------------------------- images
+
+def open_image(data: bytes, limits: MediaLimits,
+               formats: tuple[str, ...] | None = IMAGE_FORMATS) -> Image.Image:
+    """The opened image (header read, no pixels decoded) once its size passed the limits;
+    `formats=None` lets PIL try every format it knows (the converter re-encodes them).
 
     Raises:
-        SampleError: reason `undecodable image`.
+        SampleError: `undecodable image` or `media too large`.
     """
+    limits.check_bytes(data, "image")
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        img = Image.open(io.BytesIO(data), formats=formats)
+    except Image.DecompressionBombError as err:  # PIL's own ceiling (2 x Image.MAX_IMAGE_PIXELS), read first
+        raise SampleError(MEDIA_TOO_LARGE, f"image refused as a decompression bomb ({err}); "
+                                           f"data.max_image_pixels={limits.max_image_pixels:,}") from None
+    except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's problem
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_say(err)})") from None
+    w, h = img.size
+    if w <= 0 or h <= 0:
+        img.close()
+        raise SampleError(UNDECODABLE_IMAGE, f"image has size {h}x{w}")
+    if w * h > limits.max_image_pixels:
+        img.close()
+        raise SampleError(MEDIA_TOO_LARGE, f"image of {h}x{w} = {w * h:,} pixels > data.max_image_pixels="
+                                           f"{limits.max_image_pixels:,}")
+    return img
+
+
+def probe_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[int, int]:
+    """(height, width) from the image header, checking the file's structure without decoding pixels.
+
+    Raises:
+        SampleError: `undecodable image`, or `media too large` over the limits.
+    """
+    img = open_image(data, limits)
+    try:
+        w, h = img.size
+        img.verify()  # PNG: chunk CRCs; cheap, no pixel decoding
+    except Exception as err:  # noqa: BLE001
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_say(err)})") from None
+    finally:
+        img.close()
+    return h, w
+
+
+def decode_image(data: bytes, v: VisionSpec, limits: MediaLimits = DEFAULT_LIMITS) -> DecodedImage:
+    """Decode image bytes (PNG, JPEG, WebP) to RGB and resize by the vision rules.
+
+    Raises:
+        SampleError: `undecodable image` (including pixel data cut short or corrupt behind a
+            valid header), or `media too large`.
+    """
+    img = open_image(data, limits)
+    try:
+        with img:
             img.load()
             rgb = img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({err})") from None
-    w, h = rgb.size
-    if w <= 0 or h <= 0:
-        raise SampleError(UNDECODABLE_IMAGE, f"image has size {h}x{w}")
-    th, tw = resize_image(v, h, w)
-    if (th, tw) != (h, w):
-        rgb = rgb.resize((tw, th), Image.Resampling.BICUBIC)
-    return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8).copy(), size=(h, w))
+        w, h = rgb.size
+        th, tw = resize_image(v, h, w)
+        if (th, tw) != (h, w):
+            rgb = rgb.resize((tw, th), Image.Resampling.BICUBIC)
+        pixels = np.asarray(rgb, dtype=np.uint8).copy()
+    except SampleError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_say(err)})") from None
+    return DecodedImage(pixels=pixels, size=(h, w))
 
 
-def _open_wav(data: bytes) -> tuple[int, int, int, bytes]:
-    """(channels, sample width, rate, frames) of WAV bytes, or SampleError."""
-    try:
-        with wave.open(io.BytesIO(data), "rb") as wf:
-            return wf.getnchannels(), wf.getsampwidth(), wf.getframerate(), wf.readframes(wf.getnframes())
-    except (wave.Error, EOFError, OSError, ValueError) as err:
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a PCM WAV file ({err})") from None
+# ---------------------------------------------------------------------------- audio
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AudioHeader:
+    """What an audio file's header says."""
+
+    frames: int
+    """Samples per channel."""
+    rate: int
+    """Sample rate in Hz."""
+    channels: int
+    """Channels (mixed down to mono when decoded)."""
+    format: str
+    """libsndfile's container name (WAV, FLAC, OGG)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.rate
 
 
-def read_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """PCM WAV bytes to a mono float32 waveform in [-1, 1] and its sample rate.
+def _soundfile(data: bytes):
+    import soundfile
+
+    return soundfile.SoundFile(io.BytesIO(data))
+
+
+def _read_header(f, limits: MediaLimits) -> AudioHeader:
+    head = AudioHeader(frames=int(f.frames), rate=int(f.samplerate), channels=int(f.channels), format=str(f.format))
+    if head.rate <= 0 or head.channels <= 0 or head.frames <= 0:
+        raise SampleError(UNDECODABLE_AUDIO, f"{head.format} holds no samples ({head.frames} frames, "
+                                             f"{head.rate} Hz, {head.channels} channel(s))")
+    if head.seconds > limits.max_audio_seconds:
+        raise SampleError(MEDIA_TOO_LARGE, f"clip of {head.seconds:.1f} s > data.max_audio_seconds="
+                                           f"{limits.max_audio_seconds:g}")
+    return head
+
+
+def probe_audio(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMITS) -> float:
+    """Clip duration in seconds from the header (no sample decoded).
 
     Raises:
-        SampleError: reason `undecodable audio` (not WAV, not 8/16/32-bit PCM, or empty).
+        SampleError: `undecodable audio`, or `media too large`.
     """
-    channels, width, rate, raw = _open_wav(data)
-    if width == 1:
-        x = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
-    elif width in (2, 4):
-        dtype = np.dtype("<i2") if width == 2 else np.dtype("<i4")
-        x = np.frombuffer(raw[: len(raw) - len(raw) % width], dtype=dtype).astype(np.float32)
-        x /= float(2 ** (8 * width - 1))
-    else:
-        raise SampleError(UNDECODABLE_AUDIO, f"{8 * width}-bit WAV is not supported; use 8, 16 or 32-bit PCM")
-    n = len(x) // channels if channels > 0 else 0
-    if n == 0 or rate <= 0:
-        raise SampleError(UNDECODABLE_AUDIO, f"WAV holds no samples (rate {rate} Hz, {channels} channel(s))")
-    x = x[: n * channels].reshape(n, channels).mean(axis=1)
-    return x.astype(np.float32, copy=False), rate
+    return read_header(data, ext, limits).seconds
+
+
+def read_header(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMITS) -> AudioHeader:
+    """The header of a `wav`, `flac` or `ogg` clip (see probe_audio)."""
+    _check_ext(ext)
+    limits.check_bytes(data, "clip")
+    try:
+        with _soundfile(data) as f:
+            return _read_header(f, limits)
+    except SampleError:
+        raise
+    except Exception as err:  # noqa: BLE001 - libsndfile's errors, and anything else it raises
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})"
+                          ) from None
+
+
+def read_audio(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMITS,
+               max_seconds: float | None = None) -> tuple[np.ndarray, int, AudioHeader]:
+    """Mono float32 waveform (channels averaged), its rate, and the header; at most
+    `max_seconds` are decoded (the rest of a long clip is never read).
+
+    Raises:
+        SampleError: `undecodable audio` (also when the data ends before the header's length),
+            or `media too large`.
+    """
+    _check_ext(ext)
+    limits.check_bytes(data, "clip")
+    try:
+        with _soundfile(data) as f:
+            head = _read_header(f, limits)
+            want = head.frames if max_seconds is None else min(head.frames, math.ceil(max_seconds * head.rate))
+            x = f.read(frames=want, dtype="float32", always_2d=True)
+    except SampleError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})"
+                          ) from None
+    if len(x) < want:
+        raise SampleError(UNDECODABLE_AUDIO, f"the header promises {head.frames} samples but the data ends after "
+                                             f"{len(x)}")
+    x = x.mean(axis=1) if x.shape[1] > 1 else x[:, 0]
+    if not np.isfinite(x).all():
+        raise SampleError(UNDECODABLE_AUDIO, "the clip holds NaN or infinite samples")
+    return np.ascontiguousarray(x, dtype=np.float32), head.rate, head
 
 
 def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Linear-interpolation resampling (the synthetic data is stored at the model rate already)."""
+    """Band-limited resampling with soxr (its default high quality)."""
     if rate == target:
         return x
-    n = max(1, round(len(x) * target / rate))
-    t = np.arange(n, dtype=np.float64) * (rate / target)
-    return np.interp(t, np.arange(len(x), dtype=np.float64), x).astype(np.float32)
+    import soxr
+
+    return soxr.resample(x, rate, target).astype(np.float32, copy=False)
 
 
 def hop_length(a: AudioSpec) -> int:
@@ -124,113 +272,72 @@ def hop_length(a: AudioSpec) -> int:
 
 
 @lru_cache(maxsize=8)
-def _mel_filters(n_fft: int, mel_bins: int, sample_rate: int) -> torch.Tensor:
-    fb = mel_filter_bank(
-        num_frequency_bins=n_fft // 2 + 1, num_mel_filters=mel_bins, min_frequency=0.0,
-        max_frequency=sample_rate / 2, sampling_rate=sample_rate, norm="slaney", mel_scale="slaney",
-    )
-    return torch.from_numpy(np.ascontiguousarray(fb.T, dtype=np.float32))  # [mel, freq]
+def feature_extractor(mel_bins: int, sample_rate: int, hop: int, n_fft: int):
+    """transformers' WhisperFeatureExtractor with the model's figures.
+
+    Whisper's extractor spans its mel filters over 0-8 kHz whatever the sample rate; below
+    16 kHz the filters above the Nyquist frequency are empty (constant floor values) and
+    transformers warns about it once per construction. That is what the extractor computes,
+    and mmpipe keeps its features identical to it, so the warning is silenced here.
+    """
+    from transformers import WhisperFeatureExtractor
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="At least one mel filter has all zero values")
+        return WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=sample_rate, hop_length=hop,
+                                       n_fft=n_fft)
+
+
+def n_fft(a: AudioSpec) -> int:
+    """STFT size: a 25 ms window (at least one hop)."""
+    return max(hop_length(a), round(a.sample_rate * WINDOW_S))
 
 
 def log_mel(x: np.ndarray, a: AudioSpec, seconds: float) -> np.ndarray:
-    """Log-mel features [mel_bins, audio_frames(a, seconds)] of a waveform at a.sample_rate."""
+    """Log-mel features [mel_bins, audio_frames(a, seconds)] of a waveform at a.sample_rate.
+
+    WhisperFeatureExtractor pads (or cuts) the waveform to frames x hop samples and drops the
+    STFT's last frame, which gives exactly audio_frames(a, seconds) frames; the shape is
+    checked all the same, as the planner and the model rely on it.
+    """
     hop = hop_length(a)
     frames = audio_frames(a, seconds)
-    n_fft = max(hop, round(a.sample_rate * WINDOW_S))
-    want = frames * hop
-    wav = torch.zeros(want, dtype=torch.float32)
-    m = min(want, len(x))
-    wav[:m] = torch.from_numpy(np.ascontiguousarray(x[:m], dtype=np.float32))
-    spec = torch.stft(
-        wav, n_fft=n_fft, hop_length=hop, window=torch.hann_window(n_fft), center=True,
-        pad_mode="constant", return_complex=True,
-    )[:, :frames]
-    power = spec.abs() ** 2
-    mel = _mel_filters(n_fft, a.mel_bins, a.sample_rate) @ power
-    logm = torch.clamp(mel, min=1e-10).log10()
-    logm = torch.maximum(logm, logm.max() - 8.0)
-    return ((logm + 4.0) / 4.0).numpy().astype(np.float32, copy=False)
+    fe = feature_extractor(a.mel_bins, a.sample_rate, hop, n_fft(a))
+    out = fe(x, sampling_rate=a.sample_rate, padding="max_length", max_length=frames * hop, truncation=True,
+             return_tensors="np")["input_features"][0]
+    if out.shape != (a.mel_bins, frames):
+        raise RuntimeError(f"WhisperFeatureExtractor gave {out.shape} features, the geometry needs "
+                           f"{(a.mel_bins, frames)}")
+    return out.astype(np.float32, copy=False)
 
 
-def decode_audio(data: bytes, a: AudioSpec, ext: str = "wav") -> DecodedAudio:
-    """Decode WAV (or FLAC) bytes to log-mel features by the audio rules (resampled to a.sample_rate).
+def decode_audio(data: bytes, a: AudioSpec, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMITS,
+                 seconds: float | None = None) -> DecodedAudio:
+    """Decode a clip to log-mel features by the audio rules (resampled to a.sample_rate).
+
+    Only the first model.audio.max_seconds are decoded. `seconds`, when given, is the planned
+    duration (from the header at planning time): a clip that decodes to another length is
+    refused, so the features always have the planned frame count.
 
     Raises:
-        SampleError: reason `undecodable audio`.
+        SampleError: `undecodable audio`, or `media too large`.
     """
-    x, rate = read_audio(data, ext)
-    seconds = len(x) / rate
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise SampleError(UNDECODABLE_AUDIO, f"clip duration {seconds} s")
-    x = resample(x, rate, a.sample_rate)
-    return DecodedAudio(features=log_mel(x, a, seconds), seconds=seconds)
-
-
-def soundfile_available() -> bool:
-    """Whether FLAC can be read and written (the optional `soundfile` package)."""
+    x, rate, head = read_audio(data, ext, limits, max_seconds=a.max_seconds)
+    if seconds is not None and audio_frames(a, seconds) != audio_frames(a, head.seconds):
+        raise SampleError(UNDECODABLE_AUDIO, f"the clip lasts {head.seconds:.3f} s, {seconds:.3f} s were planned")
     try:
-        import soundfile  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
+        x = resample(x, rate, a.sample_rate)
+    except (ValueError, MemoryError, OverflowError) as err:  # e.g. an absurd rate in the header
+        raise SampleError(UNDECODABLE_AUDIO, f"a clip at {rate} Hz cannot be resampled ({_say(err)})") from None
+    return DecodedAudio(features=log_mel(x, a, head.seconds), seconds=head.seconds)
 
 
-FLAC_NEEDS_SOUNDFILE = "FLAC needs the soundfile package (pip install soundfile); or store the clips as WAV"
+def _check_ext(ext: str) -> None:
+    if ext not in AUDIO_EXTS:
+        raise SampleError(UNDECODABLE_AUDIO, f".{ext} clips are not read; use {', '.join(AUDIO_EXTS)}")
 
 
-def read_audio(data: bytes, ext: str = "wav") -> tuple[np.ndarray, int]:
-    """Mono float32 waveform and rate of a `wav` or `flac` member.
-
-    Raises:
-        SampleError: reason `undecodable audio`.
-    """
-    if ext == "wav":
-        return read_wav(data)
-    if ext != "flac":
-        raise SampleError(UNDECODABLE_AUDIO, f".{ext} clips are not supported; use WAV (or FLAC with soundfile)")
-    if not soundfile_available():
-        raise SampleError(UNDECODABLE_AUDIO, FLAC_NEEDS_SOUNDFILE)
-    import soundfile
-
-    try:
-        x, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as err:  # soundfile raises its own LibsndfileError
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable FLAC file ({err})") from None
-    if len(x) == 0 or rate <= 0:
-        raise SampleError(UNDECODABLE_AUDIO, "FLAC holds no samples")
-    return x.mean(axis=1).astype(np.float32), int(rate)
-
-
-def probe_image(data: bytes) -> tuple[int, int]:
-    """(height, width) from the image header, checking the file's structure without decoding pixels.
-
-    Raises:
-        SampleError: reason `undecodable image`.
-    """
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            w, h = img.size
-            img.verify()  # PNG: chunk CRCs; cheap, no pixel decoding
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as err:
-        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({err})") from None
-    if w <= 0 or h <= 0:
-        raise SampleError(UNDECODABLE_IMAGE, f"image has size {h}x{w}")
-    return h, w
-
-
-def probe_audio(data: bytes, ext: str = "wav") -> float:
-    """Clip duration in seconds from the header and the data length (no sample conversion).
-
-    Raises:
-        SampleError: reason `undecodable audio`.
-    """
-    if ext != "wav":
-        x, rate = read_audio(data, ext)
-        return len(x) / rate
-    channels, width, rate, raw = _open_wav(data)
-    if width not in (1, 2, 4):
-        raise SampleError(UNDECODABLE_AUDIO, f"{8 * width}-bit WAV is not supported; use 8, 16 or 32-bit PCM")
-    n = len(raw) // (width * channels) if channels > 0 else 0
-    if n == 0 or rate <= 0:
-        raise SampleError(UNDECODABLE_AUDIO, f"WAV holds no samples (rate {rate} Hz, {channels} channel(s))")
-    return n / rate
+def _say(err: BaseException) -> str:
+    """An exception as a short phrase: its message, or its type when it has none."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}"[:300] if text else type(err).__name__

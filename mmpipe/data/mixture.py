@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from mmpipe.data.reader import SampleStream, _Reader
-from mmpipe.data.tario import Shard, count_samples
+from mmpipe.data.reader import Reader, SampleStream
+from mmpipe.data.shards import Shard, count_samples, is_local
 
 LIMIT_MODES = ("first", "random")
 _SOURCE_KEYS = ("name", "path", "weight", "limit", "limit_mode")
@@ -38,7 +38,7 @@ class MixtureSource:
     name: str
     """Label in logs and realised counts."""
     path: str
-    """Shard brace list (or pipe: command list)."""
+    """Shard URL list, as data.path (brace lists, `::`, pipe:, http(s)://, ...)."""
     weight: float = 1.0
     """Share of the picks, relative to the other sources."""
     limit: int | None = None
@@ -85,7 +85,7 @@ def mixture_from_dicts(sources: Sequence[Mapping[str, Any]]) -> list[MixtureSour
 def shard_sizes(shards: Sequence[Shard]) -> list[int]:
     """Samples per shard: from an index.json next to local shards when it lists them all, else
     counted from the tar headers."""
-    local = [Path(s.url) for s in shards if not s.url.startswith("pipe:")]
+    local = [Path(s.url) for s in shards if is_local(s.url)]
     if len(local) == len(shards) and local:
         listed: dict[str, int] = {}
         for idx in {p.parent / "index.json" for p in local}:
@@ -135,7 +135,7 @@ def make_limit(sizes: Sequence[int], limit: int, mode: str, seed: int, name: str
 
 
 @dataclass(kw_only=True, slots=True)
-class Mixture(_Reader):
+class Mixture(Reader):
     """Records or samples of several sources for one replica, interleaved by weight.
 
     Same interface as SampleStream: iterate for Samples, `records()`, `decode()`,
@@ -151,15 +151,16 @@ class Mixture(_Reader):
     _realised_base: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._check()
+        self.check()
         if not self.sources:
             raise ValueError("data.sources is empty")
         for i, src in enumerate(self.sources):
             s = SampleStream(path=src.path, tokenizer=self.tokenizer, spec=self.spec, dp_rank=self.dp_rank,
                              dp_size=self.dp_size, seed=self.seed, epochs=self.epochs,
                              shuffle_buffer=self.shuffle_buffer, on_error=self.on_error, too_long=self.too_long,
+                             caption_prompt=self.caption_prompt,
                              num_workers=self.num_workers, worker_id=self.worker_id, root=self.root,
-                             name=src.name, key=f"data.sources[{i}].path", skips=self.skips)
+                             name=src.name, key=f"data.sources[{i}].path", skips=self.skips, limits=self.limits)
             sizes = shard_sizes(s.all_shards) if src.limit is not None else []
             if src.limit is not None:
                 s.keep = make_limit(sizes, src.limit, src.limit_mode, self.seed, src.name)
@@ -167,17 +168,16 @@ class Mixture(_Reader):
             else:
                 self.sizes.append(-1)
             self.streams.append(s)
-        self._start = [None] * self.num_workers
         self._realised_base = [0] * len(self.sources)
-        self._begin()
+        self.reset()
 
-    def _layout(self) -> dict:
+    def layout(self) -> dict:
         return {"kind": "mixture", "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
                 "seed": self.seed, "shuffle_buffer": self.shuffle_buffer,
-                "sources": [[s.name, s.weight, s.limit, s.limit_mode, st._layout()["shard_crc"]]
+                "sources": [[s.name, s.weight, s.limit, s.limit_mode, st.layout()["shard_crc"]]
                             for s, st in zip(self.sources, self.streams)]}
 
-    def _approximate(self, cursors: list) -> dict:
+    def approximate(self, cursors: list) -> dict:
         n = len(self.sources)
         starts = []
         for i in range(n):
@@ -187,7 +187,7 @@ class Mixture(_Reader):
         return {"sources": starts, "credit": [0.0] * n, "active": [True] * n, "realised": [0] * n}
 
     def load_state_dict(self, state: dict) -> None:
-        _Reader.load_state_dict(self, state)
+        Reader.load_state_dict(self, state)
         if self.resume_mode != "exact":  # keep the counts for the log
             totals = [0] * len(self.sources)
             for c in state["workers"]:
@@ -198,12 +198,12 @@ class Mixture(_Reader):
     def realised(self) -> dict[str, int]:
         """Samples handed out so far per source name (all workers of this replica)."""
         counts = list(self._realised_base)
-        for c in self._cursors:
+        for c in self.cursors:
             if c:
                 counts = [a + b for a, b in zip(counts, c["realised"])]
         return {s.name: n for s, n in zip(self.sources, counts)}
 
-    def _worker_items(self, w: int, start: dict | None, make: Callable[[dict], Any],
+    def worker_items(self, w: int, start: dict | None, make: Callable[[dict], Any],
                       select: Callable[[str], bool] | None) -> Iterator[Any]:
         n = len(self.sources)
         weights = [s.weight for s in self.sources]
@@ -211,7 +211,7 @@ class Mixture(_Reader):
         credit = list(start["credit"]) if start else [0.0] * n
         active = list(start["active"]) if start else [True] * n
         realised = list(start["realised"]) if start else [0] * n
-        gens = [st._worker_items(w, src_cursors[i], make, select) for i, st in enumerate(self.streams)]
+        gens = [st.worker_items(w, src_cursors[i], make, select) for i, st in enumerate(self.streams)]
         while any(active):
             total = sum(wt for wt, a in zip(weights, active) if a)
             for i in range(n):

@@ -6,9 +6,12 @@ last stage only `input_ids` and `labels` (`media=False`, no image or audio is to
 
 Everything that can be checked without decoding pixels or waveforms is checked when the
 Record is made — JSON, conversation, placeholder counts, media members present, image and WAV
-headers (sizes and durations against the stored meta), text tokens against the tokenizer,
-length — so both stages agree on which samples exist. Only pixel data that is corrupt behind
-a valid header is found at decode time, on the first stage alone (see docs/data.md).
+headers (sizes and durations against the stored meta), length — so both stages agree on which
+samples exist. Text tokens are counted with the run's templater when the Record is made; the
+stored `meta.text_tokens` is a hint that is checked (and, reading metadata only, used) when
+`meta.tokenizer` names this templater's fingerprint (see `hint_applies`). Only pixel data that
+is corrupt behind a valid header is found at decode time, on the first stage alone (see
+docs/data.md).
 """
 
 from __future__ import annotations
@@ -21,20 +24,23 @@ from typing import Any
 
 import numpy as np
 
-from mmpipe.data.media import decode_audio, decode_image, probe_audio, probe_image
-from mmpipe.data.tario import shard_name
+from mmpipe.data.media import (
+    AUDIO_EXTS, DEFAULT_LIMITS, MediaLimits, decode_audio, decode_image, probe_audio, probe_image,
+)
+from mmpipe.data.shards import shard_name
 from mmpipe.data.skips import (
     BAD_JSON, META_MISMATCH, MISSING_JSON, MISSING_MEDIA, MISSING_META, NO_ENCODER, PLACEHOLDER_MISMATCH, TOO_LONG,
     SampleError,
 )
-from mmpipe.data.template import IGNORE, Templated, Turn, count_placeholders, parse_conversation, template_sample
+from mmpipe.data.template import (
+    IGNORE, Templated, Templater, TinyTemplate, Turn, as_templater, count_placeholders, parse_conversation,
+    template_sample,
+)
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.spec import ModelSpec
 from mmpipe.model.geometry import SampleMeta, audio_frames, features, meta_from_json, resize_image
 
-TOO_LONG_MODES = ("drop", "truncate")
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
-AUDIO_EXTS = ("wav", "flac")
 _MEDIA = re.compile(r"^(\d+)\.([a-z0-9]+)$")
 
 
@@ -49,9 +55,11 @@ class Sample:
     labels: list[int]
     """Same length: the id on answer tokens, -100 elsewhere (not shifted)."""
     images: list[np.ndarray]
-    """uint8 [H, W, 3] per image, already resized by the vision rules (empty if not decoded)."""
+    """uint8 [H, W, 3] per image, already resized by the vision rules (empty if not decoded); for a
+    Hugging Face model the image processor's output (mmpipe.model.hf.media.ImageInput)."""
     audio: list[np.ndarray]
-    """float32 [mel_bins, frames] log-mel features per clip (empty if not decoded)."""
+    """float32 [mel_bins, frames] log-mel features per clip (empty if not decoded); for a Hugging
+    Face model the feature extractor's (mmpipe.model.hf.media.AudioInput)."""
     meta: SampleMeta
     """What the planner sees: text tokens, original image sizes, clip durations."""
     shard: str = ""
@@ -118,6 +126,8 @@ def read_json(raw: dict[str, Any]) -> dict[str, Any]:
         obj = json.loads(raw["json"])
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SampleError(BAD_JSON, f"KEY.json is not valid JSON ({err})") from None
+    except RecursionError:
+        raise SampleError(BAD_JSON, "KEY.json is nested too deeply to parse") from None
     if not isinstance(obj, dict):
         raise SampleError(BAD_JSON, f"KEY.json must hold an object, got {type(obj).__name__}")
     return obj
@@ -128,8 +138,22 @@ def stored_meta(obj: dict[str, Any]) -> SampleMeta | None:
         return None
     try:
         return meta_from_json(obj["meta"], where="meta")
-    except ValueError as err:
+    except (ValueError, OverflowError) as err:  # OverflowError: Infinity where an integer belongs
         raise SampleError(BAD_JSON, str(err)) from None
+
+
+def hint_applies(obj: dict[str, Any], tpl: Templater) -> bool:
+    """Whether the stored meta.text_tokens was counted by this templater.
+
+    `meta.tokenizer` holds the fingerprint of the templater that counted it. Meta without one
+    predates fingerprints and was counted by an mmpipe tokenizer: it is taken as this one's
+    when the run uses an mmpipe tokenizer too (and checked when the Record is made, as before).
+    """
+    meta = obj.get("meta")
+    counted_with = meta.get("tokenizer") if isinstance(meta, dict) else None
+    if counted_with is None:
+        return isinstance(tpl, TinyTemplate)
+    return counted_with == tpl.fingerprint
 
 
 def check_counts(stored: SampleMeta | None, n_img: int, n_aud: int) -> None:
@@ -167,10 +191,11 @@ def media_members(raw: dict[str, Any], exts: tuple[str, ...], count: int, kind: 
     return [by_index[i] for i in range(count)]
 
 
-def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec) -> None:
-    """The stored meta must give the planner the counts the model will see."""
+def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec, *, text: bool = True) -> None:
+    """The stored meta must give the planner the counts the model will see (`text`: the text
+    count too, when it was counted by the run's templater)."""
     problems = []
-    if stored.text_tokens != true.text_tokens:
+    if text and stored.text_tokens != true.text_tokens:
         problems.append(f"text_tokens {stored.text_tokens} stored, {true.text_tokens} with this tokenizer")
     if stored.images != true.images:
         problems.append(f"images {list(stored.images)} stored, {list(true.images)} decoded")
@@ -183,7 +208,8 @@ def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec) -> None:
         raise SampleError(META_MISMATCH, "; ".join(problems) + " (regenerate the shards or the meta)")
 
 
-def fit_length(t: Templated, tok: Tokenizer, spec: ModelSpec, too_long: str) -> tuple[list[int], list[int], int]:
+def fit_length(t: Templated, tok: Templater | Tokenizer, spec: ModelSpec,
+               too_long: str) -> tuple[list[int], list[int], int]:
     """(input_ids, labels, tokens cut) within model.llm.max_seq_len.
 
     `truncate` cuts the tail (answer text, or whole later turns) as long as every media token
@@ -206,52 +232,63 @@ def fit_length(t: Templated, tok: Tokenizer, spec: ModelSpec, too_long: str) -> 
     return t.input_ids[:limit], t.labels[:limit], n - limit
 
 
-def _turns(obj: dict[str, Any]) -> list[Turn]:
-    return parse_conversation(obj.get("conversations"))
+def _turns(obj: dict[str, Any], tpl: Templater | None) -> list[Turn]:
+    return parse_conversation(obj.get("conversations"), system=tpl is not None and tpl.system)
 
 
-def make_record(raw: dict[str, Any], tok: Tokenizer, spec: ModelSpec, *, too_long: str = "drop") -> Record:
+def make_record(raw: dict[str, Any], tok: Templater | Tokenizer, spec: ModelSpec, *, too_long: str = "drop",
+                limits: MediaLimits = DEFAULT_LIMITS) -> Record:
     """Check and template one raw sample without decoding its media.
 
+    Args:
+        tok: the run's templater (an mmpipe Tokenizer stands for its tiny template).
     Raises:
         SampleError: any reason in mmpipe.data.skips that needs no pixels; the caller adds
             shard and key.
     """
+    tpl = as_templater(tok)
     obj = read_json(raw)
-    turns = _turns(obj)
+    turns = _turns(obj, tpl)
     n_img, n_aud = count_placeholders(turns)
     stored = stored_meta(obj)
     check_counts(stored, n_img, n_aud)
     check_encoders(spec, n_img, n_aud)
     imgs = media_members(raw, IMAGE_EXTS, n_img, "image")
     clips = media_members(raw, AUDIO_EXTS, n_aud, "audio")
-    sized = SampleMeta(text_tokens=0, images=tuple(probe_image(b) for _, b in imgs),
-                       audio_seconds=tuple(probe_audio(b, ext) for ext, b in clips))
-    templ = template_sample(turns, tok, spec, sized)
+    sized = SampleMeta(text_tokens=0, images=tuple(probe_image(b, limits) for _, b in imgs),
+                       audio_seconds=tuple(probe_audio(b, ext, limits) for ext, b in clips))
+    templ = template_sample(turns, tpl, spec, sized)
     meta = dataclasses.replace(sized, text_tokens=templ.text_tokens)
     if stored is not None:
-        check_meta(stored, meta, spec)
+        check_meta(stored, meta, spec, text=hint_applies(obj, tpl))
         meta = dataclasses.replace(stored, text_tokens=templ.text_tokens)
-    ids, labels, cut = fit_length(templ, tok, spec, too_long)
+    ids, labels, cut = fit_length(templ, tpl, spec, too_long)
     if cut:
         meta = dataclasses.replace(meta, text_tokens=meta.text_tokens - cut)
     return Record(key=str(raw.get("__key__", "")), shard=shard_name(str(raw.get("__url__", ""))), meta=meta, raw=raw, input_ids=ids, labels=labels, truncated=cut)
 
 
-def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Tokenizer | None,
+def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Templater | Tokenizer | None,
                 too_long: str = "drop") -> SampleMeta:
     """SampleMeta of a sample from its .json member alone (iter_meta's checks).
+
+    With `tok`, text_tokens is the stored count when it was counted by this templater
+    (hint_applies), else counted now (the conversation is templated, the media are not
+    read). Without `tok` the stored count is taken as it is.
 
     Raises:
         SampleError: the checks that need no media; `too long` when `spec` is given.
     """
+    tpl = as_templater(tok) if tok is not None else None
     obj = read_json(raw)
-    turns = _turns(obj)
+    turns = _turns(obj, tpl)
     stored = stored_meta(obj)
     if stored is None:
         raise SampleError(MISSING_META, "KEY.json has no 'meta' (text_tokens, images, audio_seconds)")
     n_img, n_aud = count_placeholders(turns)
     check_counts(stored, n_img, n_aud)
+    if tpl is not None and not hint_applies(obj, tpl):
+        stored = dataclasses.replace(stored, text_tokens=tpl.text_tokens(turns))
     if spec is None:
         return stored
     try:
@@ -260,22 +297,26 @@ def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Tokenizer |
         raise SampleError(NO_ENCODER, str(err)) from None
     if llm_len <= spec.llm.max_seq_len:
         return stored
-    if too_long == "drop" or tok is None:
+    if too_long == "drop" or tpl is None:
         raise SampleError(TOO_LONG, f"{llm_len} tokens > model.llm.max_seq_len={spec.llm.max_seq_len}")
-    _, _, cut = fit_length(template_sample(turns, tok, spec, stored), tok, spec, too_long)
+    _, _, cut = fit_length(template_sample(turns, tpl, spec, stored), tpl, spec, too_long)
     return dataclasses.replace(stored, text_tokens=stored.text_tokens - cut)
 
 
 def blank_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Zero images and features of the planned shapes (decode_record(..., blank=True))."""
+    if spec.hf is not None:
+        from mmpipe.data.hf_media import blank_hf_media
+
+        return blank_hf_media(meta, spec)
     v, a = spec.vision, spec.audio
     images = [np.zeros((*resize_image(v, h, w), 3), np.uint8) for h, w in meta.images] if v else []
     audio = [np.zeros((a.mel_bins, audio_frames(a, s)), np.float32) for s in meta.audio_seconds] if a else []
     return images, audio
 
 
-def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: bool = True,
-                  blank: bool = False) -> Sample:
+def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec, *, media: bool = True,
+                  blank: bool = False, limits: MediaLimits = DEFAULT_LIMITS) -> Sample:
     """The Sample of a Record; with media=False no image or clip is decoded.
 
     input_ids and labels are the Record's (templated from meta when it was made), so both
@@ -290,7 +331,8 @@ def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: 
     ids, labels = rec.input_ids, rec.labels
     if not ids:
         obj = read_json(rec.raw)
-        templ = template_sample(_turns(obj), tokenizer, spec, rec.meta)
+        tpl = as_templater(tokenizer)
+        templ = template_sample(_turns(obj, tpl), tpl, spec, rec.meta)
         ids, labels = templ.input_ids, templ.labels
     images: list[np.ndarray] = []
     audio: list[np.ndarray] = []
@@ -299,9 +341,9 @@ def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: 
         try:
             n_img, n_aud = len(rec.meta.images), len(rec.meta.audio_seconds)
             for _, b in media_members(rec.raw, IMAGE_EXTS, n_img, "image"):
-                images.append(decode_image(b, spec.vision).pixels)
-            for ext, b in media_members(rec.raw, AUDIO_EXTS, n_aud, "audio"):
-                audio.append(decode_audio(b, spec.audio, ext).features)
+                images.append(_image(b, spec, limits))
+            for (ext, b), s in zip(media_members(rec.raw, AUDIO_EXTS, n_aud, "audio"), rec.meta.audio_seconds):
+                audio.append(_clip(b, ext, s, spec, limits))
         except SampleError as err:
             err = err.at(shard=rec.shard, key=rec.key)
             if not blank:
@@ -311,3 +353,21 @@ def decode_record(rec: Record, tokenizer: Tokenizer, spec: ModelSpec, *, media: 
     return Sample(key=rec.key, input_ids=ids, labels=labels, images=images, audio=audio, meta=rec.meta,
                   shard=rec.shard, source=rec.source, media=media, worker=rec.worker, cursor=rec.cursor,
                   dropped=dropped)
+
+
+def _image(data: bytes, spec: ModelSpec, limits: MediaLimits):
+    """mmpipe's resized pixels, or a Hugging Face model's processor output (mmpipe.data.hf_media)."""
+    if spec.hf is not None:
+        from mmpipe.data.hf_media import hf_image
+
+        return hf_image(data, spec, limits)
+    return decode_image(data, spec.vision, limits).pixels
+
+
+def _clip(data: bytes, ext: str, seconds: float, spec: ModelSpec, limits: MediaLimits):
+    """mmpipe's log-mel features, or a Hugging Face model's feature extractor output."""
+    if spec.hf is not None:
+        from mmpipe.data.hf_media import hf_audio
+
+        return hf_audio(data, spec, ext, limits, seconds=seconds)
+    return decode_audio(data, spec.audio, ext, limits, seconds=seconds).features

@@ -3,12 +3,20 @@
 A bad sample never stops a run with `data.on_error=skip`: the reader counts it under a short,
 stable reason ("undecodable image", "empty answer", ...) and moves on. With
 `data.on_error=raise` the same error is raised instead, naming shard and key.
+
+A counter made for a run (`SkipCounter.for_run`) also logs every drop: one JSON line per drop
+in `RUN_DIR/skips.jsonl`, and on stderr the first few drops of each reason, then one line
+saying that the rest of that reason are only in the file.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Reasons are plain strings so that summaries read naturally; these are all the reader emits.
 BAD_JSON = "bad json"
@@ -25,12 +33,20 @@ NO_ENCODER = "no encoder"
 TOO_LONG = "too long"
 META_MISMATCH = "meta mismatch"
 CORRUPT_SHARD = "corrupt shard"
+UNSAFE_NAME = "unsafe member name"
+MEDIA_TOO_LARGE = "media too large"
+UNSAFE_PATH = "unsafe path"
+"""The converter's: a media path that leads out of image_root / audio_root (`..`, an absolute
+path, a symlink), or names something other than a regular file (a device, a FIFO)."""
 
 REASONS: tuple[str, ...] = (
     BAD_JSON, MISSING_JSON, MISSING_META, BAD_CONVERSATION, NO_ANSWER, EMPTY_ANSWER,
     PLACEHOLDER_MISMATCH, MISSING_MEDIA, UNDECODABLE_IMAGE, UNDECODABLE_AUDIO, NO_ENCODER,
-    TOO_LONG, META_MISMATCH, CORRUPT_SHARD,
+    TOO_LONG, META_MISMATCH, CORRUPT_SHARD, UNSAFE_NAME, MEDIA_TOO_LARGE, UNSAFE_PATH,
 )
+ECHO_PER_REASON = 5
+"""Drops of each reason a run prints on stderr before it only counts them (and writes them to
+skips.jsonl)."""
 
 
 class SampleError(ValueError):
@@ -71,11 +87,37 @@ class SkipCounter:
     """The first few drop messages (shard, key, detail), for logs."""
     max_examples: int = 5
     """How many messages `examples` keeps."""
+    journal: Path | None = None
+    """Append one JSON line per drop here (a run's skips.jsonl); None: count only."""
+    echo: int = 0
+    """Print the first `echo` drops of each reason on stderr, then one line saying the rest
+    are in the journal (0: print nothing)."""
+    fields: dict = field(default_factory=dict)
+    """Added to every journal line (e.g. the replica that read the sample)."""
+
+    @classmethod
+    def for_run(cls, run_dir: str | Path, **fields) -> "SkipCounter":
+        """A counter that logs every drop to RUN_DIR/skips.jsonl and the first few on stderr."""
+        return cls(journal=Path(run_dir) / "skips.jsonl", echo=ECHO_PER_REASON, fields=fields)
 
     def add(self, err: SampleError) -> None:
         self.counts[err.reason] += 1
         if len(self.examples) < self.max_examples:
             self.examples.append(str(err))
+        if self.journal is not None:
+            line = {"reason": err.reason, "shard": err.shard, "key": err.key, "detail": err.detail, **self.fields}
+            # One write per line on an O_APPEND descriptor: the replicas of a run share the file.
+            fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (json.dumps(line) + "\n").encode())
+            finally:
+                os.close(fd)
+        n = self.counts[err.reason]
+        if self.echo and n <= self.echo:
+            print(f"skipped {err}", file=sys.stderr, flush=True)
+        if self.echo and n == self.echo + 1:
+            print(f"skipped more samples for {err.reason!r}; they are counted in the summary"
+                  + (f" and listed in {self.journal}" if self.journal else ""), file=sys.stderr, flush=True)
 
     @property
     def total(self) -> int:

@@ -1,10 +1,11 @@
-"""Streaming tar reading for webdataset shards: local files and `pipe:` commands.
+"""Strict streaming tar parsing for webdataset shards: members, and members grouped into samples.
 
 A small tar parser of our own (USTAR, GNU long names, pax `path`) rather than Python's
 `tarfile` in stream mode, for three reasons: it tells a clean end of archive from garbage or
 a cut in the middle of a shard (tarfile takes a garbage header for the end), it can skip the
 bytes of members nobody asked for (metadata-only reading seeks past the media), and it lets a
-`pipe:` command's exit status be checked once its output is read.
+`pipe:` command's exit status be checked once its output is read (see mmpipe.data.shards,
+which opens the shards and feeds them here).
 
 Members are grouped into samples as webdataset does: `dir/KEY.suffix` has key `dir/KEY`
 (everything before the first dot of the file name) and suffix `suffix` (lower-cased);
@@ -15,19 +16,19 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
-import subprocess
-import tempfile
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Callable, Iterator
+
+from mmpipe.data.skips import UNSAFE_NAME, SampleError
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]+)$")
-_SIGPIPE = (-13, 141)
-"""Exit statuses of a command killed by SIGPIPE because we stopped reading."""
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f\\]|^/|^[A-Za-z]:|(?:^|/)\.\.(?:/|$)")
+"""Anything unsafe_name refuses, except a `__` suffix."""
+_SUFFIXES = re.compile(r"(\.\w+)+$")
+"""The suffixes of a member name (`.0.png`): what is left is the key it would have had."""
 
 
 class ShardError(Exception):
@@ -37,33 +38,6 @@ class ShardError(Exception):
         super().__init__(detail)
         self.member = member
         """The member being read when the data ended ('' inside a header)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """One shard of the full, expanded shard list."""
-
-    url: str
-    """A local path or `pipe:COMMAND` (whose stdout is the tar)."""
-    index: int
-    """Position in the full shard list (limits and resume refer to it)."""
-
-    @property
-    def name(self) -> str:
-        """Short name for logs: the file name, or for a command the last `*.tar*` word in it."""
-        if not self.url.startswith("pipe:"):
-            return Path(self.url).name
-        try:
-            words = shlex.split(self.url[5:])
-        except ValueError:
-            words = self.url[5:].split()
-        tars = [w for w in words if ".tar" in w]
-        return Path(tars[-1]).name if tars else self.url[:48]
-
-
-def shard_name(url: str) -> str:
-    """Short name of a shard URL for logs (see Shard.name)."""
-    return Shard(url, 0).name
 
 
 def _number(field: bytes) -> int:
@@ -78,7 +52,7 @@ def _cstr(field: bytes) -> str:
     return field.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def _read(f: IO[bytes], n: int) -> bytes:
+def read_upto(f: IO[bytes], n: int) -> bytes:
     """Up to n bytes (fewer only at end of stream); pipes may return short reads."""
     chunks, got = [], 0
     while got < n:
@@ -90,7 +64,8 @@ def _read(f: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _skip(f: IO[bytes], n: int, seekable: bool) -> None:
+def skip_bytes(f: IO[bytes], n: int, seekable: bool) -> None:
+    """Pass n bytes of the stream (seek when it can, else read and drop them; stops at its end)."""
     if seekable:
         f.seek(n, os.SEEK_CUR)
     else:
@@ -131,7 +106,7 @@ def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
     at = 0
     long_name: str | None = None
     while True:
-        hdr = _read(f, BLOCK)
+        hdr = read_upto(f, BLOCK)
         if not hdr:
             if at == 0:
                 raise ShardError("unexpected end of data: the shard is empty")
@@ -156,7 +131,7 @@ def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
         at += BLOCK
         padded = -(-size // BLOCK) * BLOCK
         if kind in (b"L", b"x"):
-            data = _read(f, padded)
+            data = read_upto(f, padded)
             if len(data) < padded:
                 raise ShardError(f"unexpected end of data in a long-name header at byte {at}")
             long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "replace") if kind == b"L" \
@@ -165,16 +140,16 @@ def iter_members(f: IO[bytes], *, select: Callable[[str], bool] | None = None,
             name = long_name or name
             long_name = None
             if select is None or select(name):
-                data = _read(f, padded)
+                data = read_upto(f, padded)
                 if len(data) < size:
                     raise ShardError(f"unexpected end of data in member {name} at byte {at}", member=name)
                 yield name, data[:size]
             else:
-                _skip(f, padded, seekable)
+                skip_bytes(f, padded, seekable)
                 yield name, None
         else:  # directories, links, global pax headers: nothing a sample needs
             long_name = None
-            _skip(f, padded, seekable)
+            skip_bytes(f, padded, seekable)
         at += padded
 
 
@@ -184,15 +159,53 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2).lower()) if m else None
 
 
-def iter_groups(members: Iterator[tuple[str, bytes | None]]) -> Iterator[dict]:
+def unsafe_name(name: str) -> str | None:
+    """Why a member name must never become a sample key or a path (None: it is safe).
+
+    A key travels into logs, recorded sample lists and whatever tools later build paths from
+    them, so a name that climbs out of its folder, is absolute, holds control characters, or
+    whose suffix would overwrite the reader's own `__key__`-style fields is refused, not
+    cleaned up.
+    """
+    if _UNSAFE.search(name) is None and "__" not in name:
+        return None  # the common case, in one regex pass (this runs for every member)
+    if _CONTROL.search(name):
+        return "it holds a NUL or another control character"
+    if name.startswith("/") or _DRIVE.match(name):
+        return "it is an absolute path"
+    if "\\" in name:
+        return "it holds a backslash"
+    if ".." in name.split("/"):
+        return "it has a '..' path component"
+    parts = split_name(name)
+    if parts is not None and parts[1].startswith("__"):
+        return "its suffix starts with '__' (reserved for the reader's fields)"
+    return None
+
+
+def iter_groups(members: Iterator[tuple[str, bytes | None]]) -> Iterator[dict | SampleError]:
     """Samples: consecutive members with the same key, as {"__key__", suffix: bytes, ...}.
 
     Unselected members still mark a sample (so metadata-only reading counts the same samples
-    as full reading) but carry no data. A sample cut by a ShardError is not yielded.
+    as full reading) but carry no data. A sample cut by a ShardError is not yielded. A member
+    with an unsafe name (see `unsafe_name`) is never used: consecutive such members of one
+    would-be key give one SampleError (`unsafe member name`) in the sample's place.
     """
     cur: dict | None = None
+    bad: str | None = None
     try:
         for name, data in members:
+            why = unsafe_name(name)
+            if why is not None:
+                if cur is not None:
+                    yield cur
+                    cur = None
+                would_be = _SUFFIXES.sub("", name)
+                if bad != would_be:
+                    bad = would_be
+                    yield SampleError(UNSAFE_NAME, f"member {name[:200]!r}: {why}; it is not used")
+                continue
+            bad = None
             parts = split_name(name)
             if parts is None:
                 continue
@@ -211,74 +224,3 @@ def iter_groups(members: Iterator[tuple[str, bytes | None]]) -> Iterator[dict]:
         raise
     if cur is not None:
         yield cur
-
-
-@contextmanager
-def open_shard(url: str) -> Iterator[tuple[IO[bytes], bool, Callable[[], None]]]:
-    """(stream, seekable, finish) for a local path or a `pipe:` command.
-
-    `finish()` is called after a complete read: for a command it reads what is left and
-    raises ShardError on a non-zero exit status. A ShardError inside the block is re-raised
-    naming the command's status and stderr when the command failed.
-    """
-    if not url.startswith("pipe:"):
-        try:
-            fh = open(url, "rb", buffering=1 << 20)
-        except OSError as err:
-            raise ShardError(f"cannot open: {err.strerror or err}") from None
-        with fh:
-            yield fh, True, lambda: None
-        return
-    cmd = url[5:].strip()
-    with tempfile.TemporaryFile() as err_file:
-        proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.PIPE, stderr=err_file, bufsize=1 << 20)
-        assert proc.stdout is not None
-
-        def failure(status: int) -> ShardError:
-            err_file.seek(0)
-            tail = err_file.read()[-400:].decode("utf-8", "replace").strip().replace("\n", " | ")
-            return ShardError(f"command {cmd!r} exited with status {status}" + (f": {tail}" if tail else ""))
-
-        def finish() -> None:
-            _skip(proc.stdout, 1 << 62, False)  # the tar's end padding; a writer must not get SIGPIPE
-            status = proc.wait()
-            if status != 0:
-                raise failure(status)
-
-        try:
-            yield proc.stdout, False, finish
-        except ShardError:
-            proc.stdout.close()
-            try:
-                status = proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                status = None
-            if status not in (None, 0, *_SIGPIPE):
-                raise failure(status) from None
-            raise
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
-
-
-def read_shard(shard: Shard, *, select: Callable[[str], bool] | None = None) -> Iterator[dict]:
-    """The samples of one shard, each with `__key__`, `__url__`, `__shard__` (index) and
-    `__ordinal__` (position in the shard).
-
-    Raises:
-        ShardError: after yielding the samples before the damage.
-    """
-    with open_shard(shard.url) as (f, seekable, finish):
-        for ordinal, sample in enumerate(iter_groups(iter_members(f, select=select, seekable=seekable))):
-            sample["__url__"] = shard.url
-            sample["__shard__"] = shard.index
-            sample["__ordinal__"] = ordinal
-            yield sample
-        finish()
-
-
-def count_samples(shard: Shard) -> int:
-    """Samples in a shard, from the headers alone (member data is skipped, not read)."""
-    return sum(1 for _ in read_shard(shard, select=lambda name: False))

@@ -1,12 +1,20 @@
-"""The chat template: a LLaVA-style conversation becomes `input_ids` and `labels`.
+"""The templating interface, and mmpipe's own tiny template behind it.
+
+A `Templater` turns a checked conversation into `input_ids` and `labels`, expanding each
+media placeholder into as many image / audio token ids as the encoder hands the LLM for that
+medium. Two implementations: `TinyTemplate` here (mmpipe's own tokenizer) and
+`mmpipe.data.chat.ChatTemplate` (a Hugging Face checkpoint's tokenizer and chat template);
+`mmpipe.data.chat.templater_for` picks one from the run's tokenizer setting.
+
+The tiny template:
 
     <bos> <|user|> {human text} <|assistant|> {gpt text} <eos> <|user|> ... <eos>
 
 Only answer tokens (each gpt text and its <eos>) carry labels; everything else is labelled
 IGNORE (-100). Labels are aligned with `input_ids` (labels[i] is token i itself); the model
 shifts them when it computes the next-token loss. Each `<image>` / `<audio>` placeholder in a
-human turn is expanded into as many image / audio token ids as the encoder hands the LLM for
-that medium (features.image_tokens / audio_tokens), in order of appearance. Hence
+human turn is expanded in place into as many image / audio token ids as the encoder hands the
+LLM for that medium (features.image_tokens / audio_tokens), in order of appearance. Hence
 `len(input_ids) == features(spec, meta).llm_len` and `meta.text_tokens` is the length with
 the placeholders taken out.
 """
@@ -15,10 +23,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Protocol, Sequence
 
 from mmpipe.data.skips import (
-    BAD_CONVERSATION, EMPTY_ANSWER, NO_ANSWER, PLACEHOLDER_MISMATCH, NO_ENCODER, SampleError,
+    BAD_CONVERSATION, EMPTY_ANSWER, NO_ANSWER, NO_ENCODER, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE, SampleError,
 )
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
@@ -27,7 +36,7 @@ from mmpipe.model.geometry import SampleMeta, audio_tokens, image_tokens
 IGNORE = -100
 """Label of a position that carries no loss."""
 
-HUMAN, GPT = "human", "gpt"
+HUMAN, GPT, SYSTEM = "human", "gpt", "system"
 PLACEHOLDER = re.compile(f"({re.escape(IMAGE)}|{re.escape(AUDIO)})")
 
 
@@ -36,7 +45,7 @@ class Turn:
     """One turn of a conversation."""
 
     role: str
-    """`human` or `gpt`."""
+    """`human`, `gpt`, or `system` (first turn only, for templaters that have a system role)."""
     text: str
     """What was said; human text may hold `<image>` / `<audio>` placeholders."""
 
@@ -57,8 +66,10 @@ class Templated:
         return sum(1 for t in self.labels if t != IGNORE)
 
 
-def parse_conversation(obj: Any) -> list[Turn]:
+def parse_conversation(obj: Any, *, system: bool = False) -> list[Turn]:
     """Check a LLaVA `conversations` list ([{"from": "human"|"gpt", "value": str}, ...]).
+
+    With `system=True` a first turn `{"from": "system", ...}` is accepted too.
 
     Raises:
         SampleError: reason `bad conversation`, `no answer` or `empty answer`, or
@@ -71,7 +82,12 @@ def parse_conversation(obj: Any) -> list[Turn]:
         if not isinstance(t, dict) or not isinstance(t.get("value"), str):
             raise SampleError(BAD_CONVERSATION, f"turn {i} must be {{'from': ..., 'value': str}}, got {t!r:.80}")
         role = t.get("from")
-        if role not in (HUMAN, GPT):
+        if role == SYSTEM and system and i == 0:
+            if PLACEHOLDER.search(t["value"]):
+                raise SampleError(PLACEHOLDER_MISMATCH, "turn 0 ('system') holds a media placeholder")
+        elif role == SYSTEM and system:
+            raise SampleError(BAD_CONVERSATION, f"turn {i} has from='system'; only the first turn may")
+        elif role not in (HUMAN, GPT):
             raise SampleError(BAD_CONVERSATION, f"turn {i} has from={role!r}; use 'human' or 'gpt'")
         turns.append(Turn(role=role, text=t["value"]))
     answers = [t for t in turns if t.role == GPT]
@@ -96,6 +112,17 @@ def count_placeholders(turns: Sequence[Turn]) -> tuple[int, int]:
     return n_img, n_aud
 
 
+def check_media_counts(turns: Sequence[Turn], image_tokens: Sequence[int], audio_tokens: Sequence[int]) -> None:
+    """Raise `placeholder mismatch` unless there is one count per placeholder of each kind."""
+    n_img, n_aud = count_placeholders(turns)
+    if n_img != len(image_tokens) or n_aud != len(audio_tokens):
+        raise SampleError(
+            PLACEHOLDER_MISMATCH,
+            f"the text has {n_img} {IMAGE} and {n_aud} {AUDIO} placeholders but the sample has "
+            f"{len(image_tokens)} image(s) and {len(audio_tokens)} audio clip(s)",
+        )
+
+
 def apply_template(
     turns: Sequence[Turn],
     tok: Tokenizer,
@@ -113,13 +140,10 @@ def apply_template(
     Raises:
         SampleError: `placeholder mismatch` when the placeholders and media differ in number.
     """
-    n_img, n_aud = count_placeholders(turns)
-    if n_img != len(image_tokens) or n_aud != len(audio_tokens):
-        raise SampleError(
-            PLACEHOLDER_MISMATCH,
-            f"the text has {n_img} {IMAGE} and {n_aud} {AUDIO} placeholders but the sample has "
-            f"{len(image_tokens)} image(s) and {len(audio_tokens)} audio clip(s)",
-        )
+    check_media_counts(turns, image_tokens, audio_tokens)
+    if any(t.role == SYSTEM for t in turns):
+        raise SampleError(BAD_CONVERSATION, "the conversation has a 'system' turn; mmpipe's tiny template has no "
+                                            "system role (a checkpoint's chat template may have one)")
     ids: list[int] = [tok.bos_id]
     labels: list[int] = [IGNORE]
     media = 0
@@ -155,16 +179,116 @@ def text_tokens(conversations: Any, tok: Tokenizer) -> int:
     return apply_template(turns, tok, image_tokens=[0] * n_img, audio_tokens=[0] * n_aud).text_tokens
 
 
-def template_sample(turns: Sequence[Turn], tok: Tokenizer, spec: ModelSpec, meta: SampleMeta) -> Templated:
-    """Template a conversation for a model: placeholders expand by the features rules.
+class Templater(Protocol):
+    """A tokenizer with its chat template: what the records, the reader and the model need.
 
-    `meta` gives the true media sizes (images as (height, width) before resizing, clip
-    durations); its text_tokens is not read.
+    `TinyTemplate` (mmpipe's tokenizer) and `mmpipe.data.chat.ChatTemplate` (a Hugging Face
+    checkpoint's) implement it.
+    """
+
+    path: Path | None
+    """Where it was loaded from (named in errors)."""
+    fingerprint: str
+    """Content hash of everything that decides text_tokens (tokenizer and template); shards
+    record it beside meta.text_tokens."""
+    system: bool
+    """Whether a leading `system` turn is accepted."""
+    pad_id: int
+    """Id of padding positions."""
+    image_id: int | None
+    """Id of the image token (None: no image token)."""
+    audio_id: int | None
+    """Id of the audio token (None: no audio token)."""
+    vocab_size: int
+    """Entries of the vocabulary (the LLM embedding needs at least this many rows)."""
+
+    def template(self, turns: Sequence[Turn], *, image_tokens: Sequence[int] = (),
+                 audio_tokens: Sequence[int] = ()) -> Templated:
+        """input_ids and labels; placeholder k of a kind expands into image_tokens[k] /
+        audio_tokens[k] ids. Raises SampleError (the caller adds shard and key)."""
+        ...
+
+    def text_tokens(self, turns: Sequence[Turn]) -> int:
+        """template(...).text_tokens, for planning: no labels are computed."""
+        ...
+
+
+class TinyTemplate:
+    """mmpipe's own tokenizer and the tiny template above, as a Templater."""
+
+    __slots__ = ("tok",)
+    system = False
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    @property
+    def path(self) -> Path | None:
+        return self.tok.path
+
+    @property
+    def fingerprint(self) -> str:
+        return f"tiny:{self.tok.fingerprint}"
+
+    @property
+    def pad_id(self) -> int:
+        return self.tok.pad_id
+
+    @property
+    def image_id(self) -> int:
+        return self.tok.image_id
+
+    @property
+    def audio_id(self) -> int:
+        return self.tok.audio_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.vocab_size
+
+    def template(self, turns: Sequence[Turn], *, image_tokens: Sequence[int] = (),
+                 audio_tokens: Sequence[int] = ()) -> Templated:
+        return apply_template(turns, self.tok, image_tokens=image_tokens, audio_tokens=audio_tokens)
+
+    def text_tokens(self, turns: Sequence[Turn]) -> int:
+        n_img, n_aud = count_placeholders(turns)
+        return apply_template(turns, self.tok, image_tokens=[0] * n_img, audio_tokens=[0] * n_aud).text_tokens
+
+    def __repr__(self) -> str:
+        return f"TinyTemplate({self.tok!r})"
+
+
+def as_templater(tok: Templater | Tokenizer) -> Templater:
+    """A Templater; mmpipe's Tokenizer stands for its tiny template."""
+    return TinyTemplate(tok) if isinstance(tok, Tokenizer) else tok
+
+
+def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int]]:
+    """LLM tokens of each image and each clip of a sample under a model (the geometry rules).
+
+    Raises:
+        SampleError: `no encoder` when the sample has a medium the model cannot encode;
+            `undecodable image` for an image the model's resize rule refuses (Qwen2-VL's: an
+            aspect ratio over 200).
     """
     if meta.images and spec.vision is None:
         raise SampleError(NO_ENCODER, f"the sample has images but model {spec.name} has no vision encoder")
     if meta.audio_seconds and spec.audio is None:
         raise SampleError(NO_ENCODER, f"the sample has audio but model {spec.name} has no audio encoder")
-    img = [image_tokens(spec.vision, h, w) for h, w in meta.images] if spec.vision else []
+    try:
+        img = [image_tokens(spec.vision, h, w) for h, w in meta.images] if spec.vision else []
+    except ValueError as err:
+        raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({err})") from None
     aud = [audio_tokens(spec.audio, s) for s in meta.audio_seconds] if spec.audio else []
-    return apply_template(turns, tok, image_tokens=img, audio_tokens=aud)
+    return img, aud
+
+
+def template_sample(turns: Sequence[Turn], tok: Templater | Tokenizer, spec: ModelSpec,
+                    meta: SampleMeta) -> Templated:
+    """Template a conversation for a model: placeholders expand by the geometry rules.
+
+    `meta` gives the true media sizes (images as (height, width) before resizing, clip
+    durations); its text_tokens is not read.
+    """
+    img, aud = media_tokens(spec, meta)
+    return as_templater(tok).template(turns, image_tokens=img, audio_tokens=aud)

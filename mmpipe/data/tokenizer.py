@@ -9,8 +9,10 @@ decodes every encoded string back exactly, whitespace and newlines included.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -29,7 +31,7 @@ class Tokenizer:
     """A thin typed wrapper over a `tokenizers.Tokenizer` with the project's special ids."""
 
     __slots__ = ("_tok", "pad_id", "bos_id", "eos_id", "user_id", "assistant_id",
-                 "image_id", "audio_id", "path")
+                 "image_id", "audio_id", "path", "_fingerprint")
 
     def __init__(self, tok: _HFTokenizer, *, path: Path | None = None) -> None:
         self._tok = tok
@@ -53,6 +55,7 @@ class Tokenizer:
         self.assistant_id = ids[ASSISTANT]
         self.image_id = ids[IMAGE]
         self.audio_id = ids[AUDIO]
+        self._fingerprint: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -63,6 +66,13 @@ class Tokenizer:
     def special_ids(self) -> frozenset[int]:
         return frozenset((self.pad_id, self.bos_id, self.eos_id, self.user_id,
                           self.assistant_id, self.image_id, self.audio_id))
+
+    @property
+    def fingerprint(self) -> str:
+        """A content hash of the tokenizer (its JSON form), the same wherever it is loaded from."""
+        if self._fingerprint is None:
+            self._fingerprint = hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text; no <bos>/<eos> is added (the chat template adds them)."""
@@ -134,8 +144,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(tok, path=path)
 
 
-def check_vocab(tok: Tokenizer, vocab: int) -> None:
-    """Raise if the tokenizer has more entries than the model's embedding has rows."""
+class Vocabulary(Protocol):
+    """What check_vocab reads: a Tokenizer, or any Templater (mmpipe.data.template)."""
+
+    vocab_size: int
+    path: Path | None
+
+
+def check_vocab(tok: Vocabulary, vocab: int) -> None:
+    """Raise if the tokenizer (or a templater's) has more entries than the model's embedding has rows."""
     if tok.vocab_size > vocab:
         where = f" ({tok.path})" if tok.path else ""
         raise ValueError(

@@ -2,8 +2,9 @@
 
 DeepSpeed passes a tuple of tensors between stages and needs every floating tensor it sends to
 come back with a gradient. So the carrier has fixed slots, media travel as integers (pixels
-as uint8, log-mel features and frozen activations as the bits of their floats, viewed as an
-integer type of the same width), and only activations that really require grad are floats.
+as uint8, processed pixel values, log-mel features and frozen activations as the bits of their
+floats, viewed as an integer type of the same width), and only activations that really require
+grad are floats.
 A stage boundary may therefore fall between any two layers.
 """
 
@@ -11,13 +12,28 @@ from __future__ import annotations
 
 import torch
 
-# Slot positions in the carrier tuple.
+# Slot positions in the carrier tuple. What a media slot holds depends on the architecture:
+#
+# slot          | mmpipe tiny            | LLaVA (CLIP / SigLIP)       | Qwen2-VL                      | Qwen2-Audio
+# --------------|------------------------|-----------------------------|-------------------------------|------------------------------
+# POSITION_IDS  | [B, T] long            | [B, T] long                 | [3, B, T] long (M-RoPE)       | [B, T] long
+# IMAGE  input  | pixels [P, C, p, p] u8 | pixel_values [N, C, S, S]   | pixel_values [P, C*2*p*p]     | (empty)
+#        tower  | states [1, P, Dv]      | states [N, positions, Dv]   | states [P, Dv]                |
+#        proj   | embeddings [N_tok, D]  | embeddings [N_tok, D]       | embeddings [P / 4, D]         |
+# IMAGE_GRID    | [images, 2] rows, cols | [images, 2] rows, cols      | [images, 3] grid_thw          | (empty)
+# AUDIO  input  | log-mel [clips, mel, F]| (empty)                     | (empty)                       | features [clips, mel, F]: each
+#        tower  | states [1, A, Da]      |                             |                               |   clip's frames 0..2P, 0-filled
+#        proj   | embeddings [N_tok, D]  |                             |                               | states [1, sum P, Da] -> [N_tok, D]
+# AUDIO_FRAMES  | [clips] mel frames     | (empty)                     | (empty)                       | [clips] valid mel frames L
+#
+# Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
+# (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (see mmpipe/model/hf/layers.py).
 INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio placeholders expanded)
-POSITION_IDS = 1  # [B, T] long: positions, restarting at 0 for each packed sample
+POSITION_IDS = 1  # [B, T] long (or [3, B, T] for M-RoPE): positions, restarting at 0 for each packed sample
 SEGMENT_IDS = 2  # [B, T] long: 1.. per sample in a row, 0 on padding
-IMAGE = 3  # pixels [P, C, p, p] uint8 -> vision states [1, P, Dv] -> image embeddings [N, D]
-IMAGE_GRID = 4  # [num_images, 2] long: patch rows and columns of each image
-AUDIO = 5  # log-mel [clips, mel, F] (bits) -> audio states [1, A, Da] -> audio embeddings [N, D]
+IMAGE = 3  # image inputs -> vision states -> image embeddings [N, D] (see the table)
+IMAGE_GRID = 4  # [num_images, 2 or 3] long: patch grid of each image
+AUDIO = 5  # audio features (bits) -> audio states [1, A, Da] -> audio embeddings [N, D]
 AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
 HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)
 NUM_SLOTS = 8

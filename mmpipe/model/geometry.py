@@ -59,6 +59,9 @@ def resize_image(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
         raise ValueError(f"image size {height}x{width} must be positive")
     if v.resize == "fixed":
         return v.image_size, v.image_size
+    if v.resize == "smart":
+        return smart_resize(height, width, factor=v.patch * v.merge, min_pixels=v.min_pixels,
+                            max_pixels=v.max_pixels)
     f = v.patch * v.merge
     h = max(f, round(height / f) * f)
     w = max(f, round(width / f) * f)
@@ -70,6 +73,25 @@ def resize_image(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
         beta = math.sqrt(v.min_pixels / (height * width))
         h = math.ceil(height * beta / f) * f
         w = math.ceil(width * beta / f) * f
+    return h, w
+
+
+def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize rule, as transformers' image processor applies it (a test holds the two
+    equal; written here because the planner must not import torch or transformers)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image of {height}x{width} has an aspect ratio over 200, which Qwen2-VL's "
+                         f"image processor refuses")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
     return h, w
 
 
@@ -85,23 +107,34 @@ def image_positions(v: VisionSpec, height: int, width: int) -> int:
 
 
 def image_tokens(v: VisionSpec, height: int, width: int) -> int:
+    if v.select == "default":  # LLaVA drops encoder position 0 (the class token, if there is one)
+        return image_positions(v, height, width) - 1
+    if v.select == "full":
+        return image_positions(v, height, width)
     gh, gw = image_grid(v, height, width)
     return (gh * gw) // (v.merge * v.merge)
 
 
-def audio_frames(a: AudioSpec, seconds: float) -> int:
-    """Mel frames of a clip (cut at max_seconds)."""
+def audio_samples(a: AudioSpec, seconds: float) -> int:
+    """Waveform samples of a clip at the model's rate, cut at max_seconds."""
     if not seconds > 0:
         raise ValueError(f"audio duration {seconds} s must be positive")
-    return max(1, math.ceil(min(seconds, a.max_seconds) * a.frames_per_s))
+    return max(1, min(round(seconds * a.sample_rate), round(a.max_seconds * a.sample_rate)))
+
+
+def audio_frames(a: AudioSpec, seconds: float) -> int:
+    """Mel frames of a clip (cut at max_seconds): one per started hop of samples, as Whisper's
+    feature extractor marks them valid. Integer arithmetic, so 0.1 s is 10 frames, not 11."""
+    return -(-audio_samples(a, seconds) * a.frames_per_s // a.sample_rate)
 
 
 def audio_positions(a: AudioSpec, seconds: float) -> int:
-    return math.ceil(audio_frames(a, seconds) / a.conv_stride)
+    return -(-audio_frames(a, seconds) // a.conv_stride)
 
 
 def audio_tokens(a: AudioSpec, seconds: float) -> int:
-    return math.ceil(audio_positions(a, seconds) / a.pool)
+    positions = audio_positions(a, seconds)
+    return -(-positions // a.pool) if a.pool_ceil else positions // a.pool
 
 
 def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> SampleFeatures:

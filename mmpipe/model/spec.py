@@ -7,7 +7,7 @@ weights, and the runtime builds the tiny CPU model from the same spec. The layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 COMPONENTS = ("vision", "audio", "llm")
@@ -29,7 +29,9 @@ class VisionSpec:
     """Square patch side in pixels."""
     resize: str = "fixed"
     """`fixed`: every image resized to image_size x image_size; `native`: aspect kept,
-    both sides rounded to multiples of patch*merge, area clamped to [min_pixels, max_pixels]."""
+    both sides rounded to multiples of patch*merge, area clamped to [min_pixels, max_pixels];
+    `smart`: transformers' Qwen2-VL `smart_resize`, exactly (as `native`, but a side may round
+    to 0 before the area clamp, and an aspect ratio over 200 is refused)."""
     image_size: int = 336
     """Side of a `fixed` resize."""
     min_pixels: int = 4 * 28 * 28
@@ -39,7 +41,13 @@ class VisionSpec:
     merge: int = 1
     """Spatial merge: merge x merge neighbouring patches become one LLM token."""
     cls_token: bool = False
-    """A class token adds one encoder position (not passed to the LLM)."""
+    """A class token adds one encoder position."""
+    select: str = "patches"
+    """Which encoder positions become LLM tokens (after the merge): `patches` (every patch,
+    the class token dropped), or LLaVA's `vision_feature_select_strategy`: `default` (drops
+    position 0, whatever it holds) or `full` (every position, the class token included)."""
+    temporal_patch: int = 1
+    """Frames per patch (Qwen2-VL: 2; a still image is repeated to fill them)."""
     proj: tuple[int, ...] = ()
     """Projector output widths; its input width is hidden * merge**2; the last must equal
     the LLM hidden size."""
@@ -47,9 +55,14 @@ class VisionSpec:
     """Image channels."""
 
     def __post_init__(self) -> None:
-        _positive(self, "blocks", "hidden", "mlp", "heads", "patch", "merge", "channels")
-        if self.resize not in ("fixed", "native"):
-            raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed or native")
+        _positive(self, "blocks", "hidden", "mlp", "heads", "patch", "merge", "channels", "temporal_patch")
+        if self.resize not in ("fixed", "native", "smart"):
+            raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed, native or smart")
+        if self.select not in ("patches", "default", "full"):
+            raise ValueError(f"model.vision.select={self.select!r} is unknown; use patches, default or full")
+        if self.select != "patches" and self.merge != 1:
+            raise ValueError(f"model.vision.select={self.select} needs model.vision.merge=1 (LLaVA-style "
+                             f"towers do not merge patches); got merge={self.merge}")
         if self.hidden % self.heads:
             raise ValueError(
                 f"model.vision.hidden={self.hidden} is not divisible by model.vision.heads={self.heads}"
@@ -84,6 +97,9 @@ class AudioSpec:
     """The conv front divides frames by this: positions/s = frames_per_s / conv_stride."""
     pool: int = 2
     """Average pooling of encoder positions before the projector."""
+    pool_ceil: bool = True
+    """A last, partial pooling window still makes a token (ceil); false: it is dropped, as
+    torch's AvgPool1d without ceil_mode does in Qwen2-Audio (floor)."""
     max_seconds: float = 30.0
     """Clips are cut at this length."""
     proj: tuple[int, ...] = ()
@@ -121,7 +137,8 @@ class LLMSpec:
     max_seq_len: int = 4096
     """Longest sequence a sample may have."""
     tie_embeddings: bool = False
-    """Tie the LM head to the input embedding (never across pipeline stages here)."""
+    """The LM head is the input embedding (one weight; DeepSpeed's TiedLayerSpec keeps the
+    copies equal when llm.embed and llm.head sit on different stages)."""
 
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len")
@@ -136,6 +153,26 @@ class LLMSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HFSource:
+    """Where a model made of Hugging Face transformers modules comes from (`mmpipe.model.hf`).
+
+    Plain strings only, so a spec stays a hashable value the planner can carry around.
+    """
+
+    architecture: str
+    """The transformers class the model is and exports as, e.g. `LlavaForConditionalGeneration`."""
+    config: str = field(repr=False)
+    """That class's configuration as JSON (what its config.json holds)."""
+    weights: tuple[tuple[str, str], ...] = ()
+    """(part, folder) to load weights from: `model` for a whole checkpoint; `vision`, `audio`,
+    `llm`, `projector` for a composition; empty for a random initialisation."""
+    image_processor: str = field(default="", repr=False)
+    """The image processor's configuration as JSON (empty without a vision tower)."""
+    feature_extractor: str = field(default="", repr=False)
+    """The audio feature extractor's configuration as JSON (empty without an audio tower)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     """A whole multimodal model: optional encoders and a decoder LLM."""
 
@@ -147,6 +184,9 @@ class ModelSpec:
     """Image encoder, or None for a model without one."""
     audio: AudioSpec | None = None
     """Audio encoder, or None."""
+    hf: HFSource | None = None
+    """The transformers source of a model built by `mmpipe.model.hf`; None for mmpipe's own
+    tiny assembly (`mmpipe.model.layers`)."""
 
     def __post_init__(self) -> None:
         for comp, enc in (("vision", self.vision), ("audio", self.audio)):

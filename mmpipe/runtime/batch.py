@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from mmpipe.model import carrier as C
+from mmpipe.model.spec import ModelSpec
 
 
 class SampleLike(Protocol):
@@ -47,8 +48,36 @@ def shifted_targets(labels: Sequence[int]) -> list[int]:
     return list(labels[1:]) + [-100]
 
 
+def _text_tensors(samples: Sequence[SampleLike], *, packed: bool,
+                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, positions, segment ids and shifted targets: one packed row, or one padded row per sample."""
+    lengths = [len(s.input_ids) for s in samples]
+    if packed:
+        ids = torch.tensor([sum((s.input_ids for s in samples), [])], dtype=torch.long)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        seg = torch.repeat_interleave(torch.arange(1, len(samples) + 1), torch.tensor(lengths))[None]
+        tgt = torch.tensor([sum((shifted_targets(s.labels) for s in samples), [])], dtype=torch.long)
+        return ids, pos, seg, tgt
+    t = max(lengths)
+    ids = torch.full((len(samples), t), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(samples), t), dtype=torch.long)
+    seg = torch.zeros((len(samples), t), dtype=torch.long)
+    tgt = torch.full((len(samples), t), -100, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(samples, lengths)):
+        ids[i, :n] = torch.tensor(s.input_ids)
+        pos[i, :n] = torch.arange(n)
+        seg[i, :n] = 1
+        tgt[i, :n] = torch.tensor(shifted_targets(s.labels))
+    return ids, pos, seg, tgt
+
+
+def _micro_batch(samples: Sequence[SampleLike], carrier: tuple[torch.Tensor, ...], tgt: torch.Tensor) -> MicroBatch:
+    return MicroBatch(keys=tuple(s.key for s in samples), carrier=carrier, targets=tgt,
+                      label_tokens=int((tgt != -100).sum()), tokens=sum(len(s.input_ids) for s in samples))
+
+
 def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: int) -> MicroBatch:
-    """Build the tensors of one micro-batch.
+    """Build the tensors of one micro-batch of mmpipe's own model (uint8 pixels, log-mel features).
 
     Args:
         samples: the micro-batch's samples, in order.
@@ -59,36 +88,41 @@ def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: 
     """
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
-    lengths = [len(s.input_ids) for s in samples]
-    if packed:
-        ids = torch.tensor([sum((s.input_ids for s in samples), [])], dtype=torch.long)
-        pos = torch.cat([torch.arange(n) for n in lengths])[None]
-        seg = torch.repeat_interleave(torch.arange(1, len(samples) + 1), torch.tensor(lengths))[None]
-        tgt = torch.tensor([sum((shifted_targets(s.labels) for s in samples), [])], dtype=torch.long)
-    else:
-        t = max(lengths)
-        ids = torch.full((len(samples), t), pad_id, dtype=torch.long)
-        pos = torch.zeros((len(samples), t), dtype=torch.long)
-        seg = torch.zeros((len(samples), t), dtype=torch.long)
-        tgt = torch.full((len(samples), t), -100, dtype=torch.long)
-        for i, (s, n) in enumerate(zip(samples, lengths)):
-            ids[i, :n] = torch.tensor(s.input_ids)
-            pos[i, :n] = torch.arange(n)
-            seg[i, :n] = 1
-            tgt[i, :n] = torch.tensor(shifted_targets(s.labels))
-
+    ids, pos, seg, tgt = _text_tensors(samples, packed=packed, pad_id=pad_id)
     images = [img for s in samples for img in s.images]
     pixels, grid = _patchify(images, patch)
     clips = [clip for s in samples for clip in s.audio]
     mels, frames = _stack_clips(clips)
-    carrier = C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty()])
-    return MicroBatch(
-        keys=tuple(s.key for s in samples),
-        carrier=carrier,
-        targets=tgt,
-        label_tokens=int((tgt != -100).sum()),
-        tokens=sum(lengths),
-    )
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty()]), tgt)
+
+
+def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, pad_id: int,
+               media: bool = True) -> MicroBatch:
+    """Build the tensors of one micro-batch of a Hugging Face model (`mmpipe.model.hf`).
+
+    Each sample's `images` are `ImageInput`s and `audio` are `AudioInput`s (made by
+    `mmpipe.model.hf.media.preprocess_image` / `preprocess_audio`); the carrier slots hold what
+    that architecture's first layers take (model/carrier.py). Qwen2-VL's positions are its 3-D
+    M-RoPE positions [3, B, T], computed per sample, so packing restarts them per sample.
+    `media=False`: the samples were decoded without media (a last stage, which reads only the
+    targets): the media slots stay empty and the positions are the plain 1-D ones.
+    """
+    from mmpipe.model.hf.media import carrier_media, sample_positions, uses_mrope
+
+    if not samples:
+        raise ValueError("a micro-batch needs at least one sample")
+    ids, pos, seg, tgt = _text_tensors(samples, packed=packed, pad_id=pad_id)
+    if uses_mrope(spec) and media:
+        per = [torch.from_numpy(sample_positions(spec, s.input_ids, s.images)) for s in samples]
+        if packed:
+            pos = torch.cat(per, dim=1)[:, None]
+        else:
+            pos = torch.zeros((3, *ids.shape), dtype=torch.long)
+            for i, p in enumerate(per):
+                pos[:, i, :p.shape[1]] = p
+    pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
+                                                [clip for s in samples for clip in s.audio] if media else [])
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty()]), tgt)
 
 
 def _patchify(images: list[np.ndarray], patch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmpipe.config import PROJECT_ROOT, RunConfig
+from mmpipe.config import RunConfig
 
 SKIP_STEPS = 2
 """Warm-up steps left out of every figure."""
@@ -52,7 +52,7 @@ def run_bench(rc: RunConfig, overrides: list[str]) -> list[PolicyFigures]:
                    f"train.steps={rc.bench.steps}", f"hydra.run.dir={run_dir}"]
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"bench run {policy} (round {rnd}) took over {RUN_TIMEOUT_S} s; "
                                    f"see {run_dir} and lower bench.steps") from None

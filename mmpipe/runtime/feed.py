@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmpipe.config import RunConfig, hardware_spec
-from mmpipe.data.reader import Record, loader
-from mmpipe.data.records import decode_record
+from mmpipe.data.loader import loader
+from mmpipe.data.records import Record, decode_record
 from mmpipe.data.skips import SkipCounter
+from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
 from mmpipe.planner.api import StagePlan, StepPlanner
-from mmpipe.runtime.batch import MicroBatch, collate
+from mmpipe.runtime.batch import MicroBatch, collate, collate_hf
 from mmpipe.runtime.stream import make_stream
 
 
@@ -41,6 +42,9 @@ class PlannedStep:
     """The planner's predicted step time of these micro-batches (this replica)."""
     predicted_busy: tuple[float, ...]
     """The planner's predicted compute time of each stage (this replica)."""
+    predicted_peak_bytes: tuple[float, ...]
+    """The planner's predicted peak memory of each stage (static + activations, largest over
+    the replicas), under the hardware config's byte costs."""
     reader_state: dict
     """The reader's position after this step's samples (saved with a checkpoint)."""
 
@@ -48,13 +52,13 @@ class PlannedStep:
 class StepFeeder:
     """Yields, step after step, the planned micro-batches of one data-parallel replica."""
 
-    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan: StagePlan,
+    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer | Templater, dp_rank: int, stage_plan: StagePlan,
                  over_memory: bool = False, media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
-                 steps: int | None = None):
+                 steps: int | None = None, first_step: int = 0):
         self.rc = rc
         self.tokenizer = tokenizer
-        self.skips = SkipCounter()
+        self.skips = SkipCounter.for_run(rc.run_dir, dp_rank=dp_rank) if media else SkipCounter()  # first stage logs
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
@@ -65,7 +69,8 @@ class StepFeeder:
                                    micro_batches=rc.train.micro_batches,
                                    replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory)
         self.packed = self.planner.packing
-        self._record = record.open("w") if record else None
+        self._record = record.open("a") if record else None  # a resumed run continues the record
+        self.first_step = first_step
         self.media = media
         self.steps = rc.train.steps if steps is None else steps
         self.stream = make_stream(rc, tokenizer=tokenizer, dp_rank=dp_rank, skips=self.skips)
@@ -114,23 +119,35 @@ class StepFeeder:
                                f"train.global_batch (now {self.rc.train.global_batch}) above parallel.dp")
         t3 = time.perf_counter()
         samples = {i: self._decode(records[i]) for g in groups for i in g}  # only this replica's
-        mbs = [collate([samples[i] for i in g], patch=self.patch, packed=self.packed,
-                       pad_id=self.tokenizer.pad_id) for g in groups]
+        mbs = [self._collate([samples[i] for i in g]) for g in groups]
+        for g, mb in zip(groups, mbs):  # what the planner costs is what the model gets
+            planned_len = sum(feats[i].llm_len for i in g)
+            if mb.tokens != planned_len:
+                raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens but the planner "
+                                   f"counted {planned_len}")
         self.steps_made += 1
         if self._record:
-            self._record.write(json.dumps({"step": self.steps_made,
+            self._record.write(json.dumps({"step": self.first_step + self.steps_made,
                                            "micro_batches": [list(m.keys) for m in mbs]}) + "\n")
             self._record.flush()
         t4 = time.perf_counter()
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
                            predicted_s=planned.step_time, predicted_busy=planned.busy[mine],
-                           reader_state=state)
+                           predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state)
+
+    def _collate(self, samples: list) -> MicroBatch:
+        """mmpipe's own model's tensors, or a Hugging Face model's (its processors' arrays)."""
+        pad = self.tokenizer.pad_id
+        if self.rc.model.hf is not None:
+            return collate_hf(samples, spec=self.rc.model, packed=self.packed, pad_id=pad, media=self.media)
+        return collate(samples, patch=self.patch, packed=self.packed, pad_id=pad)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that
         fail behind a valid header become zeros of the planned shape (and are counted), so
         both stages keep the same samples in the same micro-batches."""
-        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True)
+        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True,
+                               limits=self.stream.limits)
         if self.media:
             for err in sample.dropped[len(rec.dropped):]:  # new here; earlier drops are counted
                 if self.rc.data.on_error == "raise":

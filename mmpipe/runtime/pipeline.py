@@ -1,4 +1,5 @@
-"""DeepSpeed pipeline assembly: explicit stage boundaries, lazily built layers, one config dict."""
+"""DeepSpeed pipeline assembly: explicit stage boundaries, lazily built layers, the optimizer, and
+the workarounds of DeepSpeed internals (each checks the DeepSpeed release it was tested with)."""
 
 from __future__ import annotations
 
@@ -6,22 +7,26 @@ import math
 from dataclasses import dataclass
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
+from mmpipe.config import TrainConfig
 from mmpipe.model.layers import build_layer, token_loss
-from mmpipe.model.pretrained import Pretrained
 from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
+from mmpipe.runtime.dsconfig import require_tested_deepspeed
 
 
 class _LayerFromName(nn.Module):
     """LayerSpec wants an nn.Module class; this one builds the named mmpipe layer instead, so
-    each rank constructs only the layers of its own stage."""
+    each rank constructs only the layers of its own stage (a Hugging Face model's layer also
+    reads only its own tensors from the checkpoint)."""
 
-    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int,  # type: ignore[misc]
-                pretrained: Pretrained | None = None):
-        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token,
-                           pretrained=pretrained)
+    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int):  # type: ignore[misc]
+        if spec.hf is not None:
+            from mmpipe.model.hf.build import build_layer as build_hf_layer
+
+            return build_hf_layer(spec, name, seed=seed)
+        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token)
 
 
 class StagedPipelineModule(PipelineModule):
@@ -55,14 +60,31 @@ class PipelineSpec:
     """Component prefixes that train; the rest is frozen."""
     recompute: tuple[bool, ...] = ()
     """Activation recomputation per stage (one layer per checkpoint)."""
-    pretrained: Pretrained | None = None
-    """Local checkpoint folders to initialise components from."""
+
+
+def _layer_specs(p: PipelineSpec) -> list[LayerSpec]:
+    """One LayerSpec per layer; a tied LM head and input embedding (transformers'
+    tie_word_embeddings) become DeepSpeed TiedLayerSpecs of one module: built once per stage that
+    holds either, its weight broadcast at start and its gradient all-reduced between those stages."""
+    tie = None
+    if p.model.hf is not None:
+        from mmpipe.model.hf.build import tied_embedding
+
+        tie = tied_embedding(p.model)
+    specs: list[LayerSpec] = []
+    for n in layer_names(p.model):
+        if tie is not None and n in tie.layers:
+            owner = tie.layers[0]
+            specs.append(TiedLayerSpec(tie.key, _LayerFromName, p.model, owner, p.seed, p.image_token, p.audio_token,
+                                       forward_fn=None if n == owner else tie.head_forward,
+                                       tied_weight_attr=[tie.weight_attr]))
+        else:
+            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token))
+    return specs
 
 
 def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
-    names = layer_names(p.model)
-    specs = [LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.pretrained)
-             for n in names]
+    specs = _layer_specs(p)
     bounds = [s for s, _ in p.stages] + [p.stages[-1][1]]
     module = StagedPipelineModule(
         layers=specs, bounds=bounds, num_stages=len(p.stages), loss_fn=token_loss,
@@ -70,26 +92,33 @@ def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
     )
     if p.recompute and p.recompute[module.stage_id]:
         module.activation_checkpoint_interval = 1  # recompute every layer of this stage in backward
-    for layer in module.forward_funcs:
-        if isinstance(layer, nn.Module):
-            train = is_trainable(getattr(layer, "name", ""), p.trainable)
-            for param in layer.parameters():
-                param.requires_grad_(train)
+    layers = [f for f in module.forward_funcs if isinstance(f, nn.Module)] + list(module.tied_modules.values())
+    for layer in layers:
+        train = is_trainable(getattr(layer, "name", ""), p.trainable)
+        fixed = getattr(layer, "frozen_params", frozenset())  # frozen by the transformers module itself
+        for name, param in layer.named_parameters():
+            param.requires_grad_(train and name not in fixed)
+    if not any(param.requires_grad for param in module.parameters()):
+        _add_frozen_stage_anchor(module)
     return module
 
 
-def deepspeed_config(*, micro_batches: int, dp: int) -> dict:
-    """The one DeepSpeed config dict of a run (fp32; the optimizer is passed in; clipping is
-    done by GlobalGradClip across stages, so DeepSpeed's own per-stage clipping stays off)."""
-    return {
-        "train_batch_size": micro_batches * dp,
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": micro_batches,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": 0},
-    }
+def _add_frozen_stage_anchor(module: nn.Module) -> None:
+    """A stage with nothing to train (e.g. frozen encoders under train.trainable=[llm]) still
+    steps with the others, because DeepSpeed's optimizer step holds collectives over the
+    pipeline and the replicas. Its bf16/fp16/ZeRO wrappers own only trainable, non-empty
+    parameters of the module, and BF16_Optimizer's norm fails on a stage without any gradient
+    (get_global_norm_of_tensors stacks an empty list). So the stage gets one parameter, 0, that
+    no layer uses, with a zero gradient put back before every forward (the step sets gradients
+    to None): its update is 0. It is in no layer checkpoint; it is always 0."""
+    anchor = nn.Parameter(torch.zeros(1))
+    module.register_parameter("frozen_stage_anchor", anchor)
+
+    def zero_grad(*_) -> None:
+        if anchor.grad is None:
+            anchor.grad = torch.zeros_like(anchor)
+
+    module.register_forward_pre_hook(zero_grad)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int) -> float:
@@ -101,13 +130,44 @@ def lr_lambda(step: int, *, warmup: int, total: int) -> float:
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(params, *, lr: float, weight_decay: float, kind: str = "adamw") -> torch.optim.Optimizer:
-    """The optimizer of one stage. A stage with nothing to train (e.g. frozen encoders under
-    train.trainable=[llm]) still steps with the others, over an empty placeholder parameter."""
-    trainable = [p for p in params if p.requires_grad] or [torch.nn.Parameter(torch.zeros(0))]
+def make_optimizer(params, *, lr: float, weight_decay: float, kind: str = "adamw",
+                   cuda: bool = False) -> torch.optim.Optimizer:
+    """The optimizer of one stage, handed to deepspeed.initialize (which wraps it for bf16,
+    fp16 and ZeRO-1). adamw: DeepSpeed's FusedAdam on CUDA where its kernel loads, else torch
+    AdamW with the multi-tensor (foreach) update; sgd: torch SGD without momentum."""
+    trainable = [p for p in params if p.requires_grad]
     if kind == "sgd":
         return torch.optim.SGD(trainable, lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    if cuda:
+        try:
+            from deepspeed.ops.adam import FusedAdam
+
+            return FusedAdam(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), eps=1e-8,
+                             adam_w_mode=True)
+        except Exception as err:  # noqa: BLE001 - no prebuilt kernel and no compiler: torch's own
+            import logging
+
+            logging.getLogger("mmpipe").warning("DeepSpeed FusedAdam unavailable (%s); using torch AdamW", err)
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), eps=1e-8,
+                             foreach=True)
+
+
+def describe_training(train: TrainConfig, dp: int, engine, basic: torch.optim.Optimizer, *,
+                      mmpipe_clips: bool) -> str:
+    """One start-up line: precision, ZeRO stage, optimizer and clipping as they took effect."""
+    precision = {"fp32": "fp32", "bf16": "bf16 (fp32 master weights, fp32 gradient accumulation)",
+                 "fp16": "fp16 (fp32 master weights, dynamic loss scale)"}[train.precision]
+    zero = f"ZeRO-{train.zero}"
+    if train.zero == 1:
+        zero += f" (optimizer state sharded over {dp} replicas)" if dp > 1 else " (one replica: nothing to shard)"
+    kind = type(basic)
+    opt = f"{kind.__module__.split('.')[0]} {kind.__name__}" + (" (foreach)" if basic.defaults.get("foreach") else "")
+    if engine.optimizer is not basic:
+        opt += f" in DeepSpeed {type(engine.optimizer).__name__}"
+    clip = "off"
+    if train.grad_clip > 0:
+        clip = f"global norm {train.grad_clip:g} ({'mmpipe' if mmpipe_clips else 'DeepSpeed'})"
+    return f"precision: {precision} | {zero} | optimizer: {opt} | clipping: {clip}"
 
 
 def fix_buffer_reuse(engine) -> None:
@@ -120,6 +180,7 @@ def fix_buffer_reuse(engine) -> None:
     "Received data size doesn't match expected size". Keying the cache by (index, dtype) keeps
     DeepSpeed's reuse while never handing out a buffer of the wrong type.
     """
+    require_tested_deepspeed()
     cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def allocate(idx: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -134,16 +195,56 @@ def fix_buffer_reuse(engine) -> None:
     engine._allocate_or_extend_buffers = allocate
 
 
-class GlobalGradClip:
-    """Clip by the gradient norm of the whole model, across all pipeline stages.
+def fix_zero_unused_grads(engine) -> None:
+    """Give every trainable parameter a gradient before ZeRO-1 reduces them over the replicas.
 
-    DeepSpeed's fp32 path clips each stage by its own norm (its model-parallel group is the
-    tensor-slice group, not the pipeline), which is not what a single-process run would do.
-    This runs as an optimizer step pre-hook, after the data-parallel gradient reduction: each
-    stage sums its squared gradients, one all-reduce over the pipeline group gives the norm.
+    Under a pipeline, DeepSpeedZeroOptimizer.reduce_gradients (zero/stage_1_and_2.py, called
+    by PipelineEngine._exec_reduce_grads) buckets only the parameters that have a gradient.
+    Which ones do depends on the data: a replica whose step held no audio clip has none for
+    the audio encoder, so the replicas' all-reduce buckets differ in size and gloo aborts with
+    "Received data size doesn't match expected size" (NCCL would hang or mix buffers).
+    DeepSpeed's own ZeRO-0 reduction gives such parameters zero gradients first
+    (DeepSpeedEngine._get_gradients_for_reduction); this does the same for ZeRO-1, on this
+    engine's optimizer instance only. (BF16_Optimizer reduces whole flat buffers: no issue.)
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    require_tested_deepspeed()
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        return
+    params = [p for group in opt.bit16_groups for p in group]
+    reduce = opt.reduce_gradients
+
+    def reduce_all(*args, **kwargs):
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return reduce(*args, **kwargs)
+
+    opt.reduce_gradients = reduce_all
+
+
+class GlobalGradClip:
+    """Clip by the gradient norm of the whole model, across all pipeline stages (fp32 without
+    ZeRO, the one mode in which DeepSpeed steps the bare torch optimizer).
+
+    DeepSpeed's own clipping in that mode (DeepSpeedEngine.clip_fp32_gradients ->
+    runtime/utils.py clip_grad_norm_) counts a gradient only on the rank whose
+    `mpu.get_model_parallel_rank()` is 0. That test is meant to skip tensor-parallel copies, but
+    the pipeline grid's "model-parallel" group is the whole pipeline, so only stage 0's
+    gradients enter the norm, and every stage is clipped by stage 0's norm. mmpipe sets
+    DeepSpeed's clipping to 0 in this mode and runs this instead, as an optimizer step pre-hook
+    after the data-parallel gradient reduction: each stage sums its squared gradients, one
+    all-reduce over the pipeline group gives the norm. A non-finite norm (a non-finite loss
+    makes one) withholds the step's update on every stage.
+
+    (DeepSpeed's ZeRO-1 wrappers, which bf16 and fp16 always use, test the tensor-parallel rank
+    instead and clip globally; see dsconfig.deepspeed_clips.)
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float, group, device=None) -> None:
+        require_tested_deepspeed()
         self.max_norm = max_norm
         self.group = group
         self.device = device
@@ -156,12 +257,34 @@ class GlobalGradClip:
 
         grads = [p.grad for p in self._params if p.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
+        for p in self._params:  # a tied weight's copies on later stages count once (DeepSpeed marks them)
+            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False):
+                sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self.group)
         norm = float(sq.sqrt())
         self.last_norm = norm
+        if not math.isfinite(norm):
+            # Withhold the whole update. torch optimizers pass over parameters without a
+            # gradient, so weights, moments and step counts stay exactly as they were; zeroed
+            # gradients would not do that (AdamW still moves by its momentum and decay).
+            for p in self._params:
+                p.grad = None
+            return
         if self.max_norm > 0 and norm > self.max_norm:
             coef = self.max_norm / (norm + 1e-6)
             for g in grads:
                 g.mul_(coef)
+
+
+def loss_scale(engine) -> float:
+    """The loss scale the next backward runs with (1 outside fp16)."""
+    scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None
+    return float(scale) if scale else 1.0
+
+
+def deepspeed_grad_norm(engine) -> float:
+    """The global pre-clip gradient norm DeepSpeed's optimizer wrapper computed in its last
+    step (BF16_Optimizer, DeepSpeedZeroOptimizer; loss scale divided out); inf after an fp16
+    overflow, when the step was skipped."""
+    norm = engine.get_global_grad_norm()
+    return float("nan") if norm is None else float(norm)

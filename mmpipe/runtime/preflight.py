@@ -3,28 +3,71 @@
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
 import yaml
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
+from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
 
 
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
-    from mmpipe.data.reader import check_shards
-    from mmpipe.data.tokenizer import check_vocab, load_tokenizer
+    from mmpipe.data.shards import check_shards
+    from mmpipe.runtime.hf_run import load_templater
 
     if rc.data.kind != "shards":
         raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe train reads webdataset shards; use data=synthetic "
                          f"or a data config with kind: shards")
     paths = [s["path"] for s in rc.data.sources] if rc.data.sources else [rc.data.path]
     for path in paths:
-        check_shards(resolve_path(path), root=PROJECT_ROOT, dp_size=rc.parallel.dp,
+        check_shards(resolve_path(path), root=PACKAGE_ROOT, dp_size=rc.parallel.dp,
                      num_workers=rc.data.num_workers)
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
-    check_vocab(tok, rc.model.llm.vocab)
+    load_templater(rc)
+
+
+def check_launch(rc: RunConfig) -> None:
+    """What would otherwise fail in every rank after launch: the run directory, train.resume
+    and the backend. Raises ValueError naming the key."""
+    check_backend(rc.launcher.backend)
+    if rc.train.resume:
+        checkpoint_dir(rc.train.resume)
+    check_run_dir(rc.run_dir)  # last: it creates the folder
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run directory can be created and written (it is created here)."""
+    key = f"hydra.run.dir={run_dir}"
+    fix = "give a folder you can write, e.g. hydra.run.dir=runs/NAME"
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{key} is a file, not a folder; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"{key} cannot be created or written ({err.strerror or err}); {fix}") from None
+
+
+def checkpoint_dir(resume: str) -> Path:
+    """The committed checkpoint folder train.resume names (see runtime/checkpoint.py; the ranks
+    check its files). Raises ValueError naming the key."""
+    from mmpipe.runtime.checkpoint import newest_committed
+
+    return newest_committed(Path(resolve_path(resume)), f"train.resume={resume}")[0]
+
+
+def check_backend(backend: str) -> None:
+    """launcher.backend=nccl needs a CUDA device."""
+    if backend != "nccl":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("launcher.backend=nccl needs a CUDA GPU, and torch sees none here "
+                         "(torch.cuda.is_available() is False); use launcher.backend=auto or gloo")
 
 
 def to_plain(rc: RunConfig) -> dict:
@@ -39,15 +82,20 @@ def to_plain(rc: RunConfig) -> dict:
         return x
 
     out = {k: plain(getattr(rc, k)) for k in ("model", "parallel", "train", "data", "plan", "launcher", "profile",
-                                              "pretrained", "shards", "bench")}
+                                              "shards", "bench", "deepspeed")}
     out["hardware"] = plain(dict(rc.hardware))
     out["model"] = {k: v for k, v in out["model"].items() if v is not None}
+    if rc.model_settings:  # a Hugging Face model: its group (folders), from which every reader rebuilds the spec
+        out["model"] = plain(dict(rc.model_settings))
     return out
 
 
 def write_run_config(rc: RunConfig) -> Path:
+    """RUN_DIR/run.yaml; a new (not resumed) run also starts RUN_DIR/skips.jsonl afresh."""
     run_dir = Path(rc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not rc.train.resume:
+        (run_dir / "skips.jsonl").unlink(missing_ok=True)
     path = run_dir / "run.yaml"
     path.write_text(yaml.safe_dump(to_plain(rc), sort_keys=False))
     return path

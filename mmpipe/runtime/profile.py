@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import yaml
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, hardware_spec
+from mmpipe.config import RunConfig, hardware_spec, shell_word
 from mmpipe.model.layers import build_layers, token_loss
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.model.geometry import audio_frames, audio_positions, audio_tokens, image_grid, image_tokens
@@ -262,6 +262,9 @@ def _pingpong(rank: int, port: int, sizes, repeats: int, q) -> None:
 
 def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     """Measure, fit, write the hardware YAML; return its path."""
+    if rc.model.hf is not None:  # its layers take its processors' inputs, which synthetic_micro_batch does not make
+        raise ValueError(f"mmpipe profile measures mmpipe's own model; model {rc.model.name} is a Hugging Face model, "
+                         f"which it cannot profile yet: plan it with a hardware preset (hardware=h100, a100, cpu)")
     threads = max(1, (os.cpu_count() or 1) // (rc.parallel.pp * rc.parallel.dp))
     torch.set_num_threads(threads)
     base = hardware_spec(rc)
@@ -272,12 +275,16 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     latency, bandwidth = measure_link()
     name = f"measured-{rc.model.name}"
     hw = replace(fit.hardware, name=name, link_latency_s=latency, link_gbps=bandwidth)
-    path = Path(out) if out else PROJECT_ROOT / "conf" / "hardware" / f"{name}.yaml"
+    # A config folder of its own in the run directory: the shipped conf/ is never overwritten.
+    path = Path(out) if out else Path(rc.run_dir) / "conf" / "hardware" / f"{name}.yaml"
+    use = f"mmpipe train {shell_word(f'--config-dir={path.parent.parent}')} hardware={path.stem}"
+    if path.parent.name != "hardware":
+        use = f"put it in DIR/hardware/, then mmpipe train --config-dir=DIR hardware={path.stem}"
     doc = hardware_to_dict(hw)
     doc["measured_for"] = rc.model.name
     header = (f"# Measured by `mmpipe profile model={rc.model.name}` on {platform.node() or 'this machine'} "
               f"({os.cpu_count()} cores, {threads} thread(s) per rank), {time.strftime('%Y-%m-%d')}.\n"
-              f"# Use: mmpipe train hardware={path.stem}   (valid for model {rc.model.name} only)\n"
+              f"# Use: {use}   (valid for model {rc.model.name} only)\n"
               f"# Fit: median error {fit.median_error:.1%} per layer; measured backward/forward by kind: "
               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(fit.backward_ratio.items())) + "\n")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -288,7 +295,7 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
               f"{fit.backward_ratio.get(k, math.nan):>9.2f}")
     print(f"peak {hw.peak_flops / 1e9:.1f} GFLOP/s, half_tokens {hw.half_tokens:g}, link {latency * 1e6:.0f}us "
           f"+ {bandwidth:.2f} GB/s; fit median error {fit.median_error:.1%}")
-    print(f"wrote {path}  (use: mmpipe train hardware={path.stem})")
+    print(f"wrote {path}\n  use: {use}")
     return path
 
 

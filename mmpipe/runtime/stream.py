@@ -3,7 +3,7 @@ on it, and the stage choice, which plans on its first steps)."""
 
 from __future__ import annotations
 
-from mmpipe.config import PROJECT_ROOT, RunConfig, resolve_path
+from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
 from mmpipe.data.reader import SampleStream
 from mmpipe.data.skips import SkipCounter
@@ -18,7 +18,8 @@ def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: Ski
     dp_rank = 0 if rc.plan.across_replicas else dp_rank
     common = dict(tokenizer=tokenizer, spec=rc.model, dp_rank=dp_rank, dp_size=dp_size,
                   seed=rc.train.seed, epochs=d.epochs, shuffle_buffer=d.shuffle_buffer, on_error=d.on_error,
-                  too_long=d.too_long, num_workers=d.num_workers, root=PROJECT_ROOT, skips=skips)
+                  too_long=d.too_long, num_workers=d.num_workers, caption_prompt=d.caption_prompt, root=PACKAGE_ROOT,
+                  skips=skips, limits=d.limits)
     if d.sources:
         sources = [dict(s, path=resolve_path(s["path"])) for s in d.sources]
         return Mixture(sources=mixture_from_dicts(sources), **common)

@@ -1,5 +1,5 @@
 """What each rank measures of itself: the time of every forward and backward of every
-micro-batch, of communication, and of the optimizer step.
+micro-batch, of communication, and of the optimizer step; and its peak memory in the step.
 
 DeepSpeed's PipelineEngine executes a schedule of instructions; the timer wraps the engine's
 own instruction handlers on this one engine instance, so nothing else changes.
@@ -7,8 +7,10 @@ own instruction handlers on this one engine instance, so nothing else changes.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -75,19 +77,69 @@ class StageTimer:
         return done
 
 
-def gather_stage_times(times: StepTimes, *, world: int, device=None) -> torch.Tensor:
-    """[world, len(KINDS)] seconds of every rank for this step (one all-gather)."""
-    mine = torch.tensor([times.totals[k] for k in KINDS], dtype=torch.float64, device=device)
+class PeakMemory:
+    """This process's peak memory during one step, in bytes.
+
+    On CUDA: torch's peak of allocated tensor bytes on the device (reset each step). On CPU torch
+    keeps no allocator statistics, so the measure is the process's peak resident set size in
+    the step: Linux resets the high-water mark when "5" is written to /proc/self/clear_refs,
+    and /proc/self/status reports it as VmHWM. That counts everything resident in the
+    process (the Python runtime and libraries, weights, gradients, optimizer state,
+    activations, the feeder thread's next step, allocator slack), not tensor bytes alone.
+    Where the reset is not allowed, it falls back to the peak over the process's whole life.
+    """
+
+    def __init__(self, device) -> None:
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.kind = "cuda_max_allocated" if self.cuda else "peak_rss"
+        self._status = Path("/proc/self/status")
+        if not self.cuda and not self._reset_rss():
+            self.kind = "lifetime_peak_rss"
+
+    def start(self) -> None:
+        """Begin a step's measurement."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self.kind == "peak_rss":
+            self._reset_rss()
+
+    def peak(self) -> float:
+        """Peak bytes since start()."""
+        if self.cuda:
+            return float(torch.cuda.max_memory_allocated())
+        if self._status.is_file():
+            m = re.search(r"VmHWM:\s+(\d+) kB", self._status.read_text())
+            if m:
+                return float(m.group(1)) * 1024
+        import resource
+
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux
+
+    @staticmethod
+    def _reset_rss() -> bool:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            return True
+        except OSError:
+            return False
+
+
+def gather_stage_times(times: StepTimes, *, world: int, device=None, peak_mem: float = 0.0) -> torch.Tensor:
+    """[world, len(KINDS) + 1] seconds of every rank for this step by kind, and its peak memory
+    in bytes (one all-gather)."""
+    mine = torch.tensor([times.totals[k] for k in KINDS] + [peak_mem], dtype=torch.float64, device=device)
     out = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(out, mine)
     return torch.stack(out)
 
 
 def per_stage(table: torch.Tensor, stage_of_rank: list[int], pp: int) -> list[dict[str, float]]:
-    """Mean over replicas of each stage's seconds by kind."""
+    """Each stage's seconds by kind (mean over replicas) and its peak memory (`mem`, bytes, the
+    largest over replicas)."""
     out = []
     for s in range(pp):
         rows = [r for r, st in enumerate(stage_of_rank) if st == s]
         mean = table[rows].mean(dim=0)
         out.append({k: float(mean[i]) for i, k in enumerate(KINDS)})
+        out[-1]["mem"] = float(table[rows, len(KINDS)].max())
     return out

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,12 +22,16 @@ from mmpipe.config import RunConfig, resolve_path
 from mmpipe.model.spec import layer_names
 from mmpipe.planner.api import StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
+from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerdict, agree_after_step, find_checkpoint,
+                                       refuse_other_history, truncate_records)
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
-from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_config, fix_buffer_reuse,
+from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
+from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_grad_norm,
+                                     describe_training, fix_buffer_reuse, fix_zero_unused_grads, loss_scale,
                                      lr_lambda, make_optimizer)
 from mmpipe.runtime.stages import choose_stages, format_stage_table
-from mmpipe.runtime.telemetry import StageTimer, gather_stage_times, per_stage
+from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage
 
 log = logging.getLogger("mmpipe")
 
@@ -45,6 +52,10 @@ class RunResult:
     """Samples dropped, by reason, all replicas."""
     mixture: dict[str, int] = field(default_factory=dict)
     """Samples drawn from each source of a mixture, all replicas."""
+    nonfinite_skipped: int = 0
+    """Steps whose update was skipped for a non-finite loss or gradient norm (train.on_nonfinite=skip)."""
+    stopped: str = ""
+    """Why and where the run stopped before train.steps (a signal), with its checkpoint."""
 
 
 def _quiet_deepspeed() -> None:
@@ -94,86 +105,129 @@ class _Pipeline:
 
     engine: object
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    clip: GlobalGradClip
+    clip: GlobalGradClip | None
+    """mmpipe's clipping (fp32 without ZeRO); None where DeepSpeed's optimizer wrapper clips."""
+    describe: str
+    """Precision, ZeRO stage, optimizer and clipping as they took effect (start-up table)."""
     first: bool
     last: bool
     dp_rank: int
     dp_group: object
+    load: dict | None = None
+    """A Hugging Face model: what loading this rank's layers cost (runtime/hf_run.load_report)."""
 
 
 def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
-                         image_token=tok.image_id, audio_token=tok.audio_id,
-                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
-                         pretrained=rc.pretrained if rc.pretrained.any() else None)
+                         image_token=_token_id(tok.image_id), audio_token=_token_id(tok.audio_id),
+                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute))
     torch.manual_seed(rc.train.seed)
+    require_tested_deepspeed()
+    t = rc.train
     module = build_pipeline_module(pspec)
-    optimizer = make_optimizer(module.parameters(), lr=rc.train.lr, weight_decay=rc.train.weight_decay,
-                               kind=rc.train.optimizer)
+    optimizer = make_optimizer(module.parameters(), lr=t.lr, weight_decay=t.weight_decay, kind=t.optimizer,
+                               cuda=get_accelerator().device_name() == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, warmup=rc.train.warmup_steps, total=rc.train.steps))
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(micro_batches=rc.train.micro_batches, dp=rc.parallel.dp))
+        optimizer, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.steps))
+    user = load_user_config(rc.deepspeed.config) if rc.deepspeed.config else None
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(rc, user=user))
     fix_buffer_reuse(engine)
-    clip = GlobalGradClip(optimizer, max_norm=rc.train.grad_clip, group=engine.grid.get_pipe_parallel_group(),
-                          device=engine.device)
-    _write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module)
-    return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, first=engine.is_first_stage(),
+    fix_zero_unused_grads(engine)
+    clip = None
+    if not deepspeed_clips(t.zero):
+        clip = GlobalGradClip(optimizer, max_norm=t.grad_clip, group=engine.grid.get_pipe_parallel_group(),
+                              device=engine.device)
+    load = None
+    if rc.model.hf is not None:
+        from mmpipe.runtime.hf_run import load_report
+
+        a, b = stage_plan.stages[engine.stage_id]
+        load = {"rank": dist.get_rank(), "stage": engine.stage_id, **load_report(layer_names(rc.model)[a:b])}
+    _write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module,
+                      load=load)
+    describe = describe_training(t, rc.parallel.dp, engine, optimizer, mmpipe_clips=clip is not None)
+    return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, describe=describe, first=engine.is_first_stage(),
                      last=engine.is_last_stage(), dp_rank=engine.grid.data_parallel_id,
-                     dp_group=engine.grid.get_data_parallel_group())
+                     dp_group=engine.grid.get_data_parallel_group(), load=load)
 
 
-def train(rc: RunConfig) -> RunResult:
-    """Train on this rank; every rank of the job calls this with the same config."""
+def _token_id(tid: int | None) -> int:
+    return -1 if tid is None else tid  # a checkpoint's templater has no token for a medium the model lacks
+
+
+def train(rc: RunConfig, *, stop=None) -> RunResult:
+    """Train on this rank; every rank of the job calls this with the same config. `stop` is the
+    process's stop event (mmpipe.runtime.worker.STOP): with train.save_on_signal, a stop signal
+    during training saves a checkpoint first (then StopRequested ends the rank)."""
     _quiet_deepspeed()
     rc = _init_distributed(rc)
     rank, run_dir = dist.get_rank(), Path(rc.run_dir)
 
-    from mmpipe.data.tokenizer import check_vocab, load_tokenizer
+    from mmpipe.runtime.hf_run import load_templater
 
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
-    check_vocab(tok, rc.model.llm.vocab)
+    tok = load_templater(rc)
     stages = choose_stages(rc, tok)
+    found = _find_checkpoint(rc, stages.plan)  # a damaged checkpoint is refused before the model is built
     pipe = _build(rc, tok, stages.plan)
-    engine = pipe.engine
-    start, reader_state = _resume(engine, rc, pipe.dp_rank) if rc.train.resume else (0, None)
+    ckpt = _checkpointer(rc, pipe, stages.plan)
+    start, reader_state = ckpt.resume(found) if found else (0, None)
 
     feeder = None
     if pipe.first or pipe.last:
+        record = run_dir / f"samples_rank{rank}.jsonl" if rc.train.record_samples else None
+        if record:
+            truncate_records(record, start)  # steps after the checkpoint are fed again
         feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
                             over_memory=bool(stages.warnings), media=pipe.first,
-                            reader_state=reader_state, steps=rc.train.steps - start,
-                            record=(run_dir / f"samples_rank{rank}.jsonl") if rc.train.record_samples else None)
-    writer = MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume)) if rank == 0 else None
+                            reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start)
+    if rank == 0 and rc.train.resume:
+        truncate_records(run_dir / "metrics.jsonl", start)
+    writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
+              if rank == 0 else None)
+    loads: list = [None] * dist.get_world_size() if pipe.load is not None else []
+    if loads:
+        dist.all_gather_object(loads, pipe.load)
     bar = None
     if rank == 0:
         print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
+        print(pipe.describe, flush=True)
         for w in stages.warnings:
             print(f"warning: {w}", file=sys.stderr, flush=True)
+        if loads:
+            from mmpipe.runtime.hf_run import format_load_line
+
+            print(format_load_line(loads), flush=True)
         bar = ProgressBar(rc.train.steps - start)
-    try:
-        result = _run_steps(rc, pipe, feeder, writer, bar, start)
-    finally:
-        if feeder is not None:
-            feeder.close()
-        if writer is not None:
-            writer.close()
-    result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
-                                                         shared=rc.plan.across_replicas)
-    if rank == 0:
-        bar.close()
-        _summary(rc, result, run_dir)
-    dist.barrier()
+    # With train.save_on_signal a stop signal only marks stop.requested until this block ends;
+    # the ranks agree on it after a step and save, and the block's end raises StopRequested.
+    with stop.deferred() if stop is not None and rc.train.save_on_signal else contextlib.nullcontext():
+        try:
+            result = _run_steps(rc, pipe, feeder, writer, bar, start, ckpt, stop)
+        finally:
+            if feeder is not None:
+                feeder.close()
+            if writer is not None:
+                writer.close()
+            if bar is not None:
+                bar.close()  # before any error line, which would land on the bar's line
+        result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
+                                                             shared=rc.plan.across_replicas)
+        if rank == 0:
+            _summary(rc, result, run_dir)
+        dist.barrier()
     return result
 
 
-def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) -> RunResult:
+def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, ckpt: Checkpointer,
+               stop) -> RunResult:
     engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
     result = RunResult()
     timer = StageTimer(engine)
+    memory = PeakMemory(engine.device)
     calibration = StepCalibration()
     world = dist.get_world_size()
     dev = engine.device  # collectives run on the backend's device (CUDA under NCCL)
@@ -197,12 +251,16 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) 
             print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
                   f"{int(counts[1])} samples (first step)", flush=True)
         lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
+        fp16_scale = loss_scale(engine)  # the scale this step's backward runs with (fp16)
+        memory.start()
         t1 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=it))
         t2 = time.perf_counter()
         last_state = planned.reader_state if planned else None
-        stages = per_stage(gather_stage_times(timer.take(), world=world, device=dev).cpu(), stage_of_rank,
-                           rc.parallel.pp)
+        grad_norm = pipe.clip.last_norm if pipe.clip else deepspeed_grad_norm(engine)
+        nonfinite = _nonfinite(loss, pipe, rc.train.precision)
+        stages = per_stage(gather_stage_times(timer.take(), world=world, device=dev, peak_mem=memory.peak()).cpu(),
+                           stage_of_rank, rc.parallel.pp)
         dt = time.perf_counter() - t0
         result.losses.append(loss)
         result.samples += int(counts[1])
@@ -214,7 +272,8 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) 
             calibration.observe(raw, len(mbs), t2 - t1)
             rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
                    "tokens_per_s": counts[2].item() / dt, "step_time": dt,
-                   "lr": lr, "grad_norm": pipe.clip.last_norm, "samples": int(counts[1]),
+                   "lr": lr, "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                   "samples": int(counts[1]),
                    "tokens": int(counts[2]), "label_tokens": int(counts[0]), "micro_batches": len(mbs),
                    "engine_time": t2 - t1, "stage_busy_s": busy,
                    "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
@@ -222,15 +281,57 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int) 
                    "predicted_step_time": pred, "simulated_step_time": raw,
                    "calibration": list(calibration.coef), "predicted_busy_s": list(planned.predicted_busy),
                    "prediction_error": (t2 - t1) / pred - 1.0 if pred > 0 else None,
-                   "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds}
-            if step % rc.train.log_every == 0 or step == rc.train.steps:
+                   "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds,
+                   "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": memory.kind,
+                   "predicted_peak_mem_gb": [b / 1e9 for b in planned.predicted_peak_bytes], "nonfinite": nonfinite}
+            if rc.train.precision == "fp16":
+                rec["loss_scale"] = fp16_scale  # a step that overflowed was skipped: grad_norm null
+            if step % rc.train.log_every == 0 or step == rc.train.steps or nonfinite:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
-        if rc.train.save_every and step % rc.train.save_every == 0 and step != rc.train.steps:
-            _save(engine, run_dir, step, pipe.first, pipe.dp_rank, last_state)
+        requested = stop.requested if stop is not None and stop.defer else None
+        verdict = agree_after_step(nonfinite=nonfinite, stop=requested is not None, device=dev)
+        _on_nonfinite(rc, verdict, step, loss, grad_norm, ckpt, result, bar)
+        stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
+        every = rc.train.save_every and step % rc.train.save_every == 0
+        if stopping or every or (rc.train.save_final and step == rc.train.steps):
+            folder = ckpt.save(step, last_state)
+        if stopping:
+            why = signal.Signals(requested).name if requested else "another rank's stop signal"
+            result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
+                              f"train.resume={run_dir}")
+            break
     result.seconds = time.perf_counter() - t_start
-    _save(engine, run_dir, rc.train.steps, pipe.first, pipe.dp_rank, last_state)
     return result
+
+
+def _nonfinite(loss: float, pipe: _Pipeline, precision: str) -> bool:
+    """Whether this step's loss or gradient norm was NaN or infinite. Under fp16 an infinite
+    norm is a loss-scale overflow, which DeepSpeed's scaler skips and handles itself."""
+    if not math.isfinite(loss):
+        return True
+    if pipe.clip is not None:
+        return not math.isfinite(pipe.clip.last_norm)
+    norm = pipe.engine.get_global_grad_norm()  # None where the wrapper computed none
+    return precision != "fp16" and norm is not None and not math.isfinite(float(norm))
+
+
+def _on_nonfinite(rc: RunConfig, verdict: StepVerdict, step: int, loss: float, grad_norm: float,
+                  ckpt: Checkpointer, result: RunResult, bar: ProgressBar | None) -> None:
+    """A step whose loss or gradient norm was not finite (on some rank): stop before anything
+    is saved, or (fp32 without ZeRO, where GlobalGradClip withheld its update) count the skip
+    and go on."""
+    if not verdict.nonfinite:
+        return
+    what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
+    if rc.train.on_nonfinite == "stop":
+        newest = f"the newest checkpoint is {ckpt.newest}" if ckpt.newest else "no checkpoint was saved"
+        skip = " or set train.on_nonfinite=skip to drop such steps" if rc.train.zero == 0 else ""
+        raise RunStopped(f"{what}: stopped without saving (train.on_nonfinite=stop); {newest}; lower train.lr "
+                         f"(now {rc.train.lr}){skip}")
+    result.nonfinite_skipped += 1
+    if bar is not None:
+        bar.note(f"warning: {what}: update skipped (train.on_nonfinite=skip)")
 
 
 def _stage_of_every_rank(stage: int, world: int, device) -> list[int]:
@@ -252,42 +353,38 @@ def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
         engine.set_train_batch_size(count * dp)
 
 
-def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module) -> None:
+def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module, *, load: dict | None = None) -> None:
     layers = [getattr(f, "name", "") for f in module.forward_funcs]
     params = sum(p.numel() for p in module.parameters())
-    (run_dir / f"stage_rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}))
+    record = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}
+    if load is not None:
+        record["load"] = {k: v for k, v in load.items() if k not in ("rank", "stage")}
+    (run_dir / f"stage_rank{rank}.json").write_text(json.dumps(record))
 
 
-def _save(engine, run_dir: Path, step: int, first: bool, dp_rank: int, reader_state: dict | None) -> None:
-    """DeepSpeed's checkpoint, plus each replica's reader position (from its first stage)."""
-    folder = run_dir / "checkpoints"
-    engine.save_checkpoint(str(folder), tag=f"step{step}", client_state={"step": step})
-    if first and reader_state is not None:
-        (folder / f"step{step}" / f"data_state_dp{dp_rank}.json").write_text(json.dumps(reader_state))
+def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
+    """What a checkpoint must match to load: DeepSpeed's files are per stage (and, under ZeRO, per
+    replica), their layout depends on the precision; reader positions are per replica."""
+    return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages],
+            "precision": rc.train.precision, "zero": rc.train.zero}
 
 
-def _resume(engine, rc: RunConfig, dp_rank: int) -> tuple[int, dict | None]:
-    """Load the checkpoint named by train.resume; return its step and this replica's reader state."""
-    path = Path(resolve_path(rc.train.resume))
-    if (path / "checkpoints" / "latest").is_file():
-        path = path / "checkpoints"
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    if not path.is_dir():
-        raise FileNotFoundError(f"train.resume={rc.train.resume!r}: no checkpoint folder there "
-                                f"(give …/checkpoints/step<N> or a run directory)")
-    _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
-    if client is None or "step" not in client:
-        raise ValueError(f"train.resume={rc.train.resume!r}: not an mmpipe checkpoint (no step recorded)")
-    state_file = path / f"data_state_dp{dp_rank}.json"
-    state = json.loads(state_file.read_text()) if state_file.is_file() else None
-    if state is None:
-        log.warning("no reader position in %s; data restarts from the beginning", path)
-    if int(client["step"]) >= rc.train.steps:
-        raise ValueError(f"train.resume: the checkpoint is at step {client['step']}, not below "
-                         f"train.steps={rc.train.steps}; raise train.steps to train further")
-    return int(client["step"]), state
+def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:
+    """The checked checkpoint named by train.resume; without it None, once the run directory
+    is known to hold no other run's checkpoints."""
+    if not rc.train.resume:
+        refuse_other_history(Path(rc.run_dir))
+        return None
+    return find_checkpoint(Path(resolve_path(rc.train.resume)), given=rc.train.resume, run_dir=Path(rc.run_dir),
+                           topology=_topology(rc, stage_plan), steps=rc.train.steps)
+
+
+def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan) -> Checkpointer:
+    t = rc.train
+    return Checkpointer(engine=pipe.engine, run_dir=Path(rc.run_dir), first=pipe.first,
+                        reads_data=pipe.first or pipe.last, dp_rank=pipe.dp_rank, keep_last=t.keep_last,
+                        resume_unsafe=t.resume_unsafe, topology=_topology(rc, stage_plan),
+                        schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps})
 
 
 def _gather_data_report(feeder, first: bool, dp_group, *, shared: bool = False
@@ -321,9 +418,13 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         f"done: {len(r.losses)} steps in {r.seconds:.1f}s | loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} "
         f"(mean of first 3 {head:.3f}, last 3 {tail:.3f}) | {r.samples / r.seconds:.1f} samples/s, "
         f"{r.tokens / r.seconds:.0f} tokens/s | skipped {skipped} samples ({why}) | "
-        f"metrics {run_dir / 'metrics.jsonl'} | checkpoint {run_dir / 'checkpoints'}",
+        f"metrics {run_dir / 'metrics.jsonl'} | "
+        + (f"checkpoint {run_dir / 'checkpoints'}" if rc.train.save_every or rc.train.save_final else "no checkpoint")
+        + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),
         flush=True,
     )
+    if r.stopped:
+        print(r.stopped, flush=True)
     if r.mixture:
         total = sum(r.mixture.values())
         print("mixture realised: " + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in r.mixture.items()),

@@ -32,10 +32,12 @@ class Run:
 
 
 def mmpipe(*args: str, run_dir: Path, timeout: float = 300) -> Run:
-    """Run `python -m mmpipe ARGS hydra.run.dir=RUN_DIR` as a user would; capture its output."""
+    """Run `python -m mmpipe ARGS hydra.run.dir=RUN_DIR` as a user would (a sweep, -m: with
+    hydra.sweep.dir=RUN_DIR, its jobs in RUN_DIR/0, RUN_DIR/1, ...); capture its output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    where = [f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={run_dir}"] if "-m" in args else [f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(
-        [sys.executable, "-m", "mmpipe", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
+        [sys.executable, "-m", "mmpipe", *args, *where], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
     return Run(code=proc.returncode, out=proc.stdout + proc.stderr, run_dir=run_dir)

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import yaml
 
 from mmpipe.cli import load
 from mmpipe.model.spec import layer_names
@@ -27,7 +28,10 @@ def test_default_run_learns_and_reports(run_mmpipe):
     assert re.search(r"done: 60 steps in [\d.]+s \| loss [\d.]+ -> [\d.]+", run.out)
     assert "skipped 0 samples" in run.out
     assert "tokens per step:" in run.out
-    assert (run.run_dir / "checkpoints" / "step60").is_dir()
+    # The default run states its checkpoint policy at start and writes none (train.save_final=false).
+    assert "checkpoints: none (train.save_final=true keeps the last step" in run.out
+    assert "| no checkpoint" in run.out and not (run.run_dir / "checkpoints").exists()
+    assert (run.run_dir / ".hydra" / "config.yaml").is_file() and (run.run_dir / "run.yaml").is_file()
     # Telemetry: every stage measured busy, a bubble share, and a prediction that was re-fitted.
     for r in m:
         assert len(r["stage_busy_s"]) == 2 and all(b > 0 for b in r["stage_busy_s"])
@@ -75,19 +79,6 @@ def test_config_error_launches_nothing(run_mmpipe):
     assert not run.run_dir.exists()
 
 
-def test_resume_continues_with_the_same_samples_and_losses(run_mmpipe):
-    whole = run_mmpipe("train", "train.steps=4", "train.save_every=2", "train.record_samples=true", name="whole")
-    assert whole.code == 0, whole.out[-3000:]
-    resumed = run_mmpipe("train", "train.steps=4", f"train.resume={whole.run_dir / 'checkpoints' / 'step2'}",
-                         "train.record_samples=true", name="resumed")
-    assert resumed.code == 0, resumed.out[-3000:]
-    assert [r["step"] for r in resumed.metrics()] == [3, 4]
-    assert [r["loss"] for r in resumed.metrics()] == [r["loss"] for r in whole.metrics()[2:]]
-    for rank in (0, 1):
-        after = [s["micro_batches"] for s in whole.samples(rank)[2:]]
-        assert [s["micro_batches"] for s in resumed.samples(rank)] == after
-
-
 def test_mixture_reports_what_it_drew(run_mmpipe):
     run = run_mmpipe("train", "data=mixture", "train.steps=5")
     assert run.code == 0, run.out[-3000:]
@@ -113,12 +104,28 @@ def test_an_override_over_memory_trains_with_a_warning(memory_gb, policy, says, 
     assert "done: 1 steps" in run.out
 
 
+def test_a_sweep_runs_one_job_per_policy_each_in_its_own_directory(run_mmpipe):
+    run = run_mmpipe("train", "-m", "plan.policy=data-aware,ds-default", "train.steps=2", name="sweep")
+    sweep = run.run_dir  # the helper's hydra.run.dir is ignored by a sweep; hydra.sweep.dir is set too
+    assert run.code == 0, run.out[-3000:]
+    assert "mmpipe train: 2 jobs, one after another" in run.out
+    for job, policy in (("0", "data-aware"), ("1", "ds-default")):
+        d = sweep / job
+        assert [json.loads(l)["step"] for l in (d / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+        overrides = yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
+        assert overrides == [f"plan.policy={policy}", "train.steps=2"]
+        assert yaml.safe_load((d / "run.yaml").read_text())["plan"]["policy"] == policy
+        assert {p.name for p in (d / ".hydra").iterdir()} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    assert "stages from planner (data-aware)" in run.out and "stages from planner (ds-default)" in run.out
+
+
 def test_bench_compares_policies_on_the_same_data(run_mmpipe):
     run = run_mmpipe("bench", "bench.policies=[data-aware,ds-default]", "bench.rounds=1", "bench.steps=4")
     assert run.code == 0, run.out[-3000:]
     table = {l.split()[0]: l.split() for l in run.out.splitlines() if l.startswith(("data-aware ", "ds-default "))}
     assert set(table) == {"data-aware", "ds-default"}
     assert table["data-aware"][-1] == "1.00x"
+    assert f"mmpipe bench: figures in {run.run_dir / 'bench.json'}" in run.out
     figures = json.loads((run.run_dir / "bench.json").read_text())
     assert [f["policy"] for f in figures] == ["data-aware", "ds-default"]
     assert all(f["samples_per_s"] > 0 for f in figures)
@@ -138,15 +145,15 @@ def test_same_seed_same_loss_curve(run_mmpipe):
 
 
 def test_frozen_stage_trains_nothing_and_the_rest_learns(run_mmpipe):
-    run = run_mmpipe("train", "train.steps=3", "train.trainable=[llm]",
+    run = run_mmpipe("train", "train.steps=3", "train.trainable=[llm]", "train.save_final=true",
                      "plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]")
     assert run.code == 0, run.out[-3000:]
-    from mmpipe.config import resolve_path
+    from mmpipe.config import tokenizer_source
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.model.layers import build_layer
 
     rc = load(["train.trainable=[llm]"], job="test")
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer))
+    tok = load_tokenizer(tokenizer_source(rc)[0])
     names = layer_names(rc.model)
     ckpt = run.run_dir / "checkpoints" / "step3"
     for i in (names.index("vision.block.0"), names.index("llm.block.0")):
@@ -160,12 +167,12 @@ def test_external_launcher_with_the_wrong_process_count_is_a_clear_error(tmp_pat
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    from mmpipe.config import PROJECT_ROOT as ROOT
-
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "mmpipe",
-                           "train", "parallel.dp=2", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                           "train", "parallel.dp=2", f"hydra.run.dir={tmp_path}"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert ("parallel.pp * parallel.dp = 2 * 2 = 4 does not equal the 2 processes launched"

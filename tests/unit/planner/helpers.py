@@ -6,16 +6,19 @@ from pathlib import Path
 
 import yaml
 
-from mmpipe.model.spec import ModelSpec, spec_from_dict
+from mmpipe.model.group import model_from_group
+from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKLOADS = ROOT / "data" / "workloads"
+PACKAGE = ROOT / "mmpipe"  # the shipped configs and data live in the package
+WORKLOADS = PACKAGE / "data" / "workloads"
 
 
 def model(name: str) -> ModelSpec:
-    return spec_from_dict(yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text()))
+    """A model preset as `model=NAME` builds it (the 7B presets through their inline Hub configs)."""
+    return model_from_group(yaml.safe_load((PACKAGE / "conf" / "model" / f"{name}.yaml").read_text())).spec
 
 
 def hardware(name: str) -> HardwareSpec:
-    return hardware_from_dict(yaml.safe_load((ROOT / "conf" / "hardware" / f"{name}.yaml").read_text()))
+    return hardware_from_dict(yaml.safe_load((PACKAGE / "conf" / "hardware" / f"{name}.yaml").read_text()))

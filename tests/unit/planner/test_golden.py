@@ -25,7 +25,7 @@ from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import evaluate_step
 from mmpipe.planner.trace import read_trace
 
-from .helpers import ROOT, hardware, model
+from .helpers import ROOT, WORKLOADS, hardware, model
 
 GOLDEN = ROOT / "tests" / "unit" / "planner" / "golden" / "plans.json"
 STEP = 64
@@ -55,7 +55,7 @@ def _plan(case: str) -> dict:
     mname, workload, trainable, pp, dp, policy, memory_gb = CASES[case]
     m = model(mname)
     hw = dataclasses.replace(hardware("h100"), memory_gb=memory_gb)
-    metas = itertools.islice(read_trace(ROOT / "data" / "workloads" / f"{workload}.jsonl"), 2 * STEP)
+    metas = itertools.islice(read_trace(WORKLOADS / f"{workload}.jsonl"), 2 * STEP)
     feats = [features(m, meta) for meta in metas]
     sp = plan_stages(model=m, hardware=hw, pp=pp, dp=dp, trainable=trainable, sample=feats,
                      micro_batches=8, policy=policy)
@@ -95,7 +95,7 @@ def test_step_planner_gives_the_pinned_steps(case):
     want = json.loads(GOLDEN.read_text())[case]
     mname, workload, trainable, pp, dp, policy, memory_gb = CASES[case]
     m = model(mname)
-    metas = itertools.islice(read_trace(ROOT / "data" / "workloads" / f"{workload}.jsonl"), 2 * STEP)
+    metas = itertools.islice(read_trace(WORKLOADS / f"{workload}.jsonl"), 2 * STEP)
     feats = [features(m, meta) for meta in metas]
     planner = StepPlanner(model=m, hardware=dataclasses.replace(hardware("h100"), memory_gb=memory_gb),
                           trainable=trainable, dp=dp, policy=policy, micro_batches=8,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import yaml
 
 from mmpipe.cli import CONF_DIR, load, main
@@ -10,15 +12,20 @@ from mmpipe.planner.hardware import hardware_from_dict
 
 
 def test_profile_writes_a_description_of_this_machine(tmp_path, capsys):
-    out = tmp_path / "measured.yaml"
-    assert main(["profile", "profile.repeats=1", f"profile.out={out}"]) == 0
+    shipped = (CONF_DIR / "hardware" / "measured-tiny.yaml").read_bytes()
+    assert main(["profile", "profile.repeats=1", f"hydra.run.dir={tmp_path / 'run'}"]) == 0
+    out = tmp_path / "run" / "conf" / "hardware" / "measured-tiny.yaml"  # in the run dir, as a config folder
     doc = yaml.safe_load(out.read_text())
     assert doc.pop("measured_for") == "tiny"
     hw = hardware_from_dict(doc)
     assert set(hw.kind_efficiency) == set(KINDS)  # every layer kind of the tiny model measured
     assert all(0 < e <= 1 for e in hw.kind_efficiency.values())
     assert hw.link_latency_s > 0 and hw.link_gbps > 0
-    assert "use: mmpipe train hardware=measured" in capsys.readouterr().out
+    assert (CONF_DIR / "hardware" / "measured-tiny.yaml").read_bytes() == shipped  # the shipped file untouched
+    use = capsys.readouterr().out.split("use: ")[1].splitlines()[0]
+    assert use == f"mmpipe train --config-dir={tmp_path / 'run' / 'conf'} hardware=measured-tiny"
+    assert main(["train", *shlex.split(use)[2:], "--cfg", "job", "--package", "hardware"]) == 0  # it works as said
+    assert yaml.safe_load(capsys.readouterr().out.split("\n", 1)[1]) == yaml.safe_load(out.read_text())
 
 
 def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
@@ -33,4 +40,4 @@ def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
 
 def test_a_bad_hardware_value_names_the_key(capsys):
     assert main(["train", "hardware.peak_flops=fast"]) == 2
-    assert "hardware.peak_flops='fast' is not a number" in capsys.readouterr().err
+    assert "hardware.peak_flops='fast' must be a number" in capsys.readouterr().err

@@ -1,0 +1,336 @@
+"""What each `mmpipe <command>` does with a validated RunConfig, and how it introduces itself.
+
+No Hydra here: mmpipe/cli.py composes the config, checks it (`Command.check`, before any
+directory is made) and calls `Command.run` with the RunConfig and the job's `Invocation`.
+Outputs go to the run directory (relative output paths land there; absolute ones are
+honoured) and every command prints where they went.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path, shell_word, tokenizer_source
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Invocation:
+    """What a command knows of how it was called, beyond the config."""
+
+    overrides: tuple[str, ...] = ()
+    """The job's own overrides as typed (one job of a sweep: its values)."""
+    search_path: tuple[str, ...] = ()
+    """The user's config folders (--config-dir, hydra.searchpath), highest priority first, as Hydra
+    writes them (file://DIR, pkg://MODULE); a command that starts mmpipe again passes them on."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Command:
+    """One `mmpipe <name>` command."""
+
+    name: str
+    """As typed after `mmpipe`."""
+    summary: str
+    """One line for `mmpipe --help`."""
+    run: Callable[[RunConfig, Invocation], int]
+    """The command; returns the exit status."""
+    keys: tuple[str, ...]
+    """Config sections or dotted keys `--help` lists with their values and meaning."""
+    examples: tuple[str, ...]
+    """Command lines for `--help` (shell-safe as printed)."""
+    check: Callable[[RunConfig], None] | None = None
+    """Checks beyond the config (files exist, packages installed), before any directory is made."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """Extra lines for `--help`."""
+    arguments: str = "[KEY=VALUE ...]"
+    """What follows the command in its usage line (besides Hydra's flags)."""
+
+
+def output_path(rc: RunConfig, path: str | None) -> str | None:
+    """Where a command writes `path`: relative paths land in the run directory."""
+    if not path:
+        return None
+    return path if os.path.isabs(path) else str(Path(rc.run_dir) / path)
+
+
+def checkpoint_policy(rc: RunConfig) -> str:
+    """The run's checkpointing, as the start-up line states it."""
+    t, where = rc.train, Path(rc.run_dir) / "checkpoints"
+    if not t.save_every and not t.save_final:
+        return ("checkpoints: none (train.save_final=true keeps the last step, "
+                "train.save_every=N every N steps)")
+    parts = [f"every {t.save_every} steps"] if t.save_every else []
+    parts += ["after the last step"] if t.save_final else []
+    return f"checkpoints: {' and '.join(parts)}, in {where}"
+
+
+def check_train(rc: RunConfig) -> None:
+    from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
+    from mmpipe.runtime.hf_run import check_model
+    from mmpipe.runtime.metrics import check_loggers
+    from mmpipe.runtime.preflight import check_backend, check_data, checkpoint_dir
+
+    memory = check_model(rc)  # a planner-only preset, a model this machine cannot hold: before anything runs
+    if memory and os.environ.get("RANK", "0") == "0":
+        print(f"mmpipe: {memory}", flush=True)
+    check_loggers(rc.train.loggers)
+    check_data(rc)
+    require_tested_deepspeed()
+    if rc.deepspeed.config is not None:
+        load_user_config(rc.deepspeed.config)  # missing file, bad JSON, a key mmpipe owns: one line now
+    check_backend(rc.launcher.backend)
+    if rc.train.resume:
+        checkpoint_dir(rc.train.resume)
+
+
+def quiet_env(rc: RunConfig) -> dict[str, str]:
+    """Environment for the ranks: the libraries' start-up chatter off unless asked for
+    (launcher.verbose=true or MMPIPE_DEBUG=1, which the ranks then see)."""
+    if rc.launcher.verbose or os.environ.get("MMPIPE_DEBUG") == "1":
+        return {"MMPIPE_DEBUG": "1"}
+    return {"MMPIPE_DEBUG": "0", "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+def run_train(rc: RunConfig, _inv: Invocation) -> int:
+    from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
+    from mmpipe.runtime.preflight import write_run_config
+
+    if under_external_launcher():
+        from mmpipe.runtime.launch import accelerator_env
+        from mmpipe.runtime.worker import run_rank
+
+        for key, value in accelerator_env(rc.launcher.backend).items():
+            os.environ.setdefault(key, value)  # e.g. the CPU kernel-cache limits the local launcher sets
+        return run_rank(rc)
+    path = write_run_config(rc)
+    logs = Path(rc.run_dir) / "logs"
+    nproc = rc.launcher.nproc or rc.parallel.pp * rc.parallel.dp
+    print(f"mmpipe train: config checked: model {rc.model.name}, pp={rc.parallel.pp} x dp={rc.parallel.dp}, "
+          f"{rc.train.steps} steps of {rc.train.global_batch} samples, policy {rc.plan.policy}", flush=True)
+    print(f"mmpipe train: run dir {rc.run_dir}; {checkpoint_policy(rc)}", flush=True)
+    print(f"mmpipe train: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), each rank's "
+          f"output in {logs}/rank<R>.log; each builds its pipeline stage with DeepSpeed, which takes a while on CPU",
+          flush=True)
+    return launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
+                  master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
+                  extra_env=quiet_env(rc))
+
+
+def check_plan(rc: RunConfig) -> None:
+    if rc.data.kind == "shards":
+        if rc.data.sources is not None:
+            raise ValueError("mmpipe plan data=shards reads one shard list (data.path); a mixture (data.sources) "
+                             "is not supported: set data.sources=null")
+        from mmpipe.data.shards import check_shards
+
+        check_shards(resolve_path(rc.data.path), root=PACKAGE_ROOT)
+        return
+    if rc.data.kind != "trace":
+        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace or shard metadata; "
+                         f"use data=trace data.path=FILE.jsonl (shipped: data/workloads/*.jsonl) or data=shards")
+    if not Path(resolve_path(rc.data.path)).is_file():
+        raise FileNotFoundError(f"data.path={rc.data.path}: no such trace file (a relative path is looked up in "
+                                f"the current directory, then in the installed package: data/workloads/*.jsonl)")
+
+
+def plan_precision(rc: RunConfig, inv: Invocation):
+    """How `mmpipe plan` prices memory: the run's train.precision / train.zero_stage when the user
+    sets them, else what every MLLM run the planner prices uses (bf16 + ZeRO-1, docs/spec.md §6;
+    train.precision's own default, fp32, is what this CPU project trains with)."""
+    from mmpipe.planner.api import TrainingPrecision
+
+    chosen = any(o.lstrip("+").partition("=")[0] in ("train.precision", "train.zero_stage") for o in inv.overrides)
+    if chosen:
+        return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero,
+                                 optimizer=rc.train.optimizer)
+    return TrainingPrecision(optimizer=rc.train.optimizer)
+
+
+def shard_meta(rc: RunConfig) -> list:
+    """(key, metadata) of the shards' samples in stream order, media never read (every sample's
+    `meta` is a trace line, docs/spec.md section 1); as many as plan.steps needs. Read here: the
+    planner imports no data package."""
+    import itertools
+
+    from mmpipe.data.reader import iter_meta
+    from mmpipe.runtime.hf_run import load_templater
+
+    tok = load_templater(rc)  # text tokens are counted under the run's tokenizer (shards are not tied to one)
+    metas = iter_meta(path=resolve_path(rc.data.path), seed=rc.train.seed, epochs=1,
+                      shuffle_buffer=rc.data.shuffle_buffer, on_error=rc.data.on_error, spec=rc.model,
+                      too_long=rc.data.too_long, tokenizer=tok, root=PACKAGE_ROOT)
+    limit = rc.plan.steps * rc.train.global_batch if rc.plan.steps else None
+    return list(itertools.islice(metas, limit))
+
+
+def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False) -> int:
+    from mmpipe.config import hardware_spec
+    from mmpipe.planner.command import run_plan as plan
+
+    trace, samples = (resolve_path(rc.data.path), None) if rc.data.kind == "trace" else (None, shard_meta(rc))
+    plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.fixed("pp"), dp=rc.parallel.fixed("dp"),
+         devices=rc.parallel.devices, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
+         trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=trace, samples=samples,
+         source=rc.data.path, out=output_path(rc, rc.plan.out), steps=rc.plan.steps,
+         plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
+         compare_schedules=compare_schedules, memory_headroom=rc.plan.memory_headroom,
+         precision=plan_precision(rc, inv))
+    return 0
+
+
+def run_bench(rc: RunConfig, inv: Invocation) -> int:
+    from mmpipe.runtime.bench import run_bench as bench
+
+    paths = ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in inv.search_path)
+    bench(rc, [*([f"hydra.searchpath=[{paths}]"] if paths else []), *inv.overrides])
+    print(f"mmpipe bench: figures in {Path(rc.run_dir) / 'bench.json'}; each run's metrics in "
+          f"{Path(rc.run_dir) / 'round<R>-<policy>'}/ (draw them: mmpipe report {shell_word(rc.run_dir)})")
+    return 0
+
+
+def run_bench_data(rc: RunConfig, _inv: Invocation) -> int:
+    from mmpipe.data.commands import run_bench_data as bench_data
+
+    return bench_data(path=resolve_path(rc.data.path), tokenizer=tokenizer_source(rc)[0],
+                      model=rc.model, samples=rc.bench.samples, generated=rc.bench.generated, root=str(PACKAGE_ROOT))
+
+
+def check_shards(rc: RunConfig) -> None:
+    if not rc.shards.json or not rc.shards.out:
+        raise ValueError("mmpipe shards needs shards.json=FILE.json and shards.out=FOLDER")
+
+
+def run_shards(rc: RunConfig, _inv: Invocation) -> int:
+    from mmpipe.data.commands import run_convert
+
+    s = rc.shards
+    return run_convert(json_path=s.json, out=s.out, tokenizer=tokenizer_source(rc)[0],
+                       model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
+                       maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix, limits=rc.data.limits,
+                       allow_outside_roots=s.allow_outside_roots)
+
+
+def run_profile(rc: RunConfig, _inv: Invocation) -> int:
+    from mmpipe.runtime.profile import run_profile as profile
+
+    profile(rc, out=output_path(rc, rc.profile.out), repeats=rc.profile.repeats)
+    return 0
+
+
+def check_report(rc: RunConfig) -> None:
+    from mmpipe.report import find_runs
+
+    if not rc.report.runs:
+        raise ValueError("mmpipe report needs run directories: mmpipe report RUN_DIR [RUN_DIR ...] "
+                         "(a sweep or bench directory stands for the runs inside it)")
+    find_runs(rc.report.runs)
+
+
+def run_report(rc: RunConfig, _inv: Invocation) -> int:
+    from mmpipe.report import write_report
+
+    path, lines = write_report(rc.report.runs, out=Path(output_path(rc, rc.report.out) or "report.png"))
+    for line in lines:
+        print(line)
+    print(f"mmpipe report: wrote {path}", flush=True)
+    return 0
+
+
+_SETUP = ("model", "parallel", "hardware")
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    Command(name="train", summary="train the configured model through DeepSpeed pipeline stages",
+            run=run_train, check=check_train,
+            keys=("parallel", "train", "data", "plan", "launcher", "model", "hardware"),
+            examples=("mmpipe train                                   # tiny model, shipped data, pp=2",
+                      "mmpipe train train.steps=20 parallel.dp=2      # 4 processes",
+                      "mmpipe train recipes=tiny-pp4                  # a ready experiment (config group recipes)",
+                      "mmpipe train -m plan.policy=data-aware,ds-default train.steps=3   # a sweep: one run each",
+                      "mmpipe train " + shell_word("plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]"),
+                      "mmpipe train \"data.path='data/llava/train-{000000..000041}.tar'\"   # braces: quote twice",
+                      "mmpipe train " + shell_word("train.loggers=[jsonl,tensorboard]") + " train.save_final=true",
+                      "mmpipe train --cfg job                         # print the composed config, run nothing")),
+    Command(name="plan", summary="plan a workload trace (stages, micro-batches) and compare with baselines",
+            run=run_plan, check=check_plan,
+            keys=(*_SETUP, "train.global_batch", "train.micro_batches", "train.trainable", "data.path", "plan"),
+            examples=("mmpipe plan recipes=plan-qwen2-vl-h100 data.path=data/workloads/vision-dynamic.jsonl "
+                      "plan.out=plan.json plan.plot=timeline.png",
+                      "mmpipe plan model=llava-1.5-7b data=trace data.path=data/workloads/llava-sft.jsonl "
+                      "hardware=a100 parallel.pp=4"),
+            notes=("plan.out and plan.plot land in the run directory unless absolute.",)),
+    Command(name="simulate", summary="compare pipeline schedules on the planned micro-batches of a trace",
+            run=lambda rc, inv: run_plan(rc, inv, compare_schedules=True), check=check_plan,
+            keys=(*_SETUP, "train.global_batch", "train.micro_batches", "train.trainable", "data.path", "plan"),
+            examples=("mmpipe simulate recipes=plan-qwen2-vl-h100 data.path=data/workloads/vision-dynamic.jsonl",)),
+    Command(name="profile",
+            summary="measure the model's layers on this machine; write a hardware config to the run dir",
+            run=run_profile, keys=(*_SETUP, "train.trainable", "train.seed", "profile"),
+            examples=("mmpipe profile hydra.run.dir=runs/profile",
+                      "mmpipe train --config-dir=runs/profile/conf hardware=measured-tiny"),
+            notes=("The file lands in RUN_DIR/conf/hardware/measured-<model>.yaml: pass --config-dir=RUN_DIR/conf "
+                   "to use it (a user config folder wins over the shipped one).",)),
+    Command(name="bench",
+            summary="train once per policy (alternating) on the same data; compare samples/s and bubbles",
+            run=run_bench, check=check_train, keys=("bench.policies", "bench.rounds", "bench.steps"),
+            examples=("mmpipe bench",
+                      "mmpipe bench " + shell_word("bench.policies=[data-aware,ds-default]") + " bench.rounds=1",
+                      "mmpipe bench hardware=measured-tiny parallel.dp=2"),
+            notes=("Every train setting applies to the runs too (mmpipe train --help lists them).",)),
+    Command(name="shards", summary="convert a LLaVA-style JSON + media folders into webdataset shards",
+            run=run_shards, check=check_shards,
+            keys=("shards", "data.tokenizer", "data.on_error", "model.name", "model.llm.max_seq_len"),
+            examples=("mmpipe shards shards.json=llava.json shards.out=data/llava shards.image_root=/data/coco",
+                      "mmpipe train \"data.path='data/llava/train-{000000..000041}.tar'\"")),
+    Command(name="bench-data", summary="measure the loader (full decode vs metadata only)",
+            run=run_bench_data, keys=("bench.samples", "bench.generated", "data.path", "data.tokenizer", "model.name"),
+            examples=("mmpipe bench-data", "mmpipe bench-data bench.generated=0")),
+    Command(name="report", summary="draw loss, samples/s, bubble and predicted vs measured step time of runs (PNG)",
+            run=run_report, check=check_report, keys=("report",), arguments="RUN_DIR [RUN_DIR ...] [KEY=VALUE ...]",
+            examples=("mmpipe report outputs/2026-01-31/12-00-00",
+                      "mmpipe report multirun/2026-01-31/12-00-00      # a sweep: its runs side by side",
+                      "mmpipe report runs/a runs/b report.out=/tmp/ab.png"),
+            notes=("Positional arguments are run directories (they fill report.runs).",)),
+)}
+
+
+EXPORT_SUMMARY = "write a trained Hugging Face model back as its transformers class (from_pretrained loads it)"
+EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR"
+
+
+def usage() -> str:
+    """The command list of `mmpipe --help`."""
+    rows = {**{name: c.summary for name, c in COMMANDS.items()}, "export": EXPORT_SUMMARY}
+    width = max(map(len, rows))
+    return "\n".join(f"  {name:<{width}}  {summary}" for name, summary in rows.items())
+
+
+def export_command(args: list[str]) -> int:
+    """`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR`. Not a Hydra app: its arguments name a
+    finished run (whose run.yaml holds the model and seed), not a configuration to compose."""
+    import sys
+
+    from mmpipe.runtime.export import run_export
+
+    if any(a in ("-h", "--help") for a in args):
+        print(f"{EXPORT_USAGE}\n\n{EXPORT_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN;\n"
+              f"tokenizer and processor files are copied from the source checkpoint.")
+        return 0
+    runs = [a for a in args if "=" not in a]
+    keys = dict(a.split("=", 1) for a in args if "=" in a)
+    try:
+        unknown = sorted(set(keys) - {"checkpoint", "out"})
+        if unknown:
+            raise ValueError(f"{unknown[0]}={keys[unknown[0]]}: not an export argument; {EXPORT_USAGE}")
+        if len(runs) != 1 or not keys.get("out"):
+            raise ValueError(f"give one run directory and out=DIR; {EXPORT_USAGE}")
+        report = run_export(runs[0], out=keys["out"], checkpoint=keys.get("checkpoint"))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"mmpipe export: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"mmpipe export: wrote {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB, {report.shards} "
+          f"safetensors file(s); {len(report.copied)} held by no pipeline layer, copied from the source) to "
+          f"{report.folder} in {report.seconds:.1f} s")
+    return 0

@@ -1,0 +1,1 @@
+"""mmpipe's Hydra configs, shipped as package data (a package so Hydra finds them as pkg://mmpipe.conf)."""

@@ -1,0 +1,378 @@
+"""Shard URLs: brace lists, resolving, splitting by replica and worker, preflight, opening.
+
+`data.path` is webdataset's URL list: brace lists (`train-{000000..000007}.tar`), several of
+them joined by `::`, and `${NAME}` replaced by the environment variable `WDS_NAME`. Each URL
+is opened by webdataset's own opener (`webdataset.gopen`):
+
+- a local file (relative names resolve against the working directory, then the project
+  root; `file:` URLs too): checked up front, a missing one is an error before launch;
+- `pipe:COMMAND`: a shell command whose stdout is the tar (e.g.
+  `pipe:aws s3 cp s3://bucket/train-{0..9}.tar -`);
+- `http://`, `https://` (with curl), `gs://` (with gsutil) and the other schemes webdataset
+  knows; a scheme it does not know is an error before launch.
+
+`.tar` and gzip-compressed `.tar.gz` shards are read (recognised by their first bytes). What
+the opener gives is parsed by mmpipe's strict tar reader (mmpipe.data.tario): a cut, garbage
+or a failed command or download is one counted `corrupt shard` error naming the shard.
+
+Shards are split between replicas by `dp_rank` / `dp_size` (shard k goes to replica
+k % dp_size) and then between a replica's loader workers (the replica's j-th shard to worker
+j % num_workers), never by the RANK environment variable: every pipeline stage of a replica
+runs its own reader and must see the same samples in the same order, so the split depends
+only on the arguments. See docs/data.md.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import zlib
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+from webdataset import utils as wds_utils
+from webdataset.gopen import Pipe, gopen, gopen_schemes
+from webdataset.shardlists import expand_urls
+
+from mmpipe.data.skips import SampleError
+from mmpipe.data.tario import ShardError, iter_groups, iter_members, read_upto, skip_bytes
+
+_EARLY_STOP = (-13, 141)
+"""Exit statuses of a command killed by SIGPIPE because we stopped reading."""
+_TOOLS = {"http": "curl", "https": "curl", "gs": "gsutil"}
+"""The programs webdataset.gopen runs for these schemes (checked up front)."""
+_CURL_EXITS = {6: "could not resolve the host", 7: "could not connect to the server",
+               18: "the transfer ended early", 22: "the server answered with an HTTP error such as 404",
+               28: "the transfer timed out", 56: "the connection broke while receiving data"}
+"""curl's exit statuses a shard download meets most (curl -s prints no message of its own)."""
+_ENV = re.compile(r"\$\{(\w+)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One shard of the full, expanded shard list."""
+
+    url: str
+    """A resolved local path, `pipe:COMMAND` (whose stdout is the tar) or a URL webdataset opens."""
+    index: int
+    """Position in the full shard list (limits and resume refer to it)."""
+
+    @property
+    def name(self) -> str:
+        """Short name for logs: the file name, or for a command the last `*.tar*` word in it."""
+        if self.url.startswith("pipe:"):
+            try:
+                words = shlex.split(self.url[5:])
+            except ValueError:
+                words = self.url[5:].split()
+            tars = [w for w in words if ".tar" in w]
+            return _basename(tars[-1]) if tars else self.url[:48]
+        return _basename(self.url)
+
+
+def _basename(url: str) -> str:
+    return Path(url if is_local(url) else urlparse(url).path).name
+
+
+def shard_name(url: str) -> str:
+    """Short name of a shard URL for logs (see Shard.name)."""
+    return Shard(url, 0).name
+
+
+def scheme_of(url: str) -> str:
+    """`pipe`, `` for a local path, `file`, or the URL scheme (`http`, `gs`, ...)."""
+    if url.startswith("pipe:"):
+        return "pipe"
+    scheme = urlparse(url).scheme
+    return "" if len(scheme) == 1 else scheme  # c:/x is a drive, not a scheme
+
+
+def is_local(url: str) -> bool:
+    """True for a (resolved) local file path."""
+    return scheme_of(url) == ""
+
+
+# ---------------------------------------------------------------------------- shard lists
+
+def expand(path: str, *, key: str = "data.path") -> list[str]:
+    """The URLs of a shard list as webdataset expands it: `::` lists, `${NAME}` from the
+    environment variable WDS_NAME, brace lists."""
+    if not path or not path.strip():
+        raise ValueError(f"{key} is empty; give a brace list such as data/shards/train-{{000000..000007}}.tar")
+    for name in _ENV.findall(path):
+        if f"WDS_{name}" not in os.environ:
+            raise ValueError(
+                f"{key}={path!r}: ${{{name}}} is read from the environment variable WDS_{name} "
+                f"(webdataset's convention), which is not set; set it, or write ${name} without braces "
+                f"inside a pipe: command for the shell to expand")
+    urls = [u.strip() for u in expand_urls(path)]
+    if any(not u for u in urls):
+        raise ValueError(f"{key}={path!r} has an empty entry (a stray '::'?)")
+    return urls
+
+
+def resolve_urls(path: str, *, root: Path | None = None, key: str = "data.path") -> list[str]:
+    """Shard URLs of data.path: local files (checked, made absolute), `pipe:` commands and
+    URLs of schemes webdataset opens (not checked here: a failure is a counted error).
+
+    Relative file names resolve against the working directory, then `root`.
+
+    Raises:
+        FileNotFoundError: when no local file, or only some of the local files, exist.
+        ValueError: an empty pipe: command, a scheme webdataset cannot open, an unset WDS_ variable.
+    """
+    urls = expand(path, key=key)
+    out: list[str] = []
+    missing: list[str] = []
+    local = 0
+    for url in urls:
+        scheme = scheme_of(url)
+        if scheme == "pipe":
+            if not url[5:].strip():
+                raise ValueError(f"{key}={path!r}: a pipe: URL needs a command, e.g. pipe:cat shard-{{0..3}}.tar")
+            out.append(url)
+            continue
+        if scheme not in ("", "file"):
+            if scheme not in gopen_schemes:
+                example = "pipe:aws s3 cp s3://bucket/train-{0..9}.tar -" if scheme == "s3" else \
+                    "pipe:COMMAND that writes the tar to stdout"
+                raise ValueError(
+                    f"{key}={path!r}: webdataset has no opener for {scheme}:// URLs (it opens local files, "
+                    f"pipe:, {', '.join(k + '://' for k in sorted(gopen_schemes) if k not in ('__default__', 'pipe'))}); "
+                    f"use a command instead, e.g. {example}")
+            out.append(url)
+            continue
+        local += 1
+        name = url2pathname(urlparse(url).path) if scheme == "file" else url
+        p = Path(name)
+        candidates = [p] if p.is_absolute() else [Path.cwd() / p] + ([Path(root) / p] if root else [])
+        hit = next((c for c in candidates if c.is_file()), None)
+        if hit is None:
+            missing.append(name)
+        else:
+            out.append(str(hit))
+    looked = f"cwd {Path.cwd()}" + (f" and root {root}" if root else "")
+    if missing and len(missing) == len(urls):
+        raise FileNotFoundError(
+            f"{key}={path!r} matches no file (looked in {looked}); generate the shipped "
+            f"shards with `python -m mmpipe.data.synth --out data/` or fix the path"
+        )
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise FileNotFoundError(
+            f"{key}={path!r}: {len(missing)} of {local} shards are missing ({shown}; "
+            f"looked in {looked}); fix the brace range or regenerate the data"
+        )
+    return out
+
+
+def shards_for_reader(shards: list[Any], *, dp_rank: int, dp_size: int, worker_id: int = 0,
+                      num_workers: int = 1, key: str = "data.path") -> list[Any]:
+    """The shards of loader worker `worker_id` of replica `dp_rank`.
+
+    Replica r reads shards r, r + dp, r + 2dp, ...; its worker j the j-th, (j+W)-th, ... of
+    those. Every reader needs at least one shard: fewer shards than dp x workers is an error
+    (a reader without shards would hang its replica's pipeline).
+    """
+    if dp_size < 1:
+        raise ValueError(f"parallel.dp={dp_size} must be >= 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1} (parallel.dp={dp_size})")
+    if num_workers < 1:
+        raise ValueError(f"data.num_workers={num_workers} must be >= 1")
+    if not 0 <= worker_id < num_workers:
+        raise ValueError(f"worker_id={worker_id} is outside 0..{num_workers - 1} (data.num_workers={num_workers})")
+    readers = dp_size * num_workers
+    if len(shards) < readers:
+        if num_workers == 1:
+            raise ValueError(
+                f"{key} has {len(shards)} shard(s) but parallel.dp={dp_size}; every replica needs "
+                f"at least one shard: lower parallel.dp to <= {len(shards)} or write more shards"
+            )
+        raise ValueError(
+            f"{key} has {len(shards)} shard(s) but parallel.dp x data.num_workers = {dp_size} x {num_workers} "
+            f"= {readers} readers; every reader needs at least one shard: lower data.num_workers to "
+            f"<= {max(1, len(shards) // dp_size)} or write more shards"
+        )
+    return shards[dp_rank::dp_size][worker_id::num_workers]
+
+
+def check_shards(path: str, *, root: Path | None = None, dp_size: int = 1, num_workers: int = 1,
+                 key: str = "data.path") -> list[str]:
+    """Preflight: the shard list resolves, the programs webdataset opens its URLs with are
+    installed, and every reader gets a shard. Returns the URLs."""
+    urls = resolve_urls(path, root=root, key=key)
+    for scheme in sorted({scheme_of(u) for u in urls}):
+        tool = _TOOLS.get(scheme)
+        if tool and shutil.which(tool) is None:
+            raise ValueError(f"{key}={path!r}: webdataset reads {scheme}:// URLs with `{tool}`, which is not "
+                             f"installed (not on PATH); install it or copy the shards to local disk")
+    shards_for_reader(urls, dp_rank=0, dp_size=dp_size, num_workers=num_workers, key=key)
+    return urls
+
+
+# ---------------------------------------------------------------------------- opening
+#
+# webdataset leaves decompression to Python's tarfile (mode "r|*"), which mmpipe does not use
+# (see mmpipe.data.tario); the standard gzip module does the work here. The two small classes
+# below only let us sniff the gzip magic on a stream that cannot seek back, and turn gzip's
+# errors into the ShardError the reader counts.
+
+class _Prefixed:
+    """A read-only stream that first gives back bytes already read from `rest` (to sniff the
+    compression of a stream that cannot seek back)."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]) -> None:
+        self.head, self.rest = head, rest
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.head:
+            return self.rest.read(n)
+        if n is None or n < 0:
+            out, self.head = self.head + self.rest.read(), b""
+            return out
+        out, self.head = self.head[:n], self.head[n:]
+        return out
+
+
+class _Gunzip:
+    """The decompressed bytes of a gzip stream; a cut or damaged stream is a ShardError."""
+
+    def __init__(self, raw: Any) -> None:
+        self.gz = gzip.GzipFile(fileobj=raw, mode="rb")
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self.gz.read(n)
+        except (EOFError, OSError, zlib.error) as err:
+            raise ShardError(f"gzip data cut or damaged ({err})") from None
+
+
+def _decompressed(f: IO[bytes], seekable: bool) -> tuple[Any, bool]:
+    """(stream, seekable): `f` itself, or its gzip-decompressed content (`.tar.gz`)."""
+    head = read_upto(f, 2)
+    if seekable:
+        f.seek(-len(head), os.SEEK_CUR)
+        raw: Any = f
+    else:
+        raw = _Prefixed(head, f)
+    if head == b"\x1f\x8b":
+        return _Gunzip(raw), False
+    return raw, seekable
+
+
+def _explain(pipe: Pipe, status: int, err_file: IO[bytes] | None) -> str:
+    """`command 'x' exited with status 1: <stderr tail>` or `curl exited with status 22 (...)`."""
+    args = pipe.args[0][0]
+    if isinstance(args, str):
+        what = f"command {args.strip()!r}"
+    else:
+        what = str(args[0])
+    text = f"{what} exited with status {status}"
+    if what == "curl" and status in _CURL_EXITS:
+        text += f" ({_CURL_EXITS[status]})"
+    if err_file is not None:
+        err_file.seek(0)
+        tail = err_file.read()[-400:].decode("utf-8", "replace").strip().replace("\n", " | ")
+        text += f": {tail}" if tail else ""
+    return text
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror + (f": {err.filename}" if err.filename else "")
+    return str(err)
+
+
+def _open(url: str, err_file: IO[bytes] | None) -> Any:
+    if url.startswith("pipe:"):
+        # webdataset's own Pipe, as its gopen_pipe makes it, plus the command's stderr kept
+        # for the error message (gopen_pipe takes no stderr argument).
+        if getattr(wds_utils, "enforce_security", False):
+            raise ValueError("pipe: URLs are disabled by WDS_SECURE=1")
+        return Pipe(url[5:], mode="rb", shell=True, bufsize=1 << 20, ignore_status=[141], stderr=err_file)
+    return gopen(url, "rb")
+
+
+@contextmanager
+def open_shard(url: str) -> Iterator[tuple[IO[bytes], bool, Callable[[], None]]]:
+    """(stream, seekable, finish) of a shard URL, opened by webdataset's opener and
+    decompressed when it is gzip.
+
+    `finish()` is called after a complete read: for a command or download it reads what is
+    left and raises ShardError on a non-zero exit status. A ShardError inside the block is
+    re-raised naming the command's status (and stderr) when the command failed.
+    """
+    with tempfile.TemporaryFile() if url.startswith("pipe:") else nullcontext() as err_file:
+        try:
+            opened = _open(url, err_file)
+        except (OSError, ValueError, ImportError) as err:
+            raise ShardError(f"cannot open: {_reason(err)}") from None
+        if not isinstance(opened, Pipe):
+            with opened as fh:
+                stream, seekable = _decompressed(fh, fh.seekable())
+                yield stream, seekable, lambda: None
+            return
+        proc, out = opened.proc, opened.stream
+        # Read the child's stdout itself, not Pipe.read: Pipe.read raises as soon as the child
+        # has exited badly, dropping the bytes just read; we check the status at the end.
+
+        def finish() -> None:
+            skip_bytes(out, 1 << 62, False)  # the tar's end padding; a writer must not get SIGPIPE
+            status = proc.wait()
+            if status != 0:
+                raise ShardError(_explain(opened, status, err_file))
+
+        try:
+            stream, _ = _decompressed(out, False)
+            yield stream, False, finish
+        except ShardError:
+            out.close()
+            try:
+                status = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = None
+            if status not in (None, 0, *_EARLY_STOP, *opened.ignore_status):
+                raise ShardError(_explain(opened, status, err_file)) from None
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+
+
+def read_shard(shard: Shard, *, select: Callable[[str], bool] | None = None) -> Iterator[dict | SampleError]:
+    """The samples of one shard, each with `__key__`, `__url__`, `__shard__` (index) and
+    `__ordinal__` (position in the shard), and SampleErrors (located at the shard) for
+    members with unsafe names.
+
+    Raises:
+        ShardError: after yielding the samples before the damage.
+    """
+    with open_shard(shard.url) as (f, seekable, finish):
+        ordinal = 0
+        for sample in iter_groups(iter_members(f, select=select, seekable=seekable)):
+            if isinstance(sample, SampleError):
+                yield sample.at(shard=shard.name, key="")
+                continue
+            sample["__url__"] = shard.url
+            sample["__shard__"] = shard.index
+            sample["__ordinal__"] = ordinal
+            ordinal += 1
+            yield sample
+        finish()
+
+
+def count_samples(shard: Shard) -> int:
+    """Samples in a shard, from the headers alone (member data is skipped, not read)."""
+    return sum(1 for s in read_shard(shard, select=lambda name: False) if not isinstance(s, SampleError))

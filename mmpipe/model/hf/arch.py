@@ -1,0 +1,257 @@
+"""Architecture of a Hugging Face model: its transformers config, checked, and turned into the
+figures the planner costs (a `ModelSpec`) plus the record the layers are built from (`HFSource`).
+
+Three sources, none of which downloads anything:
+- a checkpoint folder written by `save_pretrained` (config.json, safetensors, processor files);
+- an inline config (a mapping shaped like config.json: a 7B preset without weights);
+- a composition of unimodal checkpoints with a new projector (`model=compose`, LLaVA stage-1
+  style): a vision tower + LLM is a `LlavaForConditionalGeneration`, a Whisper encoder + LLM a
+  `Qwen2AudioForConditionalGeneration` (Qwen2-Audio's own recipe), and each exports as such.
+
+Every setting that changes numerics stays in the transformers config, because the layers are
+that config's own module classes (rope, norms, biases, activations, ties...). What mmpipe cannot
+run is refused here, before any process starts, by a one-line ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from transformers import AutoConfig, PretrainedConfig
+
+from mmpipe.model.hf.configs import ARCHITECTURES, config_from_dict, config_json
+from mmpipe.model.hf.media import make_feature_extractor, make_image_processor
+from mmpipe.model.spec import AudioSpec, HFSource, LLMSpec, ModelSpec, VisionSpec
+
+LLM_TYPES = ("llama", "mistral", "qwen2")
+"""Decoder families a LLaVA, Qwen2-Audio or composed model may use."""
+VISION_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
+"""Vision towers a LLaVA or composed model may use (a full CLIP/SigLIP model gives its vision part)."""
+
+
+def _supported() -> str:
+    return (f"{', '.join(ARCHITECTURES.values())}, or model=compose of a CLIP/SigLIP vision model or a "
+            f"Whisper encoder with a {'/'.join(LLM_TYPES)} causal LM")
+
+
+# ----------------------------------------------------------------------------- reading configs
+
+
+def read_config(folder: str | Path, *, what: str = "model.path") -> PretrainedConfig:
+    """A checkpoint folder's transformers config (local files only)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{what}={str(folder)!r} is not a checkpoint folder (no config.json there); "
+                         f"give a local folder written by save_pretrained")
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"{what}={str(folder)!r}: transformers cannot read its config.json ({err}); "
+                         f"supported: {_supported()}") from None
+
+
+def read_processor_config(folder: str | Path, kind: str) -> dict[str, Any] | None:
+    """A folder's image processor (`kind="image_processor"`) or feature extractor config, from
+    preprocessor_config.json or the nested entry of processor_config.json (transformers 5)."""
+    folder = Path(folder)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if name == "processor_config.json":
+            data = data.get(kind)
+            if not isinstance(data, dict):
+                continue
+        type_key = "image_processor_type" if kind == "image_processor" else "feature_extractor_type"
+        if type_key in data:
+            return data
+    return None
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _text(config: PretrainedConfig, what: str) -> PretrainedConfig:
+    text = config.get_text_config()
+    if text.model_type not in (*LLM_TYPES, "qwen2_vl_text"):
+        raise ValueError(f"{what}: language model type {text.model_type!r} is not supported; "
+                         f"use one of {', '.join(LLM_TYPES)}")
+    return text
+
+
+def _feature_layer(config: PretrainedConfig, layers: int, what: str) -> int:
+    """How many vision blocks LLaVA's `vision_feature_layer` runs (hidden_states[k] is the
+    output of block k-1; index 0 is the embedding output)."""
+    layer = config.vision_feature_layer
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise ValueError(f"{what}.vision_feature_layer={layer!r}: only a single layer index is supported "
+                         f"(features of several layers are not); use e.g. -2")
+    k = layer % (layers + 1) if -(layers + 1) <= layer <= layers else -1
+    if k < 1:
+        raise ValueError(f"{what}.vision_feature_layer={layer} selects no vision block of {layers}; "
+                         f"use an index in 1..{layers} or -{layers}..-1")
+    return k
+
+
+def check_supported(config: PretrainedConfig, *, what: str = "model") -> str:
+    """The model_type of a supported architecture, or a ValueError naming what is not."""
+    kind = config.model_type
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"{what}: model_type {kind!r} is not supported; supported: {_supported()}")
+    _text(config, what)
+    if kind == "llava":
+        vtype = config.vision_config.model_type
+        if vtype not in VISION_TYPES:
+            raise ValueError(f"{what}: LLaVA vision tower {vtype!r} is not supported; use "
+                             f"{' or '.join(VISION_TYPES)}")
+        if config.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(f"{what}.vision_feature_select_strategy="
+                             f"{config.vision_feature_select_strategy!r} is unknown; use default or full")
+        _feature_layer(config, config.vision_config.num_hidden_layers, what)
+    if kind == "qwen2_audio" and config.audio_config.model_type != "qwen2_audio_encoder":
+        raise ValueError(f"{what}: audio tower {config.audio_config.model_type!r} is not supported; "
+                         f"use qwen2_audio_encoder")
+    return kind
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _llm_spec(text: PretrainedConfig, *, tie: bool, max_seq_len: int | None) -> LLMSpec:
+    heads = text.num_attention_heads
+    return LLMSpec(blocks=text.num_hidden_layers, hidden=text.hidden_size, mlp=text.intermediate_size,
+                   heads=heads, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   vocab=text.vocab_size, max_seq_len=int(max_seq_len or text.max_position_embeddings),
+                   tie_embeddings=tie)
+
+
+def _fixed_side(ip: Mapping[str, Any], vc: PretrainedConfig, what: str) -> int:
+    """The square side a CLIP/SigLIP image processor outputs (its tower has fixed positions)."""
+    proc = make_image_processor(ip)
+    box = proc.crop_size if getattr(proc, "do_center_crop", False) else proc.size
+    h, w = getattr(box, "height", None), getattr(box, "width", None)
+    if h is None or h != w:
+        raise ValueError(f"{what}: the image processor does not output square images of a fixed side "
+                         f"(size={proc.size}, crop_size={getattr(proc, 'crop_size', None)}); the tower has "
+                         f"fixed positions")
+    if h != vc.image_size:
+        raise ValueError(f"{what}: the image processor outputs {h}x{h} images but the vision tower's "
+                         f"image_size is {vc.image_size}")
+    return int(h)
+
+
+def _llava_vision(config: PretrainedConfig, ip: Mapping[str, Any] | None, what: str) -> VisionSpec:
+    vc, text = config.vision_config, config.get_text_config()
+    return VisionSpec(
+        blocks=_feature_layer(config, vc.num_hidden_layers, what), hidden=vc.hidden_size, mlp=vc.intermediate_size,
+        heads=vc.num_attention_heads, patch=vc.patch_size, resize="fixed", image_size=_fixed_side(ip, vc, what),
+        merge=1, cls_token=VISION_TYPES[vc.model_type] == "clip", select=config.vision_feature_select_strategy,
+        proj=(text.hidden_size, text.hidden_size), channels=vc.num_channels)
+
+
+def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> VisionSpec:
+    vc = config.vision_config
+    proc = make_image_processor(ip)
+    for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
+                      ("temporal_patch_size", vc.temporal_patch_size)):
+        if getattr(proc, key) != ours:
+            raise ValueError(f"{what}: the image processor has {key}={getattr(proc, key)} but the vision tower {ours}")
+    merged = vc.embed_dim * vc.spatial_merge_size ** 2
+    return VisionSpec(
+        blocks=vc.depth, hidden=vc.embed_dim, mlp=int(vc.embed_dim * vc.mlp_ratio), heads=vc.num_heads,
+        patch=vc.patch_size, resize="smart", min_pixels=int(proc.size.shortest_edge),
+        max_pixels=int(proc.size.longest_edge), merge=vc.spatial_merge_size, temporal_patch=vc.temporal_patch_size,
+        proj=(merged, vc.hidden_size), channels=vc.in_channels)
+
+
+def _audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) -> AudioSpec:
+    ac, text = config.audio_config, config.get_text_config()
+    fe = make_feature_extractor(fe_config)
+    rate, hop = fe.sampling_rate, fe.hop_length
+    if rate % hop:
+        raise ValueError(f"{what}: feature extractor hop_length={hop} does not divide sampling_rate={rate}")
+    if fe.feature_size != ac.num_mel_bins:
+        raise ValueError(f"{what}: the feature extractor makes {fe.feature_size} mel bins but the audio tower "
+                         f"takes num_mel_bins={ac.num_mel_bins}")
+    if fe.nb_max_frames != 2 * ac.max_source_positions:
+        raise ValueError(f"{what}: the feature extractor pads clips to {fe.nb_max_frames} frames but the audio "
+                         f"tower takes 2 x max_source_positions = {2 * ac.max_source_positions}")
+    if ac.encoder_layerdrop:
+        raise ValueError(f"{what}.audio_config.encoder_layerdrop={ac.encoder_layerdrop}: layer drop is not "
+                         f"supported (a pipeline stage cannot skip its layer); set it to 0")
+    return AudioSpec(blocks=ac.encoder_layers, hidden=ac.d_model, mlp=ac.encoder_ffn_dim,
+                     heads=ac.encoder_attention_heads, mel_bins=ac.num_mel_bins, sample_rate=rate,
+                     frames_per_s=rate // hop, conv_stride=2, pool=2, pool_ceil=False,
+                     max_seconds=fe.n_samples / rate, proj=(text.hidden_size,))
+
+
+def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
+    """The processor config transformers' own defaults give a tower (for an inline config)."""
+    if config.model_type == "qwen2_vl":
+        vc = config.vision_config
+        return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": vc.patch_size,
+                "merge_size": vc.spatial_merge_size, "temporal_patch_size": vc.temporal_patch_size}
+    side = config.vision_config.image_size
+    if VISION_TYPES[config.vision_config.model_type] == "clip":
+        return {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": side},
+                "crop_size": {"height": side, "width": side}, "do_center_crop": True}
+    return {"image_processor_type": "SiglipImageProcessor", "size": {"height": side, "width": side}}
+
+
+def default_feature_extractor(config: PretrainedConfig) -> dict[str, Any]:
+    ac = config.audio_config
+    return {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": ac.num_mel_bins,
+            "chunk_length": 2 * ac.max_source_positions * 160 // 16000, "sampling_rate": 16000, "hop_length": 160}
+
+
+def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
+                     weights: tuple[tuple[str, str], ...] = (),
+                     image_processor: Mapping[str, Any] | None = None,
+                     feature_extractor: Mapping[str, Any] | None = None,
+                     max_seq_len: int | None = None, what: str = "model.config") -> ModelSpec:
+    """The spec of a supported architecture given its transformers config.
+
+    Args:
+        config: a transformers config, or a mapping shaped like config.json.
+        name: the preset name.
+        weights: (part, folder) pairs the weights load from (empty: random initialisation).
+        image_processor, feature_extractor: processor configs (transformers' defaults if None).
+        max_seq_len: longest sample; the config's max_position_embeddings if None.
+    """
+    if not isinstance(config, PretrainedConfig):
+        config = config_from_dict(config, what=what)
+    kind = check_supported(config, what=what)
+    if kind != "qwen2_audio":
+        image_processor = dict(image_processor or default_image_processor(config))
+    if kind == "qwen2_audio":
+        feature_extractor = dict(feature_extractor or default_feature_extractor(config))
+    arch = ARCHITECTURES[kind]
+    config.architectures = [arch]
+    src = HFSource(architecture=arch, config=config_json(config), weights=tuple(weights),
+                   image_processor=json.dumps(image_processor, sort_keys=True) if kind != "qwen2_audio" else "",
+                   feature_extractor=json.dumps(feature_extractor, sort_keys=True) if kind == "qwen2_audio" else "")
+    from mmpipe.model.hf.skeleton import ties_embeddings  # builds the model on the meta device
+
+    llm = _llm_spec(config.get_text_config(), tie=ties_embeddings(src), max_seq_len=max_seq_len)
+    vision = audio = None
+    if kind == "llava":
+        vision = _llava_vision(config, image_processor, what)
+    elif kind == "qwen2_vl":
+        vision = _qwen2_vl_vision(config, image_processor, what)
+    else:
+        audio = _audio(config, feature_extractor, what)
+    return ModelSpec(name=name, llm=llm, vision=vision, audio=audio, hf=src)
+
+
+def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len: int | None = None,
+                     what: str = "model.path") -> ModelSpec:
+    """The spec of a checkpoint folder (its config.json, preprocessor files and weights)."""
+    config = read_config(folder, what=what)
+    check_supported(config, what=f"{what}={str(folder)!r}")
+    return spec_from_config(config, name=name or Path(folder).name, weights=(("model", str(folder)),),
+                            image_processor=read_processor_config(folder, "image_processor"),
+                            feature_extractor=read_processor_config(folder, "feature_extractor"),
+                            max_seq_len=max_seq_len, what=f"{what}={str(folder)!r}")

@@ -1,0 +1,208 @@
+"""Export a trained Hugging Face model as a folder transformers loads with its original class.
+
+`export(spec, checkpoint, out)` reads DeepSpeed's pipeline checkpoint one layer file at a time
+(`layer_XX-model_states.pt`, one per layer index, `weights_only=True`), renames each tensor to
+the transformers model's own key and back to the layout `save_pretrained` writes (transformers'
+own reverse conversion mapping), and streams the tensors into safetensors shards; at most one
+shard's worth of tensors is held at a time. Tensors no pipeline layer holds (a CLIP tower's
+post-norm and the blocks after `vision_feature_layer`, SigLIP's pooling head) are copied from
+the source checkpoint, so `from_pretrained` finds every key; a tied LM head is left out, as
+`save_pretrained` leaves it out. Each tensor is written in the dtype its source stored (the
+config's dtype for one without a source), so an export right after loading is bit-identical.
+config.json and the tokenizer / processor files come from the source folders.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers.core_model_loading import revert_weight_conversion
+
+from mmpipe.model.hf.build import tied_embedding
+from mmpipe.model.hf.configs import hf_config
+from mmpipe.model.hf.skeleton import materialise, owned_keys, skeleton, unowned_keys
+from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype
+from mmpipe.model.layers import layer_seed
+from mmpipe.model.spec import HFSource, ModelSpec, layer_names
+
+SHARD_BYTES = 5 * 2**30
+"""Largest shard written (transformers' own default for save_pretrained)."""
+_TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+               "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.json", "chat_template.jinja")
+_MEDIA_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportReport:
+    """What an export wrote."""
+
+    folder: str
+    """The output folder."""
+    tensors: int
+    """Tensors written."""
+    bytes: int
+    """Bytes of tensor data written."""
+    shards: int
+    """safetensors files."""
+    copied: tuple[str, ...]
+    """Keys copied from the source checkpoint (held by no pipeline layer)."""
+    seconds: float
+    """Wall time."""
+
+
+class _ShardWriter:
+    """Streams tensors into `model-XXXXX-of-YYYYY.safetensors` shards (or one model.safetensors)."""
+
+    def __init__(self, out: Path, limit: int):
+        self.out, self.limit = out, limit
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, t in tensors.items():
+            size = t.numel() * t.element_size()
+            if self.pending and self.pending_bytes + size > self.limit:
+                self._flush()
+            self.pending[key] = t.detach().contiguous().clone()
+            self.pending_bytes += size
+            self.total += size
+
+    def _flush(self) -> None:
+        path = self.out / f"shard-{len(self.files):05d}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> int:
+        import json
+
+        if self.pending:
+            self._flush()
+        n = len(self.files)
+        if n == 1:
+            self.files[0][0].rename(self.out / "model.safetensors")
+            return 1
+        weight_map = {}
+        for i, (path, keys) in enumerate(self.files):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(self.out / name)
+            weight_map.update({k: name for k in keys})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return n
+
+
+def _dtype(src: HFSource, key: str, index: dict[str, TensorRef]) -> torch.dtype:
+    if key in index:
+        return stored_dtype(index[key])
+    dtype = getattr(hf_config(src), "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _saved_names(src: HFSource, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model keys -> the names save_pretrained writes (transformers' reverse conversion)."""
+    return revert_weight_conversion(skeleton(src), tensors)
+
+
+def _copy_files(spec: ModelSpec, out: Path, tokenizer: str | Path | None) -> None:
+    src = spec.hf
+    folders = dict(src.weights)
+    whole = folders.get("model")
+    if whole is not None and (Path(whole) / "config.json").is_file():
+        shutil.copy2(Path(whole) / "config.json", out / "config.json")
+    else:
+        config = hf_config(src).__class__.from_dict(hf_config(src).to_dict())
+        config.architectures = [src.architecture]
+        config.save_pretrained(out)
+    media_from = whole or folders.get("vision") or folders.get("audio")
+    text_from = tokenizer or whole or folders.get("llm")
+    for folder, names in ((text_from, _TEXT_FILES + ("generation_config.json",)), (media_from, _MEDIA_FILES)):
+        for name in names:
+            if folder is not None and (Path(folder) / name).is_file():
+                shutil.copy2(Path(folder) / name, out / name)
+    if not any((out / n).is_file() for n in _MEDIA_FILES):  # an inline preset: its processor config
+        text = src.image_processor or src.feature_extractor
+        if text:
+            (out / "preprocessor_config.json").write_text(text + "\n")
+
+
+def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: int = 0,
+           tokenizer: str | Path | None = None, shard_bytes: int = SHARD_BYTES) -> ExportReport:
+    """Write `out` so that `spec.hf.architecture.from_pretrained(out)` loads the trained model.
+
+    Args:
+        spec: the run's model (made by mmpipe.model.hf).
+        checkpoint: a pipeline checkpoint folder (`RUN/checkpoints/stepN`) with one
+            `layer_XX-model_states.pt` per layer index.
+        out: the folder to write (created; existing model files are replaced).
+        seed: the run seed, for the rare tensor neither the run nor a source holds.
+        tokenizer: a folder to take the tokenizer files from (default: the source's).
+        shard_bytes: largest safetensors shard.
+    """
+    if spec.hf is None:
+        raise ValueError(f"model {spec.name} is mmpipe's own assembly; only Hugging Face models export")
+    start = time.perf_counter()
+    src, checkpoint, out = spec.hf, Path(checkpoint), Path(out)
+    if not checkpoint.is_dir():
+        raise ValueError(f"checkpoint {str(checkpoint)!r} is not a folder; give RUN_DIR/checkpoints/stepN")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("*.safetensors"), *out.glob("shard-*.tmp"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    index = checkpoint_index(src) if src.weights else {}
+    tie = tied_embedding(spec)
+    writer = _ShardWriter(out, shard_bytes)
+    count = 0
+    for i, name in enumerate(layer_names(spec)):
+        if tie is not None and name == tie.layers[1]:
+            continue  # the tied head is the embedding's weight, saved with llm.embed
+        path = checkpoint / f"layer_{i:02d}-model_states.pt"
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: checkpoint {checkpoint} has no state of layer {i} ({name})")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        keys = owned_keys(spec, name)
+        if set(state) != set(keys):
+            extra = sorted(set(state) ^ set(keys))[:3]
+            raise ValueError(f"{path} does not hold layer {name} of {src.architecture} (keys differ: {extra}); "
+                             f"is it a checkpoint of this model?")
+        tensors = {key: state[local].to(_dtype(src, key, index)) for local, key in keys.items()}
+        writer.add(_saved_names(src, tensors))
+        count += len(tensors)
+        del state, tensors
+    copied = unowned_keys(spec)
+    fresh: dict[str, torch.nn.Module] = {}
+    for key in copied:
+        if key in index:
+            t = read_tensor(index[key])
+        else:  # no source holds it (an inline preset): transformers' initialisation, seeded
+            module_path, attr = key.rsplit(".", 1)
+            if module_path not in fresh:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(layer_seed(seed, module_path))
+                    fresh[module_path] = materialise(src, module_path)
+            t = getattr(fresh[module_path], attr).detach().to(_dtype(src, key, index))
+        writer.add(_saved_names(src, {key: t}))
+        count += 1
+    shards = writer.finish()
+    _copy_files(spec, out, tokenizer)
+    return ExportReport(folder=str(out), tensors=count, bytes=writer.total, shards=shards, copied=tuple(copied),
+                        seconds=time.perf_counter() - start)
+
+
+def save_layer_states(layers: list[torch.nn.Module], spec: ModelSpec, folder: str | Path) -> None:
+    """Write layers' state dicts as DeepSpeed's pipeline checkpoint names them (one
+    `layer_XX-model_states.pt` per layer index; none for a tied head, whose module is the
+    embedding's). For single-process runs and tests; a pipeline run writes these itself."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tie = tied_embedding(spec)
+    for i, (name, layer) in enumerate(zip(layer_names(spec), layers)):
+        if tie is not None and name == tie.layers[1]:
+            continue
+        torch.save(layer.state_dict(), folder / f"layer_{i:02d}-model_states.pt")

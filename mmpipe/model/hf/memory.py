@@ -1,0 +1,84 @@
+"""Static memory of a run, per pipeline stage, before anything is launched.
+
+Parameter counts are exact: they are the element counts of each layer's tensors in the
+meta-device model (no memory used). Bytes per parameter default to mmpipe's runtime (fp32
+weights, fp32 gradients and two fp32 AdamW moments for what trains; DeepSpeed ZeRO stage 0,
+so replicas do not shard them). Activations depend on the micro-batches and are the planner's
+part (`planner/cost.py`); add its figure for the whole picture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from mmpipe.model.hf.build import tied_embedding
+from mmpipe.model.hf.skeleton import owned_keys, skeleton
+from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageMemory:
+    """Static bytes one pipeline stage holds."""
+
+    stage: int
+    """Stage index."""
+    layers: tuple[str, ...]
+    """Its layers."""
+    params: int
+    """Parameters it holds (a tied embedding counts on every stage that holds a copy)."""
+    trainable: int
+    """Of which train."""
+    bytes: int
+    """Weights + gradients + optimizer states."""
+    largest_layer_bytes: int
+    """Weights of its largest layer (what loading holds in flight beyond the weights)."""
+
+
+def layer_params(spec: ModelSpec) -> dict[str, int]:
+    """Exact parameter count of every pipeline layer (a tied head counts its embedding)."""
+    model = skeleton(spec.hf)
+    sizes = {k: v.numel() for k, v in model.state_dict().items()}
+    out = {name: sum(sizes[k] for k in owned_keys(spec, name).values()) for name in layer_names(spec)}
+    if tied_embedding(spec) is not None:
+        out["llm.head"] = out["llm.embed"]
+    return out
+
+
+def estimate_memory(spec: ModelSpec, *, stages: Sequence[tuple[int, int]], trainable: Sequence[str] = ("all",),
+                    weight_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> list[StageMemory]:
+    """Static memory of each stage ([start, end) layer ranges, as plan.stages)."""
+    names = layer_names(spec)
+    counts = layer_params(spec)
+    frozen = _frozen_params(spec)
+    out = []
+    for i, (start, end) in enumerate(stages):
+        layers = names[start:end]
+        params = sum(counts[n] for n in layers)
+        train = sum(counts[n] - frozen.get(n, 0) for n in layers if is_trainable(n, tuple(trainable)))
+        if tied_embedding(spec) is not None and "llm.embed" in layers and "llm.head" in layers:
+            params -= counts["llm.head"]  # one module on the stage
+            if is_trainable("llm.head", tuple(trainable)):
+                train -= counts["llm.head"]
+        total = params * weight_bytes + train * (grad_bytes + optimizer_bytes)
+        out.append(StageMemory(stage=i, layers=tuple(layers), params=params, trainable=train, bytes=total,
+                               largest_layer_bytes=max((counts[n] for n in layers), default=0) * weight_bytes))
+    return out
+
+
+def _frozen_params(spec: ModelSpec) -> dict[str, int]:
+    """Parameters transformers' modules keep frozen (e.g. Qwen2-Audio's position table), per layer."""
+    model = skeleton(spec.hf)
+    fixed = {k: p.numel() for k, p in model.named_parameters() if not p.requires_grad}
+    return {n: sum(fixed.get(k, 0) for k in owned_keys(spec, n).values()) for n in layer_names(spec)}
+
+
+def check_memory(estimates: Sequence[StageMemory], *, budget_bytes: int, what: str = "per process") -> None:
+    """Raise a one-line ValueError when a stage's static memory exceeds the budget."""
+    for e in estimates:
+        if e.bytes > budget_bytes:
+            raise ValueError(
+                f"stage {e.stage} ({e.layers[0]}..{e.layers[-1]}) needs {e.bytes / 2**30:.1f} GiB for weights, "
+                f"gradients and optimizer states ({e.params / 1e9:.2f} B parameters, {e.trainable / 1e9:.2f} B "
+                f"training) but {budget_bytes / 2**30:.1f} GiB is available {what}; use more pipeline stages "
+                f"(parallel.pp) or train fewer layers (train.trainable)")

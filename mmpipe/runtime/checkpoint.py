@@ -1,0 +1,553 @@
+"""Checkpoints that commit atomically, are verified at resume, and load without running code.
+
+A checkpoint is the folder `checkpoints/step<N>/`. Every rank writes its part (DeepSpeed's
+files, its RNG state, and on each replica's first stage the reader position); then, after a
+barrier, rank 0 writes one marker, `committed.json`, that records the size and sha256 of every
+file. Only a folder with that marker is a checkpoint: a save cut short (a killed job, a full
+disk) leaves a folder without it, which resume skips with a warning. The marker is written to
+a temporary file, fsynced, renamed into place and its folder fsynced, after every file it
+names was fsynced, so it never exists before what it describes. DeepSpeed's own `latest` file
+is written the same way after the commit, for DeepSpeed's tools only; mmpipe always loads an
+explicit tag.
+
+DeepSpeed's TorchCheckpointEngine unpickles with `torch.load(weights_only=False)`, so a
+crafted file would run code on load. `SafeCheckpointEngine` replaces it on the engine and
+loads with `weights_only=True`; see docs/runtime.md for what that covers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+MARKER = "committed.json"
+"""The file whose presence makes a step folder a checkpoint."""
+FORMAT = 1
+"""Version of the marker's layout."""
+_STEP = re.compile(r"step(\d+)")
+
+
+class RunStopped(ValueError):
+    """A stop every rank agreed on: each rank raises the same one-line message."""
+
+
+class CheckpointError(RunStopped):
+    """A checkpoint that cannot be written or used."""
+
+
+# -- files ------------------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> tuple[int, str]:
+    """Size and sha256 of a file (what `sha256sum` prints)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+        return f.tell(), h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entries to disk (Linux accepts a read-only descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Readers see the old file or the whole new one, never a part, even across a crash."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def truncate_records(path: Path, step: int) -> None:
+    """Keep the JSON lines of `path` whose "step" is at most `step` (the resumed step: later
+    lines belong to steps that will be trained again). Atomic; a missing file stays missing."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line cut by a kill: it belongs to no finished step
+            continue
+    write_atomic(path, "".join(kept).encode())
+
+
+def _discard(folder: Path) -> None:
+    """Remove a step folder, marker first: a crash halfway leaves an uncommitted folder."""
+    marker = folder / MARKER
+    if marker.exists():
+        marker.unlink()
+        fsync_path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step<N> folder under root, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+# -- loading without running code -------------------------------------------------------
+
+
+def _deepspeed_data_types() -> list:
+    """DeepSpeed's plain-data classes in its optimizer states (ZeRO, fp16/bf16): their
+    constructors and attribute updates run no code of the file's choosing, so the restricted
+    unpickler may build them."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, loading with `torch.load(weights_only=True)`.
+
+    The files of an mmpipe checkpoint hold tensors, plain containers and, with ZeRO or a loss
+    scaler, a few DeepSpeed data classes (allowed by name), which the restricted unpickler
+    builds without calling code of the file's choosing. A file that needs more is refused
+    with a one-line error naming it, unless `trusted` (train.resume_unsafe, or the checkpoint
+    lies in this run's own directory): then it is loaded as DeepSpeed would, with a warning.
+    Reading errors name the file too (DeepSpeed's tracebacks do not).
+    """
+
+    def __init__(self, *, zipfile_serialization: bool, trusted: bool):
+        super().__init__(config_params=None)
+        self.zipfile_serialization = zipfile_serialization
+        self.trusted = trusted
+
+    def load(self, path: str, map_location=None):
+        try:
+            with torch.serialization.safe_globals(_deepspeed_data_types()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:
+            found = re.search(r"GLOBAL ([\w.]+)", str(err))
+            what = found.group(1) if found else str(err).strip().splitlines()[0]
+            if not self.trusted:
+                raise CheckpointError(
+                    f"{path} holds a Python object ({what}) that torch.load(weights_only=True) refuses to build: "
+                    f"loading it could run code from the file; if you trust this checkpoint, set "
+                    f"train.resume_unsafe=true") from None
+            print(f"warning: {path} holds {what}; loaded with torch.load(weights_only=False) (trusted checkpoint)",
+                  file=sys.stderr, flush=True)
+            return torch.load(path, map_location=map_location, weights_only=False)
+        except (RuntimeError, EOFError, OSError, ValueError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise CheckpointError(f"cannot read checkpoint file {path}: {first}") from None
+
+
+# -- RNG --------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """This process's random states, as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+# -- the learning-rate schedule ---------------------------------------------------------
+
+
+def continue_schedule(scheduler, step: int, *, peak: float) -> float:
+    """Put a LambdaLR at `step` of the configured schedule; return the next step's rate.
+
+    DeepSpeed restores the scheduler's state_dict (last_epoch, base_lrs, _last_lr), but a
+    LambdaLR's function is not saved: it is the closure of the current config. With a changed
+    train.steps (the cosine's span) or train.lr the first resumed step trained at the restored
+    rate and the later ones at the new function's, so the logged lr jumped. The rate is a pure
+    function of (step, config), so it is recomputed here from the step alone.
+    """
+    scheduler.base_lrs = [peak] * len(scheduler.base_lrs)
+    scheduler.last_epoch = step - 1
+    scheduler.step()
+    return scheduler.get_last_lr()[0]
+
+
+# -- stopping ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepVerdict:
+    """What every rank agreed on after a step."""
+
+    nonfinite: bool
+    """The loss or the gradient norm was not finite on some rank (its update was withheld)."""
+    stop: bool
+    """Some rank was asked to stop: save now and end."""
+
+
+def agree_after_step(*, nonfinite: bool, stop: bool, device) -> StepVerdict:
+    """One all-reduce: every rank takes the same decision at the same step (`nonfinite`: this
+    rank saw a non-finite loss or gradient norm; `stop`: it was asked to stop)."""
+    flags = torch.tensor([float(nonfinite), float(stop)], dtype=torch.float64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return StepVerdict(nonfinite=bool(flags[0] > 0), stop=bool(flags[1] > 0))
+
+
+def _agree(problem: str | None, kind: type[RunStopped] = CheckpointError) -> None:
+    """Raise the first rank's problem on every rank, or return when there is none."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, problem)
+    found = [p for p in parts if p]
+    if found:
+        raise kind(found[0])
+
+
+def first_nonfinite(module, optimizer) -> str | None:
+    """The first parameter or optimizer state of this rank that holds a NaN or an infinity."""
+    for name, p in module.named_parameters():
+        if not bool(torch.isfinite(p.detach()).all()):
+            return f"parameter {name}"
+    for state in getattr(optimizer, "state", {}).values():
+        for key, v in state.items():
+            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                return f"optimizer state {key}"
+    return None
+
+
+# -- committing, finding and checking a checkpoint -------------------------------------
+
+
+def commit(folder: Path, *, step: int, files: dict, topology: dict, schedule: dict) -> None:
+    """Write the marker that makes `folder` a checkpoint; `files` maps every other file of it
+    to its size and sha256, all already fsynced."""
+    import deepspeed
+
+    fsync_path(folder)  # the entries of every file, before the marker that names them
+    record = {"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "topology": topology, "schedule": schedule,
+              "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}, "files": files}
+    write_atomic(folder / MARKER, json.dumps(record, indent=1).encode())
+    fsync_path(folder.parent)
+
+
+def refuse_other_history(run_dir: Path) -> None:
+    """A run that does not resume must not save next to another run's committed checkpoints:
+    a later resume would pick their newest and mix two histories; collective."""
+    problem = None
+    if dist.get_rank() == 0:
+        steps = [p.name for _, p in _step_folders(run_dir / "checkpoints") if (p / MARKER).is_file()]
+        if steps:
+            problem = (f"{run_dir} already holds committed checkpoints of another run ({', '.join(steps)}); continue "
+                       f"it with train.resume={run_dir}, or train in a new run directory (hydra.run.dir=NEW)")
+    _agree(problem)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Found:
+    """A committed checkpoint whose files all match their record."""
+
+    folder: Path
+    """The step folder."""
+    record: dict
+    """Its commit marker."""
+
+    @property
+    def step(self) -> int:
+        return int(self.record["step"])
+
+
+def _required(topology: dict) -> list[str]:
+    """Files mmpipe itself adds to every checkpoint of a run with this topology."""
+    return ([f"rng_rank{r}.pt" for r in range(topology["pp"] * topology["dp"])]
+            + [f"data_state_dp{d}.json" for d in range(topology["dp"])])
+
+
+def find_checkpoint(target: Path, *, given: str, run_dir: Path, topology: dict, steps: int) -> Found:
+    """The newest committed checkpoint at `target` (a step folder, a checkpoints folder or a
+    run directory; `given` as the user typed it), checked file by file; collective.
+
+    Rank 0 chooses and prints the warnings; every rank hashes a share of the files; every
+    rank raises the same CheckpointError when something is wrong, naming every damaged file.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    choice: list = [_choose(target, f"train.resume={given}", run_dir, topology, steps) if rank == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], str):
+        raise CheckpointError(choice[0])
+    folder, record, warnings, earlier = choice[0]
+    if rank == 0:
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr, flush=True)
+    problems = []
+    for name in sorted(record["files"])[rank::world]:
+        want, path = record["files"][name], folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{name} has {size} bytes, {want['size']} recorded")
+        elif sha256_of(path)[1] != want["sha256"]:
+            problems.append(f"{name} does not match its recorded sha256")
+    parts: list = [None] * world
+    dist.all_gather_object(parts, problems)
+    found = sorted(p for part in parts for p in part)
+    if found:
+        fix = f"resume from an earlier one (train.resume={earlier})" if earlier else "start a new run"
+        raise CheckpointError(f"checkpoint {folder} is damaged: {'; '.join(found)}; restore these files or {fix}")
+    return Found(folder=folder, record=record)
+
+
+def newest_committed(target: Path, key: str) -> tuple[Path, list[str]]:
+    """The committed checkpoint `target` names (a step folder, or the newest in a checkpoints
+    folder or a run directory) and a warning for each newer unfinished save. Raises
+    CheckpointError starting with `key`. Pure path logic: the CLI checks train.resume with it
+    before launching."""
+    if (target / MARKER).is_file():
+        return target, []
+    if not target.is_dir():
+        raise CheckpointError(f"{key}: no such folder; give a run directory or its checkpoints/step<N> folder")
+    if _STEP.fullmatch(target.name):
+        raise CheckpointError(f"{key}: {target} is not a committed checkpoint (no {MARKER}: its save did not finish, "
+                              f"or an older mmpipe wrote it); resume from the run directory to use its newest "
+                              f"committed checkpoint")
+    root = target / "checkpoints" if (target / "checkpoints").is_dir() else target
+    folders = _step_folders(root)
+    if not folders:
+        raise CheckpointError(f"{key}: no checkpoint there (give a run directory, its checkpoints folder or a "
+                              f"step<N> folder)")
+    committed = [p for _, p in folders if (p / MARKER).is_file()]
+    if not committed:
+        raise CheckpointError(f"{key}: no committed checkpoint in {root} (unfinished saves: "
+                              f"{', '.join(p.name for _, p in folders)}); start without train.resume")
+    newest = int(_STEP.fullmatch(committed[0].name).group(1))
+    return committed[0], [f"skipping {p}: not committed (its save did not finish)" for s, p in folders if s > newest]
+
+
+def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
+    """Rank 0: (folder, marker record, warnings, an earlier committed folder), or an error."""
+    try:
+        folder, warnings = newest_committed(target, key)
+    except CheckpointError as err:
+        return str(err)
+    root = folder.parent
+    try:
+        record = json.loads((folder / MARKER).read_text())
+        step, files = int(record["step"]), record["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{key}: the commit record {folder / MARKER} is unreadable ({err}); the checkpoint is damaged"
+    saved = record.get("topology")
+    missing = [n for n in _required(saved) if n not in files] if isinstance(saved, dict) else ["its topology"]
+    if record.get("format") != FORMAT or missing:
+        return (f"{key}: {folder} is not an mmpipe checkpoint of this version (format {record.get('format')}, "
+                f"lacks {', '.join(missing) or 'nothing'})")
+    if (saved["pp"], saved["stages"]) != (topology["pp"], topology["stages"]):
+        return (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
+                f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}; "
+                f"DeepSpeed's optimizer files are per stage: resume with the same (plan.stages fixes the stages)")
+    mode = (saved.get("precision", "fp32"), saved.get("zero", 0))
+    if mode != (topology["precision"], topology["zero"]):
+        return (f"{key}: the checkpoint was written with train.precision={mode[0]} and ZeRO stage {mode[1]}; this "
+                f"run has train.precision={topology['precision']} and ZeRO stage {topology['zero']}; DeepSpeed's "
+                f"optimizer files differ between them: resume with the same")
+    if saved["dp"] != topology["dp"] and topology["zero"]:
+        return (f"{key}: the checkpoint was written with parallel.dp={saved['dp']}; under ZeRO stage "
+                f"{topology['zero']} the optimizer state is split over the replicas: resume with parallel.dp="
+                f"{saved['dp']}")
+    if saved["dp"] != topology["dp"]:
+        warnings.append(f"parallel.dp={topology['dp']} differs from the checkpoint's {saved['dp']}: the data "
+                        f"continues approximately (see docs/data.md) and random states start afresh")
+    if step >= steps:
+        return (f"{key}: the checkpoint is at step {step}, not below train.steps={steps}; raise train.steps to "
+                f"train further")
+    if root.resolve() == (run_dir / "checkpoints").resolve():
+        newer = [p.name for s, p in _step_folders(root) if s > step and (p / MARKER).is_file()]
+        if newer:
+            return (f"{key}: this run directory has newer checkpoints ({', '.join(newer)}); resuming step {step} "
+                    f"here would mix two histories in one run directory; resume into a new one "
+                    f"(hydra.run.dir=NEW) or resume the newest (train.resume={run_dir})")
+    earlier = next((p for s, p in _step_folders(root) if s < step and (p / MARKER).is_file()), None)
+    return folder, record, warnings, earlier
+
+
+# -- save and resume --------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class Checkpointer:
+    """One rank's side of saving the run's checkpoints and of loading one."""
+
+    engine: object
+    """The DeepSpeed PipelineEngine."""
+    run_dir: Path
+    """The run directory; checkpoints go to run_dir/checkpoints."""
+    first: bool
+    """First stage of its replica: writes the replica's reader position."""
+    reads_data: bool
+    """First or last stage: needs the reader position at resume."""
+    dp_rank: int
+    """Data-parallel replica."""
+    keep_last: int
+    """Committed checkpoints kept (0: all)."""
+    topology: dict
+    """pp, dp and stage bounds: a checkpoint loads only into the same."""
+    schedule: dict
+    """lr, warmup_steps, steps: the learning-rate schedule."""
+    resume_unsafe: bool = False
+    """Load files that need torch.load(weights_only=False) from outside the run directory."""
+    newest: Path | None = field(default=None, init=False)
+    """The newest committed checkpoint this run saved or resumed from."""
+    _resumed_from: Path | None = field(default=None, init=False)
+
+    @property
+    def root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def __post_init__(self) -> None:
+        current = self.engine.checkpoint_engine
+        if type(current) is not TorchCheckpointEngine:
+            raise CheckpointError(f"DeepSpeed checkpoint engine {type(current).__name__} is not supported: mmpipe "
+                                  f"replaces DeepSpeed's torch engine to load without running code")
+        self.engine.checkpoint_engine = SafeCheckpointEngine(
+            zipfile_serialization=current.zipfile_serialization, trusted=False)
+
+    # -- save ------------------------------------------------------------------------
+
+    def save(self, step: int, reader_state: dict | None) -> Path:
+        """Write checkpoint `step` from every rank, then commit it (rank 0); collective."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        folder = self.root / f"step{step}"
+        bad = first_nonfinite(self.engine.module, self.engine.optimizer)
+        _agree(f"not saving step {step}: {bad} of rank {rank} is not finite" if bad else None, RunStopped)
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _discard(folder)  # an unfinished save of the same step
+        dist.barrier()
+        self.engine.save_checkpoint(str(self.root), tag=folder.name, client_state={"step": step}, save_latest=False)
+        problem = None
+        try:
+            torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
+            if self.first:
+                if reader_state is None:
+                    raise OSError("the reader position of this step is unknown")
+                (folder / f"data_state_dp{self.dp_rank}.json").write_text(json.dumps(reader_state))
+        except OSError as err:
+            problem = f"cannot write checkpoint {folder}: {err}"
+        _agree(problem)  # also the barrier after which every file exists
+        names: list = [sorted(p.name for p in folder.iterdir()) if rank == 0 else None]
+        dist.broadcast_object_list(names, src=0)
+        mine = {}
+        for name in names[0][rank::world]:  # each rank fsyncs and hashes a share of the files
+            fsync_path(folder / name)
+            size, digest = sha256_of(folder / name)
+            mine[name] = {"size": size, "sha256": digest}
+        parts: list = [None] * world
+        dist.all_gather_object(parts, mine)
+        problem = None
+        if rank == 0:
+            files = dict(sorted((k, v) for part in parts for k, v in part.items()))
+            missing = sorted(set(_required(self.topology)) - set(files))
+            if missing:
+                problem = f"checkpoint {folder} lacks {', '.join(missing)} after the save; not committed"
+            else:
+                self._commit(folder, step, files)
+        _agree(problem)
+        self.newest = folder
+        return folder
+
+    def _commit(self, folder: Path, step: int, files: dict) -> None:
+        commit(folder, step=step, files=files, topology=self.topology, schedule=self.schedule)
+        write_atomic(self.root / "latest", folder.name.encode())  # for DeepSpeed's tools; mmpipe reads markers
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest `keep_last` committed checkpoints (and the one resumed from); drop
+        unfinished saves older than the newest commit. Runs only after a new commit."""
+        if not self.keep_last:
+            return
+        folders = _step_folders(self.root)
+        committed = [p for _, p in folders if (p / MARKER).is_file()]
+        keep = set(committed[:self.keep_last]) | {self._resumed_from}
+        newest_step = int(_STEP.fullmatch(committed[0].name).group(1))
+        for step, p in folders:
+            if p not in keep and ((p / MARKER).is_file() or step < newest_step):
+                _discard(p)
+
+    # -- resume ----------------------------------------------------------------------
+
+    def resume(self, found: Found) -> tuple[int, dict | None]:
+        """Load a checked checkpoint into the engine, the RNG and the schedule; return its
+        step and this replica's reader position; collective."""
+        rank, folder, step = dist.get_rank(), found.folder, found.step
+        safe = self.engine.checkpoint_engine
+        safe.trusted = self.resume_unsafe or folder.resolve().is_relative_to(self.run_dir.resolve())
+        problem, reader_state = None, None
+        saved_dp = found.record["topology"]["dp"]
+        try:
+            _, client = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
+            if client is None or client.get("step") != step:
+                problem = f"checkpoint {folder}: DeepSpeed found no model states for step {step}"
+            if saved_dp == self.topology["dp"]:
+                set_rng_state(torch.load(folder / f"rng_rank{rank}.pt", weights_only=True))
+            if self.reads_data:  # with another dp, any replica's position serves the approximate resume
+                state_file = folder / f"data_state_dp{self.dp_rank % saved_dp}.json"
+                reader_state = json.loads(state_file.read_text())
+        except CheckpointError as err:
+            problem = str(err)
+        except Exception as err:  # noqa: BLE001 - verified files that still do not load: say which checkpoint
+            first = (str(err).strip().splitlines() or [""])[0]
+            problem = f"cannot load checkpoint {folder}: {type(err).__name__}: {first}"
+        safe.trusted = False
+        _agree(problem)
+        lr = continue_schedule(self.engine.lr_scheduler, step, peak=self.schedule["lr"])
+        if rank == 0:
+            self._announce(found, lr)
+        self.newest = folder
+        if folder.parent.resolve() == self.root.resolve():
+            self._resumed_from = folder
+        return step, reader_state
+
+    def _announce(self, found: Found, lr: float) -> None:
+        positions = []
+        for d in range(found.record["topology"]["dp"]):
+            state = json.loads((found.folder / f"data_state_dp{d}.json").read_text()) or {}
+            positions.append(f"replica {d} after {state.get('consumed', '?')} samples")
+        print(f"resumed from step {found.step} (checkpoint {found.folder}), sample position: {', '.join(positions)}",
+              flush=True)
+        saved = found.record.get("schedule", {})
+        changed = [f"train.{k}={v} (checkpoint: {saved.get(k)})" for k, v in self.schedule.items()
+                   if saved.get(k) != v]
+        if changed:
+            print(f"warning: {', '.join(changed)}: the learning-rate schedule is recomputed for this config "
+                  f"from step {found.step + 1} on (lr {lr:.6g} at step {found.step + 1})", file=sys.stderr, flush=True)

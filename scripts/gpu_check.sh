@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The GPU checks of mmpipe's precision and ZeRO paths (tests/gpu), with their figures:
+# bf16 and fp16 under ZeRO-1 through NCCL (pp=2 on two GPUs, else one stage on one GPU),
+# loss curves against fp32, and measured against predicted peak memory per stage.
+# Takes 3-5 minutes on one GPU (the first run may add a minute or two if DeepSpeed compiles
+# its FusedAdam kernel; without a CUDA compiler mmpipe falls back to torch AdamW).
+# Usage: scripts/gpu_check.sh   (from anywhere; uses the python on PATH)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+timeout 300 python -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider

@@ -1,0 +1,55 @@
+"""Session-wide tiny Hugging Face checkpoints for the model/hf tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import hf_cases as H
+
+
+@pytest.fixture(scope="session")
+def hf_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="session")
+def llava_clip_llama(hf_root):
+    """CLIP (feature layer -2, `default`) + Llama with rope theta 5e5 and RMS eps 1e-5."""
+    return H.write_llava(hf_root, vision="clip", llm="llama", layer=-2, select="default", seed=11,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="session")
+def llava_siglip_qwen2(hf_root):
+    """SigLIP (last layer, `full`) + Qwen2 (q/k/v biases) with tied embeddings."""
+    return H.write_llava(hf_root, vision="siglip", llm="qwen2", layer=-1, select="full", seed=12, tie=True)
+
+
+@pytest.fixture(scope="session")
+def llava_clip_mistral(hf_root):
+    """CLIP + Mistral with a sliding window shorter than the samples."""
+    return H.write_llava(hf_root, vision="clip", llm="mistral", layer=-2, select="default", seed=13,
+                         sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl(hf_root):
+    return H.write_qwen2_vl(hf_root, seed=14)
+
+
+@pytest.fixture(scope="session")
+def qwen2_audio(hf_root):
+    return H.write_qwen2_audio(hf_root, seed=15)
+
+
+@pytest.fixture(scope="session")
+def unimodal(hf_root):
+    """Unimodal checkpoints by kind, written on first use."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = H.write_unimodal(hf_root, kind, seed=20 + len(made))
+        return made[kind]
+
+    return get

@@ -1,0 +1,298 @@
+"""Tiny Hugging Face checkpoints written by transformers itself, and the comparison helpers the
+model/hf tests share.
+
+Every checkpoint has its norm weights and biases moved away from their initial values, so a
+tensor that is not loaded shows up as a difference.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import (
+    AutoImageProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    MistralConfig,
+    Qwen2AudioConfig,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    SiglipVisionConfig,
+    WhisperFeatureExtractor,
+)
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+from mmpipe.model.geometry import image_tokens
+from mmpipe.model.hf.media import preprocess_audio, preprocess_image
+from mmpipe.model.hf.skeleton import owned_keys
+from mmpipe.model.layers import run_layers, token_loss
+from mmpipe.runtime.batch import collate_hf
+
+VOCAB, IMAGE, AUDIO, VSTART, VEND = 300, 290, 291, 292, 293
+TEXT = (10, 280)
+
+
+def perturb(model: torch.nn.Module, seed: int = 1) -> None:
+    """Move every norm weight and bias (and 1-D parameter) off its initial value."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def _llm(kind: str, **extra):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common.update(extra)
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind](**common)
+
+
+def write_llava(root: Path, *, vision: str, llm: str, layer: int, select: str, seed: int, tie: bool = False,
+                image_size: int = 28, patch: int = 7, **llm_extra) -> Path:
+    torch.manual_seed(seed)
+    v = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+             image_size=image_size, patch_size=patch)
+    vc = CLIPVisionConfig(**v) if vision == "clip" else SiglipVisionConfig(**v)
+    cfg = LlavaConfig(vision_config=vc, text_config=_llm(llm, tie_word_embeddings=tie, **llm_extra),
+                      image_token_id=IMAGE, vision_feature_layer=layer, vision_feature_select_strategy=select,
+                      projector_hidden_act="gelu")
+    model = LlavaForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / f"llava-{vision}-{llm}"
+    model.save_pretrained(folder)
+    if vision == "clip":
+        CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                              crop_size={"height": image_size, "width": image_size}).save_pretrained(folder)
+    else:
+        SiglipImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(folder)
+    return folder
+
+
+def write_qwen2_vl(root: Path, *, seed: int) -> Path:
+    torch.manual_seed(seed)
+    cfg = Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        text_config=dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4}),
+        image_token_id=IMAGE, video_token_id=294, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    model = Qwen2VLForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "qwen2-vl"
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 12).save_pretrained(folder)
+    return folder
+
+
+def write_qwen2_audio(root: Path, *, seed: int) -> Path:
+    torch.manual_seed(seed)
+    cfg = Qwen2AudioConfig(
+        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                          max_source_positions=200),
+        text_config=dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        audio_token_id=AUDIO)
+    model = Qwen2AudioForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "qwen2-audio"
+    model.save_pretrained(folder)
+    WhisperFeatureExtractor(feature_size=16, chunk_length=4).save_pretrained(folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------- samples
+
+
+@dataclass
+class Sample:
+    key: str
+    input_ids: list[int]
+    labels: list[int]
+    images: list = field(default_factory=list)
+    audio: list = field(default_factory=list)
+
+
+def random_image(rng: np.random.Generator, h: int, w: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def text(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(x) for x in rng.integers(*TEXT, n)]
+
+
+def sample(key: str, pieces: list, images=(), audio=()) -> Sample:
+    """Tokens from pieces (lists of ids); labels on every text token after the first piece."""
+    ids, labels = [], []
+    for i, piece in enumerate(pieces):
+        ids += piece
+        labels += [t if i > 0 and t not in (IMAGE, AUDIO, VSTART, VEND) else -100 for t in piece]
+    return Sample(key=key, input_ids=ids, labels=labels, images=list(images), audio=list(audio))
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def our_loss_and_grads(layers, mb) -> float:
+    for layer in layers:
+        layer.zero_grad()
+    loss = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0 / mb.label_tokens])))
+    loss.backward()
+    return loss.item()
+
+
+def grad_differences(spec, layers, hf_model) -> tuple[float, int]:
+    """Largest |our grad - transformers' grad| over every parameter, relative to the largest
+    transformers grad of that tensor (at least 1e-4: a key bias has a zero gradient in exact
+    arithmetic, so both sides hold only rounding noise), and how many tensors were compared."""
+    worst, count = 0.0, 0
+    params = dict(hf_model.named_parameters(remove_duplicate=False))
+    for layer in layers:
+        name = getattr(layer, "name", "")
+        mine = dict(layer.named_parameters())
+        for local, key in owned_keys(spec, name).items():
+            if local not in mine:
+                continue
+            ours, theirs = mine[local].grad, params[key].grad
+            if theirs is None:
+                assert ours is None or float(ours.abs().max()) == 0.0, f"{key} got a gradient it should not"
+                continue
+            assert ours is not None, f"{key}: no gradient in the pipeline layer {name}"
+            scale = max(float(theirs.abs().max()), 1e-4)
+            diff = float((ours - theirs).abs().max()) / scale
+            if diff > worst:
+                worst, where = diff, key
+            count += 1
+    if worst > 1e-4:
+        print(f"worst gradient: {where}")
+    return worst, count
+
+
+# ----------------------------------------------------------------------------- unimodal checkpoints
+
+
+def write_unimodal(root: Path, kind: str, *, seed: int) -> Path:
+    """A CLIP vision model, a full CLIP model, a SigLIP vision model, a Llama / Qwen2 causal LM
+    or a Whisper model, with the processor files a user's folder would hold."""
+    from transformers import (
+        CLIPConfig,
+        CLIPModel,
+        CLIPVisionModel,
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        SiglipVisionModel,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
+
+    torch.manual_seed(seed)
+    v = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+             patch_size=7)
+    folder = root / kind
+    if kind == "clip-vision":
+        model = CLIPVisionModel(CLIPVisionConfig(**v))
+    elif kind == "clip":
+        model = CLIPModel(CLIPConfig(vision_config=v, text_config=dict(hidden_size=16, intermediate_size=32,
+                                                                        num_hidden_layers=1, num_attention_heads=2)))
+    elif kind == "siglip-vision":
+        model = SiglipVisionModel(SiglipVisionConfig(**v))
+    elif kind == "llama":
+        model = LlamaForCausalLM(_llm("llama", rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                      rms_norm_eps=1e-5))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(_llm("qwen2", hidden_size=48, intermediate_size=96))
+    elif kind == "whisper":
+        model = WhisperForConditionalGeneration(WhisperConfig(
+            vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+            max_source_positions=200, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=1))
+    else:
+        raise KeyError(kind)
+    perturb(model, seed)
+    model.save_pretrained(folder)
+    if kind in ("clip-vision", "clip"):
+        CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+    elif kind == "siglip-vision":
+        SiglipImageProcessorPil(size={"height": 28, "width": 28}).save_pretrained(folder)
+    elif kind == "whisper":
+        WhisperFeatureExtractor(feature_size=16, chunk_length=4).save_pretrained(folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------- parity runs
+
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4  # fp32, relative to the largest gradient of each tensor
+
+
+def padded(samples, key):
+    t = max(len(getattr(s, key)) for s in samples)
+    fill = 0 if key == "input_ids" else -100
+    return torch.tensor([getattr(s, key) + [fill] * (t - len(getattr(s, key))) for s in samples])
+
+
+def mask(samples):
+    t = max(len(s.input_ids) for s in samples)
+    return torch.tensor([[1] * len(s.input_ids) + [0] * (t - len(s.input_ids)) for s in samples])
+
+
+def load_reference(cls, folder):
+    """The transformers model, with the parameters its modules declare frozen kept frozen
+    (from_pretrained in transformers 5.24 loses `requires_grad_(False)`, e.g. on Whisper's and
+    Qwen2-Audio's position table; mmpipe keeps what the module declares)."""
+    model = cls.from_pretrained(folder, local_files_only=True, attn_implementation="eager")
+    with torch.device("meta"):
+        fresh = cls(model.config)
+    frozen = {n for n, p in fresh.named_parameters() if not p.requires_grad}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    return model
+
+
+def compare(spec, layers, hf_model, hf_loss, samples, *, packings=(True, False)):
+    """Our loss and gradients on the samples, packed into one row and padded, equal the
+    transformers model's (one backward of `hf_loss`)."""
+    hf_loss.backward()
+    ours = [Sample(s.key, s.input_ids, s.labels, [preprocess_image(spec, b) for b in s.images],
+                   [preprocess_audio(spec, w, 16000) for w in s.audio]) for s in samples]
+    for packed in packings:
+        mb = collate_hf(ours, spec=spec, packed=packed, pad_id=0)
+        loss = our_loss_and_grads(layers, mb)
+        assert loss == pytest.approx(hf_loss.item(), rel=LOSS_RTOL)
+        worst, count = grad_differences(spec, layers, hf_model)
+        assert count > 0
+        assert worst < GRAD_RTOL, f"largest relative gradient difference {worst:.2e} (packed={packed})"
+        print(f"\n{spec.name} packed={packed}: loss {loss:.6f} vs {hf_loss.item():.6f} (rel "
+              f"{abs(loss - hf_loss.item()) / abs(hf_loss.item()):.1e}); max rel grad diff {worst:.1e} "
+              f"over {count} tensors")
+
+
+def llava_samples(spec, rng):
+    n = image_tokens(spec.vision, 1, 1)
+    imgs = [random_image(rng, 40, 60), random_image(rng, 28, 28), random_image(rng, 90, 33)]
+    return [sample("a", [text(rng, 3), [IMAGE] * n, text(rng, 5), [IMAGE] * n, text(rng, 12)],
+                     images=imgs[:2]),
+            sample("b", [text(rng, 4), [IMAGE] * n, text(rng, 9)], images=imgs[2:])]
+
+
+def processed_images(folder, images: list[bytes]):
+    """What the folder's own image processor (transformers' AutoImageProcessor) makes of the images."""
+    proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    return proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")

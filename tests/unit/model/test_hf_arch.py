@@ -1,0 +1,145 @@
+"""Architectures from configs: the 7B presets without weights, the memory estimate, and the
+one-line errors for what is not supported."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from mmpipe.config import PACKAGE_ROOT
+from mmpipe.model.geometry import SampleMeta, features
+from mmpipe.model.hf.arch import spec_from_config
+from mmpipe.model.hf.build import build_layer
+from mmpipe.model.hf.memory import check_memory, estimate_memory, layer_params
+from mmpipe.model.hf.settings import spec_from_settings
+from mmpipe.model.group import model_from_group
+from mmpipe.model.spec import layer_names
+
+# The Hub configs of the three 7B checkpoints (config.json and preprocessor figures), as the
+# presets state them.
+LLAVA_15_7B = {
+    "model_type": "llava", "image_token_index": 32000, "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu", "pad_token_id": 32001,
+    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                      "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+                      "projection_dim": 768, "hidden_act": "quick_gelu"},
+    "text_config": {"model_type": "llama", "vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 11008,
+                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "pad_token_id": 0},
+}
+QWEN2_VL_7B = {
+    "model_type": "qwen2_vl", "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "num_heads": 16, "mlp_ratio": 4,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3},
+    "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                    "rms_norm_eps": 1e-6,
+                    "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}},
+}
+QWEN2_VL_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 1003520,
+                      "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+QWEN2_AUDIO_7B = {
+    "model_type": "qwen2_audio", "audio_token_index": 151646,
+    "audio_config": {"model_type": "qwen2_audio_encoder", "d_model": 1280, "encoder_layers": 32,
+                     "encoder_attention_heads": 20, "encoder_ffn_dim": 5120, "num_mel_bins": 128,
+                     "max_source_positions": 1500},
+    "text_config": {"model_type": "qwen2", "vocab_size": 156032, "hidden_size": 4096, "intermediate_size": 11008,
+                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                    "max_position_embeddings": 8192},
+}
+WHISPER_FE = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "chunk_length": 30,
+              "sampling_rate": 16000, "hop_length": 160}
+
+
+def _preset(name):
+    """The preset as `model=NAME` builds it (its own, separately written copy of the Hub config)."""
+    return model_from_group(yaml.safe_load((PACKAGE_ROOT / f"conf/model/{name}.yaml").read_text())).spec
+
+
+def _same_figures(ours, preset, fields):
+    for f in fields:
+        assert getattr(ours, f) == getattr(preset, f), f
+
+
+def test_7b_presets_build_from_their_configs_alone():
+    llava = spec_from_config(LLAVA_15_7B, name="llava-1.5-7b")
+    preset = _preset("llava-1.5-7b")
+    _same_figures(llava.vision, preset.vision, ("blocks", "hidden", "mlp", "heads", "patch", "image_size", "cls_token",
+                                                "select", "proj"))
+    _same_figures(llava.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
+    assert llava.vision.blocks == 23  # feature layer -2: the last CLIP block never runs
+    assert features(llava, SampleMeta(text_tokens=10, images=((480, 640),))).image_tokens == (576,)
+
+    qwen = spec_from_config(QWEN2_VL_7B, name="qwen2-vl-7b", image_processor=QWEN2_VL_PROCESSOR)
+    preset = _preset("qwen2-vl-7b")
+    _same_figures(qwen.vision, preset.vision, ("blocks", "hidden", "mlp", "heads", "patch", "merge", "min_pixels",
+                                               "max_pixels", "proj"))
+    _same_figures(qwen.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
+
+    audio = spec_from_config(QWEN2_AUDIO_7B, name="qwen2-audio-7b", feature_extractor=WHISPER_FE)
+    preset = _preset("qwen2-audio-7b")
+    _same_figures(audio.audio, preset.audio, ("blocks", "hidden", "mlp", "heads", "mel_bins", "sample_rate",
+                                              "frames_per_s", "conv_stride", "pool", "pool_ceil", "max_seconds", "proj"))
+    _same_figures(audio.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
+    assert features(audio, SampleMeta(text_tokens=3, audio_seconds=(10.0,))).audio_tokens == (250,)
+    # a layer of a 7B model is built alone, without weights
+    block = build_layer(qwen, "vision.block.31", seed=0)
+    assert sum(p.numel() for p in block.parameters()) == layer_params(qwen)["vision.block.31"]
+
+
+def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
+    spec = spec_from_config(LLAVA_15_7B, name="llava-1.5-7b")
+    counts = layer_params(spec)
+    assert 7.0e9 < sum(counts.values()) < 7.1e9  # llava-1.5-7b has 7.06 B parameters (23 of 24 CLIP blocks)
+    n = len(layer_names(spec))
+    one = estimate_memory(spec, stages=[(0, n)])
+    assert one[0].bytes == one[0].params * 16  # fp32 weights, grads, two AdamW moments
+    with pytest.raises(ValueError, match=r"stage 0 \(vision\.embed\.\.llm\.head\) needs 10[0-9]\.\d GiB .* but "
+                                         r"64\.0 GiB is available per process; use more pipeline stages"):
+        check_memory(one, budget_bytes=64 * 2**30)
+    frozen_llm = estimate_memory(spec, stages=[(0, n // 2), (n // 2, n)], trainable=("vision.proj",))
+    assert sum(s.trainable for s in frozen_llm) == counts["vision.proj"]
+    check_memory(frozen_llm, budget_bytes=64 * 2**30)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"model_type": "gpt2"}, r"model\.config: model_type 'gpt2' is not supported; supported: "
+                             r"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, "
+                             r"Qwen2AudioForConditionalGeneration, or model=compose"),
+    ({"model_type": "llava_next"}, r"model_type 'llava_next' is not supported"),
+    ({"model_type": "nonsense"}, r"model\.config\.model_type='nonsense' is not a transformers model type"),
+    ({**LLAVA_15_7B, "vision_feature_layer": [-2, -5]},
+     r"model\.config\.vision_feature_layer=\[-2, -5\]: only a single layer index is supported"),
+    ({**LLAVA_15_7B, "vision_feature_layer": 0}, r"vision_feature_layer=0 selects no vision block of 24"),
+    ({**LLAVA_15_7B, "vision_config": {"model_type": "pixtral"}},
+     r"LLaVA vision tower 'pixtral' is not supported; use clip_vision_model or siglip_vision_model"),
+    ({**LLAVA_15_7B, "text_config": {"model_type": "gemma"}},
+     r"language model type 'gemma' is not supported; use one of llama, mistral, qwen2"),
+    ({**QWEN2_AUDIO_7B, "audio_config": {**QWEN2_AUDIO_7B["audio_config"], "encoder_layerdrop": 0.1}},
+     r"encoder_layerdrop=0\.1: layer drop is not supported"),
+])
+def test_unsupported_architectures_are_one_line_errors(config, message):
+    with pytest.raises(ValueError, match=message) as err:
+        spec_from_config(config, name="x")
+    assert "\n" not in str(err.value)
+
+
+def test_settings_errors_name_the_key(tmp_path):
+    """The model groups as typed (conf/model/hf.yaml, compose.yaml, a preset): errors name `model.<key>`."""
+    with pytest.raises(ValueError, match=r"model\.pth is not a setting of model=hf; known: name, path, max_seq_len"):
+        spec_from_settings({"name": None, "path": "/x", "pth": "/x"})
+    with pytest.raises(ValueError, match=r"model\.path is not set; give model\.path=DIR"):
+        spec_from_settings({"name": None, "path": "???"})
+    with pytest.raises(ValueError, match=r"model\.path='.*' is not a checkpoint folder \(no config\.json"):
+        spec_from_settings({"name": None, "path": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"model\.vison is not a setting of model=compose"):
+        spec_from_settings({"vison": {"path": "/x"}, "llm": {"path": "/y"}})
+    with pytest.raises(ValueError, match=r"model\.llm\.path is not set; give model\.llm\.path=DIR"):
+        spec_from_settings({"vision": {"path": "/x"}, "llm": {"path": "???"}})
+    with pytest.raises(ValueError, match=r"model\.vision\.blocks is not a setting of model=compose; give "
+                                         r"model\.vision\.path=DIR"):
+        spec_from_settings({"vision": {"path": "/x", "blocks": 2}, "llm": {"path": "/y"}})
+    spec = spec_from_settings({"name": "q", "config": QWEN2_VL_7B, "image_processor": QWEN2_VL_PROCESSOR,
+                               "max_seq_len": 8192})
+    assert spec.llm.max_seq_len == 8192 and spec.hf.architecture == "Qwen2VLForConditionalGeneration"

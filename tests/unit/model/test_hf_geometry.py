@@ -1,0 +1,135 @@
+"""The geometry the planner costs (mmpipe.model.geometry) equals what the checkpoints' own
+processors and models produce: patch grids, image tokens, valid audio frames, pooled tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlavaProcessor, PreTrainedTokenizerFast, WhisperFeatureExtractor
+from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from mmpipe.model.geometry import (
+    SampleMeta,
+    audio_frames,
+    audio_positions,
+    audio_tokens,
+    features,
+    image_grid,
+    image_positions,
+    image_tokens,
+)
+from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
+from mmpipe.model.hf.media import image_processor, preprocess_audio, preprocess_image
+
+from . import hf_cases as H
+from .test_hf_arch import QWEN2_AUDIO_7B, QWEN2_VL_7B, QWEN2_VL_PROCESSOR, WHISPER_FE
+
+SIZES = [(20, 20), (56, 90), (30, 120), (333, 500), (1000, 37), (3, 280), (1080, 1920)]
+
+
+def _image(h, w):
+    return Image.fromarray(np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("h,w", SIZES)
+def test_qwen2_vl_grid_and_tokens_are_the_processors(h, w):
+    spec = spec_from_config(QWEN2_VL_7B, name="qwen2-vl-7b", image_processor=QWEN2_VL_PROCESSOR)
+    proc = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=1003520)
+    out = proc(images=[_image(h, w)], return_tensors="np")
+    t, gh, gw = (int(x) for x in out["image_grid_thw"][0])
+    assert (t, (gh, gw)) == (1, image_grid(spec.vision, h, w))
+    assert out["pixel_values"].shape[0] == image_positions(spec.vision, h, w)  # the tower's sequence
+    assert image_tokens(spec.vision, h, w) == t * gh * gw // 4  # what the merger emits, what the processor expands
+
+
+def _llava_processor(folder):
+    vocab = {f"w{i}": i for i in range(280)} | {"<image>": H.IMAGE, "<pad>": 0}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
+    spec = spec_from_folder(folder)
+    return spec, LlavaProcessor(image_processor=image_processor(spec.hf), tokenizer=tok, patch_size=spec.vision.patch,
+                                vision_feature_select_strategy=spec.vision.select,
+                                num_additional_image_tokens=int(spec.vision.cls_token))
+
+
+@pytest.mark.parametrize("case", ["llava_clip_llama", "llava_siglip_qwen2"])
+def test_llava_image_tokens_are_the_processors(case, request):
+    """CLIP with `default` (the class token dropped) and SigLIP with `full`."""
+    spec, proc = _llava_processor(request.getfixturevalue(case))
+    for h, w in SIZES[:4]:
+        out = proc(images=[_image(h, w)], text=["w2 <image> w3"], return_tensors="pt")
+        assert int((out["input_ids"] == H.IMAGE).sum()) == image_tokens(spec.vision, h, w)
+        assert tuple(out["pixel_values"].shape[-2:]) == (spec.vision.image_size,) * 2
+
+
+def test_qwen2_audio_frames_positions_tokens_are_the_models():
+    """Clips up to and past the 30-s cut, through the real Whisper feature extractor and
+    Qwen2-Audio's own length rule."""
+    spec = spec_from_config(QWEN2_AUDIO_7B, name="qwen2-audio-7b", feature_extractor=WHISPER_FE)
+    fe = WhisperFeatureExtractor(feature_size=128)
+    lengths = [1, 159, 161, 1600, 19_745, 16000 * 30 - 1, 16000 * 30, 16000 * 31]
+    clips = [np.zeros(n, dtype=np.float32) for n in lengths]
+    mask = fe(clips, sampling_rate=16000, padding="max_length", return_attention_mask=True,
+              return_tensors="pt")["attention_mask"]
+    frames = mask.sum(-1)
+    conv, pooled = Qwen2AudioEncoder._get_feat_extract_output_lengths(None, frames)
+    for n, f, c, p in zip(lengths, frames.tolist(), conv.tolist(), pooled.tolist()):
+        seconds = n / 16000
+        assert (audio_frames(spec.audio, seconds), audio_positions(spec.audio, seconds),
+                audio_tokens(spec.audio, seconds)) == (f, c, p), n
+    assert features(spec, SampleMeta(text_tokens=0, audio_seconds=(45.0,))).audio_positions == (1500,)
+
+
+def test_audio_features_equal_the_processors_30_s_features(qwen2_audio):
+    """preprocess_audio pads a clip only to just past the frames its positions read; those
+    frames are the numbers the processor's 30-s padding gives (here 4-s chunks)."""
+    spec = spec_from_folder(qwen2_audio)
+    fe = WhisperFeatureExtractor.from_pretrained(qwen2_audio, local_files_only=True)
+    rng = np.random.default_rng(3)
+    for n in (800, 16_001, 33_333, 63_999, 64_000, 90_000):
+        clip = rng.standard_normal(n).astype(np.float32)
+        ours = preprocess_audio(spec, clip, 16000)
+        full = fe(clip, sampling_rate=16000, padding="max_length", return_attention_mask=True, return_tensors="np")
+        assert ours.frames == int(full["attention_mask"].sum())
+        want = full["input_features"][0][:, :ours.features.shape[1]]
+        np.testing.assert_allclose(ours.features, want, rtol=0, atol=1e-6)
+        assert ours.features.shape[1] == min(2 * ((ours.frames - 1) // 2 + 1) + 1, 400)
+
+
+def test_preprocessed_images_are_the_processors_arrays(qwen2_vl, llava_clip_llama):
+    rng = np.random.default_rng(5)
+    for folder in (qwen2_vl, llava_clip_llama):
+        spec = spec_from_folder(folder)
+        img = H.random_image(rng, 61, 97)
+        ours = preprocess_image(spec, img)
+        theirs = H.processed_images(folder, [img])
+        pixels = theirs["pixel_values"].numpy()
+        np.testing.assert_array_equal(ours.pixels, pixels if "image_grid_thw" in theirs else pixels[0])
+        if "image_grid_thw" in theirs:
+            assert ours.grid == tuple(theirs["image_grid_thw"][0].tolist())
+
+
+def test_mrope_positions_are_get_rope_index(qwen2_vl):
+    """Qwen2-VL's 3-D positions of a sample equal transformers' own get_rope_index."""
+    from mmpipe.model.hf.media import mrope_positions
+    from mmpipe.model.hf.skeleton import skeleton
+
+    spec = spec_from_folder(qwen2_vl)
+    model = skeleton(spec.hf).model  # get_rope_index needs no weights
+    rng = np.random.default_rng(9)
+    grids = [(1, 4, 6), (1, 8, 2), (1, 2, 2)]
+    for images in ([], [0], [1, 2], [2, 0, 1]):
+        ids = H.text(rng, 3)
+        for k in images:
+            t, h, w = grids[k]
+            ids += [H.VSTART] + [H.IMAGE] * (t * h * w // 4) + [H.VEND] + H.text(rng, int(rng.integers(1, 5)))
+        ours = mrope_positions(ids, [grids[k] for k in images], image_token=H.IMAGE, merge=2)
+        x = torch.tensor([ids])
+        theirs, _ = model.get_rope_index(x, mm_token_type_ids=(x == H.IMAGE).int(),
+                                         image_grid_thw=torch.tensor([grids[k] for k in images]) if images else None)
+        assert np.array_equal(ours, theirs[:, 0].numpy()), images
