@@ -120,23 +120,64 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
 
 
 def check_plan(rc: RunConfig) -> None:
+    if rc.data.kind == "shards":
+        if rc.data.sources is not None:
+            raise ValueError("mmpipe plan data=shards reads one shard list (data.path); a mixture (data.sources) "
+                             "is not supported: set data.sources=null")
+        from mmpipe.data.shards import check_shards
+
+        check_shards(resolve_path(rc.data.path), root=PACKAGE_ROOT)
+        return
     if rc.data.kind != "trace":
-        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace; "
-                         f"use data=trace data.path=FILE.jsonl (shipped: data/workloads/*.jsonl)")
+        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace or shard metadata; "
+                         f"use data=trace data.path=FILE.jsonl (shipped: data/workloads/*.jsonl) or data=shards")
     if not Path(resolve_path(rc.data.path)).is_file():
         raise FileNotFoundError(f"data.path={rc.data.path}: no such trace file (a relative path is looked up in "
                                 f"the current directory, then in the installed package: data/workloads/*.jsonl)")
 
 
-def run_plan(rc: RunConfig, _inv: Invocation, *, compare_schedules: bool = False) -> int:
+def plan_precision(rc: RunConfig, inv: Invocation):
+    """How `mmpipe plan` prices memory: the run's train.precision / train.zero_stage when the user
+    sets them, else what every MLLM run the planner prices uses (bf16 + ZeRO-1, docs/spec.md §6;
+    train.precision's own default, fp32, is what this CPU project trains with)."""
+    from mmpipe.planner.api import TrainingPrecision
+
+    chosen = any(o.lstrip("+").partition("=")[0] in ("train.precision", "train.zero_stage") for o in inv.overrides)
+    if chosen:
+        return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero,
+                                 optimizer=rc.train.optimizer)
+    return TrainingPrecision(optimizer=rc.train.optimizer)
+
+
+def shard_meta(rc: RunConfig) -> list:
+    """(key, metadata) of the shards' samples in stream order, media never read (every sample's
+    `meta` is a trace line, docs/spec.md section 1); as many as plan.steps needs. Read here: the
+    planner imports no data package."""
+    import itertools
+
+    from mmpipe.data.reader import iter_meta
+    from mmpipe.runtime.hf_run import load_templater
+
+    tok = load_templater(rc)  # text tokens are counted under the run's tokenizer (shards are not tied to one)
+    metas = iter_meta(path=resolve_path(rc.data.path), seed=rc.train.seed, epochs=1,
+                      shuffle_buffer=rc.data.shuffle_buffer, on_error=rc.data.on_error, spec=rc.model,
+                      too_long=rc.data.too_long, tokenizer=tok, root=PACKAGE_ROOT)
+    limit = rc.plan.steps * rc.train.global_batch if rc.plan.steps else None
+    return list(itertools.islice(metas, limit))
+
+
+def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False) -> int:
     from mmpipe.config import hardware_spec
     from mmpipe.planner.command import run_plan as plan
 
-    plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.pp, dp=rc.parallel.dp,
-         global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches, trainable=rc.train.trainable,
-         policy=rc.plan.policy, trace_path=resolve_path(rc.data.path), out=output_path(rc, rc.plan.out),
-         steps=rc.plan.steps, plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
-         compare_schedules=compare_schedules)
+    trace, samples = (resolve_path(rc.data.path), None) if rc.data.kind == "trace" else (None, shard_meta(rc))
+    plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.fixed("pp"), dp=rc.parallel.fixed("dp"),
+         devices=rc.parallel.devices, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
+         trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=trace, samples=samples,
+         source=rc.data.path, out=output_path(rc, rc.plan.out), steps=rc.plan.steps,
+         plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
+         compare_schedules=compare_schedules, memory_headroom=rc.plan.memory_headroom,
+         precision=plan_precision(rc, inv))
     return 0
 
 

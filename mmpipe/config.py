@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.group import model_from_group
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names
-from mmpipe.planner.api import POLICIES, hardware_from_dict  # the planner owns both
+from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # planner-owned
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 """The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
@@ -31,16 +31,44 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
-    pp: int = 2
-    """Pipeline stages."""
-    dp: int = 1
-    """Data-parallel replicas."""
+    pp: int | str = 2
+    """Pipeline stages, or `auto` (chosen among the splits of parallel.devices)."""
+    dp: int | str = 1
+    """Data-parallel replicas, or `auto`."""
+    devices: int | None = None
+    """Devices to split into pp x dp (needed when pp or dp is auto)."""
 
     def __post_init__(self) -> None:
         for key in ("pp", "dp"):
             v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"parallel.{key}={v!r} must be a positive integer")
+            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"parallel.{key}={v!r} must be a positive integer or auto")
+        n = self.devices
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"parallel.devices={n!r} must be a positive integer or null")
+        if self.auto and n is None:
+            raise ValueError(f"parallel.pp={self.pp} parallel.dp={self.dp}: auto needs "
+                             f"parallel.devices=N, the devices to split into stages x replicas")
+        if n is not None:
+            for key in ("pp", "dp"):
+                v = getattr(self, key)
+                if v != "auto" and n % v:
+                    raise ValueError(f"parallel.{key}={v} does not divide parallel.devices={n}; "
+                                     f"use a divisor of {n} or auto")
+            if not self.auto and self.pp * self.dp != n:
+                raise ValueError(f"parallel.pp={self.pp} x parallel.dp={self.dp} = "
+                                 f"{self.pp * self.dp} is not parallel.devices={n}; set one of "
+                                 f"them to auto")
+
+    @property
+    def auto(self) -> bool:
+        """pp or dp is still to be chosen (`resolve_layout`)."""
+        return self.pp == "auto" or self.dp == "auto"
+
+    def fixed(self, key: str) -> int | None:
+        """parallel.pp or parallel.dp as a number, None when auto."""
+        v = getattr(self, key)
+        return None if v == "auto" else int(v)
 
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -232,10 +260,14 @@ class PlanConfig:
     """Training: plan each global step across the data-parallel replicas (every replica reads
     the whole stream and decodes its planned share) instead of each replica planning its own
     shards' samples."""
+    memory_headroom: float = DEFAULT_HEADROOM
+    """Share of usable device memory no plan fills (allocator fragmentation, buffers the cost
+    model does not see); see docs/planner.md."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"plan.policy={self.policy!r} is unknown; use {', '.join(POLICIES)}")
+        check_headroom(self.memory_headroom)
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
             raise ValueError(f"plan.steps={self.steps!r} must be a positive integer or null")
 
@@ -464,7 +496,11 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
 
 
 def check_run(rc: RunConfig) -> None:
-    """Cross-key checks: the ones no single section can make."""
+    """Cross-key checks: the ones no single section can make (those on parallel.pp / dp wait
+    for `resolve_layout` while they are auto)."""
+    if rc.parallel.auto:
+        _check_auto(rc)
+        return
     pp, dp, t = rc.parallel.pp, rc.parallel.dp, rc.train
     n_layers = len(rc.layers)
     if pp > n_layers:
@@ -495,6 +531,45 @@ def check_run(rc: RunConfig) -> None:
         )
     rc.stage_bounds  # validates names and tiling
     hardware_spec(rc)
+
+
+def _check_auto(rc: RunConfig) -> None:
+    """What can be checked before the layout is chosen."""
+    n = rc.parallel.devices
+    if rc.launcher.nproc is not None and rc.launcher.nproc != n:
+        raise ValueError(f"launcher.nproc={rc.launcher.nproc} does not equal parallel.devices={n}; "
+                         f"set launcher.nproc={n} or leave it null")
+    if rc.plan.stages is not None and rc.parallel.pp == "auto":
+        raise ValueError(f"plan.stages gives {len(rc.plan.stages)} stages: with a stage override set "
+                         f"parallel.pp={len(rc.plan.stages)} instead of auto")
+    if rc.plan.stages is not None:
+        stages_to_bounds(rc.plan.stages, rc.layers)  # validates names and tiling
+    hardware_spec(rc)
+
+
+def resolve_layout(rc: RunConfig, sample) -> RunConfig:
+    """The run with parallel.pp / parallel.dp = auto replaced by the planner's choice
+    (`planner.api.choose_layout` on `sample`: the features of the run's first samples in
+    stream order, at least one whole step), checked like any run; `rc` itself when nothing
+    is auto. Pure: the caller reads the sample (before launching any process)."""
+    if not rc.parallel.auto:
+        return rc
+    from dataclasses import replace
+
+    from mmpipe.planner.api import choose_layout
+
+    p = rc.parallel
+    choice = choose_layout(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
+                           devices=p.devices, global_batch=rc.train.global_batch,
+                           micro_batches=rc.train.micro_batches, sample=sample, pp=p.fixed("pp"),
+                           dp=p.fixed("dp"), memory_headroom=rc.plan.memory_headroom)
+    best = choice.best
+    if not best.fits:
+        raise ValueError(f"parallel.devices={p.devices}: no pp x dp layout fits in memory ("
+                         + "; ".join(f"{x.pp}x{x.dp}: {x.note}" for x in choice.layouts) + ")")
+    out = replace(rc, parallel=ParallelConfig(pp=best.pp, dp=best.dp, devices=p.devices))
+    check_run(out)
+    return out
 
 
 def hardware_spec(rc: RunConfig):

@@ -133,7 +133,7 @@ class StepFeeder:
         t4 = time.perf_counter()
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
                            predicted_s=planned.step_time, predicted_busy=planned.busy[mine],
-                           predicted_peak_bytes=planned.peak_bytes, reader_state=state)
+                           predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state)
 
     def _collate(self, samples: list) -> MicroBatch:
         """mmpipe's own model's tensors, or a Hugging Face model's (its processors' arrays)."""

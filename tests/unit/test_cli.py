@@ -63,7 +63,7 @@ def test_command_help_is_specific_and_shows_the_values_it_would_run_with(capsys)
     assert "train.lr" not in out and "parallel.pp" not in out
     assert main(["train", "--help", "train.steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "train.steps: 7" in out and "Optimizer steps." in out and "data: mixture, synthetic, trace" in out
+    assert "train.steps: 7" in out and "Optimizer steps." in out and "data: mixture, shards, synthetic, trace" in out
 
 
 def test_override_grammar_adds_removes_and_force_sets():
