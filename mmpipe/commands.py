@@ -140,13 +140,11 @@ def plan_precision(rc: RunConfig, inv: Invocation):
     """How `mmpipe plan` prices memory: the run's train.precision / train.zero_stage when the user
     sets them, else what every MLLM run the planner prices uses (bf16 + ZeRO-1, docs/spec.md §6;
     train.precision's own default, fp32, is what this CPU project trains with)."""
+    from mmpipe.config import training_precision
     from mmpipe.planner.api import TrainingPrecision
 
     chosen = any(o.lstrip("+").partition("=")[0] in ("train.precision", "train.zero_stage") for o in inv.overrides)
-    if chosen:
-        return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero,
-                                 optimizer=rc.train.optimizer)
-    return TrainingPrecision(optimizer=rc.train.optimizer)
+    return training_precision(rc) if chosen else TrainingPrecision(optimizer=rc.train.optimizer)
 
 
 def shard_meta(rc: RunConfig) -> list:

@@ -572,6 +572,13 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
     return out
 
 
+def training_precision(rc: RunConfig):
+    """What the planner prices a run's memory with: its precision, ZeRO stage and optimizer."""
+    from mmpipe.planner.api import TrainingPrecision
+
+    return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero, optimizer=rc.train.optimizer)
+
+
 def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
     hw = dict(rc.hardware)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmpipe.config import RunConfig, hardware_spec
+from mmpipe.config import RunConfig, hardware_spec, training_precision
 from mmpipe.data.loader import loader
 from mmpipe.data.records import Record, decode_record
 from mmpipe.data.skips import SkipCounter
@@ -67,7 +67,8 @@ class StepFeeder:
         self.planner = StepPlanner(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
                                    dp=rc.parallel.dp, stage_plan=stage_plan, policy=rc.plan.policy,
                                    micro_batches=rc.train.micro_batches,
-                                   replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory)
+                                   replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
+                                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
         self.packed = self.planner.packing
         self._record = record.open("a") if record else None  # a resumed run continues the record
         self.first_step = first_step

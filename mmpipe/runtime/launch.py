@@ -69,14 +69,27 @@ def free_port() -> int:
 CPU_KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """Torch threads for each of `local_ranks` processes on this machine: the cores shared out,
+    so that several ranks do not oversubscribe them (at least one)."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+def resolve_backend(backend: str) -> str:
+    """launcher.backend with auto decided: nccl where torch sees a GPU, else gloo."""
+    import torch
+
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def accelerator_env(backend: str) -> dict[str, str]:
     """DS_ACCELERATOR, the process-group backend and the CPU kernel-cache limits for this machine."""
     import torch
 
     gpu = torch.cuda.is_available()
-    if backend == "auto":
-        backend = "nccl" if gpu else "gloo"
-    env = {"MMPIPE_BACKEND": backend}
+    env = {"MMPIPE_BACKEND": resolve_backend(backend)}
     if not gpu:
         env["DS_ACCELERATOR"] = "cpu"
         env.update({k: v for k, v in CPU_KERNEL_CACHES.items() if k not in os.environ})
@@ -240,7 +253,7 @@ def launch(argv: list[str], *, nproc: int, backend: str = "auto", master_port: i
     logs = Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     port = master_port or free_port()
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads_per_rank(nproc)
     base = dict(os.environ)
     base.update(accelerator_env(backend))
     base.update({

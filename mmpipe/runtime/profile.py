@@ -33,6 +33,7 @@ from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.model.geometry import audio_frames, audio_positions, audio_tokens, image_grid, image_tokens
 from mmpipe.planner.api import HardwareSpec, build_cost_model, hardware_to_dict
 from mmpipe.runtime.batch import collate
+from mmpipe.runtime.launch import threads_per_rank
 
 IMAGE_TOKEN, AUDIO_TOKEN = 5, 6
 
@@ -265,7 +266,7 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     if rc.model.hf is not None:  # its layers take its processors' inputs, which synthetic_micro_batch does not make
         raise ValueError(f"mmpipe profile measures mmpipe's own model; model {rc.model.name} is a Hugging Face model, "
                          f"which it cannot profile yet: plan it with a hardware preset (hardware=h100, a100, cpu)")
-    threads = max(1, (os.cpu_count() or 1) // (rc.parallel.pp * rc.parallel.dp))
+    threads = threads_per_rank(rc.parallel.pp * rc.parallel.dp)
     torch.set_num_threads(threads)
     base = hardware_spec(rc)
     print(f"mmpipe profile: model {rc.model.name}, {threads} torch thread(s) per rank "

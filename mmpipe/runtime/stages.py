@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmpipe.config import RunConfig, hardware_spec
+from mmpipe.config import RunConfig, hardware_spec, training_precision
 from mmpipe.data.skips import SkipCounter
 from mmpipe.model.geometry import SampleFeatures, features
 from mmpipe.model.spec import ModelSpec, layer_names
@@ -67,7 +67,8 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
     else the policy's partition, planned on the first steps of the real data with the
     configured hardware's cost model."""
     common = dict(model=rc.model, hardware=hardware_spec(rc), dp=rc.parallel.dp, trainable=rc.train.trainable,
-                  micro_batches=rc.train.micro_batches, policy=rc.plan.policy)
+                  micro_batches=rc.train.micro_batches, policy=rc.plan.policy,
+                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
     if rc.stage_bounds is not None:
         plan = StagePlan(stages=rc.stage_bounds)
         return ChosenStages(plan=plan, source="override", warnings=stage_memory_warnings(

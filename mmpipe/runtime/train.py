@@ -25,6 +25,7 @@ from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerdict, agree_after_step, find_checkpoint,
                                        refuse_other_history, truncate_records)
 from mmpipe.runtime.feed import StepFeeder
+from mmpipe.runtime.launch import resolve_backend, threads_per_rank
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
 from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_grad_norm,
@@ -73,12 +74,10 @@ def _init_distributed(rc: RunConfig) -> RunConfig:
     """Join the process group and check it matches the config; agree on one run directory."""
     import deepspeed
 
-    threads = int(os.environ.get("MMPIPE_THREADS", "0")) or max(
-        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-                                        or os.environ.get("WORLD_SIZE", "1")))
-    torch.set_num_threads(threads)
-    backend = os.environ.get("MMPIPE_BACKEND") or (
-        rc.launcher.backend if rc.launcher.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"))
+    # mmpipe's launcher says both; under another launcher (deepspeed, torchrun) decide them here
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(int(os.environ.get("MMPIPE_THREADS", "0")) or threads_per_rank(local))
+    backend = os.environ.get("MMPIPE_BACKEND") or resolve_backend(rc.launcher.backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)

@@ -168,7 +168,7 @@ def test_bf16_step_equals_the_fp32_reference_and_clips_by_the_global_norm(run_mm
     assert m["grad_norm"] == pytest.approx(ref.norm, rel=NORM_TOL)  # global, before clipping
 
     rc = ref.rc
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer))
+    tok = load_tokenizer(tokenizer_source(rc)[0])
     init = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id)
     names = layer_names(rc.model)
     ckpt = run.run_dir / "checkpoints" / "step1"

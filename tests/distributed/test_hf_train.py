@@ -32,7 +32,7 @@ CASES = {  # model: its overrides (one launch each)
     "compose": ["parallel.pp=2", "train.steps=1"],
 }
 LOSS_RTOL = 1e-5
-UPDATE_RTOL = 1e-4
+UPDATE_RTOL = 5e-4  # fp32 summation order differs (micro-batches vs one batch); a wrong or missing tensor is O(1)
 """Largest |pipeline - reference| of an updated tensor, relative to the reference's largest update
 of that tensor (LR x its largest gradient, at least LR x 1e-4): the gradient difference, in fp32."""
 
