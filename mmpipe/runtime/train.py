@@ -122,7 +122,7 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
                          image_token=tok.image_id, audio_token=tok.audio_id,
                          trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
-                         pretrained=rc.pretrained if rc.pretrained.any() else None)
+                         pretrained=rc.pretrained if rc.pretrained.any() else None, attention=rc.train.attention)
     torch.manual_seed(rc.train.seed)
     require_tested_deepspeed()
     t = rc.train
