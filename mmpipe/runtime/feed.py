@@ -78,6 +78,7 @@ class StepFeeder:
         self._records = loader(self.stream, records=True)
         v = rc.model.vision
         self.patch = v.patch if v is not None else 1
+        self.audio_stride = rc.model.audio.conv_stride if rc.model.audio is not None else 1
         self.steps_made = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._thread = threading.Thread(target=self._produce, name="mmpipe-feeder", daemon=True)
@@ -119,7 +120,7 @@ class StepFeeder:
         t3 = time.perf_counter()
         samples = {i: self._decode(records[i]) for g in groups for i in g}  # only this replica's
         mbs = [collate([samples[i] for i in g], patch=self.patch, packed=self.packed,
-                       pad_id=self.tokenizer.pad_id) for g in groups]
+                       pad_id=self.tokenizer.pad_id, audio_stride=self.audio_stride) for g in groups]
         self.steps_made += 1
         if self._record:
             self._record.write(json.dumps({"step": self.first_step + self.steps_made,

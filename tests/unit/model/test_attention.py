@@ -232,3 +232,35 @@ def test_qwen2_vl_vision_blocks_attend_once_over_all_images(qwen2_vl, monkeypatc
     images = layout.read(mb.carrier[C.LAYOUT]).image.lengths
     assert len(images) == 2
     assert calls == [(sum(images), images, False)] * spec.vision.blocks
+
+
+def test_hugging_face_layouts_are_transformers_own_segments(qwen2_vl, qwen2_audio):
+    """Qwen2-VL: transformers' get_vision_cu_seqlens (each temporal frame its own segment);
+    Qwen2-Audio: (L - 1) // 2 + 1 positions per clip of L valid frames."""
+    from transformers.vision_utils import get_vision_cu_seqlens
+
+    grid = torch.tensor([[2, 4, 6], [1, 2, 2], [1, 6, 4]])
+    cu = layout.read(layout.encode([1], layout.image_segments(grid.tolist()), [])).image.cu_seqlens
+    assert torch.equal(cu, get_vision_cu_seqlens(grid))
+    rng = np.random.default_rng(4)
+    from .test_hf_layers import _media_sample
+
+    for folder in (qwen2_vl, qwen2_audio):
+        spec = spec_from_folder(folder)
+        mb = collate_hf([_media_sample(spec, rng), _media_sample(spec, rng)], spec=spec, packed=True, pad_id=0)
+        lay = layout.read(mb.carrier[C.LAYOUT])
+        if spec.audio is None:
+            assert torch.equal(lay.image.cu_seqlens, get_vision_cu_seqlens(mb.carrier[C.IMAGE_GRID]))
+        else:
+            frames = mb.carrier[C.AUDIO_FRAMES]
+            assert list(lay.audio.lengths) == ((frames - 1) // 2 + 1).tolist() and len(frames) == 2
+
+
+def test_a_micro_batch_collated_for_another_audio_stride_is_a_one_line_error():
+    spec = tiny()
+    layers = build_layers(spec, seed=0, image_token=IMG, audio_token=AUD)
+    mb = collate(_tiny_samples(spec)[1:2], patch=spec.vision.patch, packed=True, pad_id=0, audio_stride=3)
+    audio_embed = next(layer for layer in layers if layer.name == "audio.embed")
+    with pytest.raises(ValueError, match=r"audio clip 0 has 45 encoder positions but the micro-batch's layout "
+                                         r"says 30; collate it with audio_stride=model.audio.conv_stride \(2\)"):
+        audio_embed(mb.carrier)
