@@ -16,8 +16,8 @@ from mmpipe.model.hf.build import build_layers as build_hf_layers
 from mmpipe.model.layers import build_layers, run_layers, token_loss
 from mmpipe.runtime.batch import collate, collate_hf
 
-from . import hf_cases as H
 from .host_reads import HostReads
+from .test_hf_layers import media_sample, text_sample
 from .test_model import AUD, IMG, FakeSample, tiny
 
 LENGTHS = (5, 1, 17, 9, 30, 2)  # a one-position segment, and segments shorter and longer than WINDOW
@@ -155,6 +155,9 @@ def test_the_tiny_model_gives_one_loss_under_every_cpu_kernel():
         results[kernel] = (loss.item(), [p.grad.clone() for layer in layers for p in layer.parameters()])
     with kernels.using("flex"), torch.no_grad():
         flex = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0 / mb.label_tokens]))).item()
+    worst = max((a - b).abs().max().item() for a, b in zip(results["sdpa"][1], results["eager"][1]))
+    print(f"\ntiny packed loss: sdpa {results['sdpa'][0]:.7f}, eager {results['eager'][0]:.7f}, flex {flex:.7f}; "
+          f"max |grad sdpa - grad eager| {worst:.1e}")
     assert results["eager"][0] == pytest.approx(results["sdpa"][0], rel=1e-6)
     assert flex == pytest.approx(results["sdpa"][0], rel=1e-6)
     for a, b in zip(results["sdpa"][1], results["eager"][1]):
@@ -196,9 +199,7 @@ def test_host_reads_do_not_grow_with_the_blocks_of_hugging_face_models(case, req
     spec = spec_from_folder(folder)
     layers = build_hf_layers(spec, seed=0)
     rng = np.random.default_rng(0)
-    from .test_hf_layers import _media_sample, _text_sample
-
-    mb = collate_hf([_media_sample(spec, rng), _media_sample(spec, rng), _text_sample(rng)], spec=spec,
+    mb = collate_hf([media_sample(spec, rng), media_sample(spec, rng), text_sample(rng)], spec=spec,
                     packed=True, pad_id=0)
     blocks = ("vision.block", "audio.block", "llm.block")
     base = _count_host_reads(layers, mb.carrier)
@@ -208,14 +209,10 @@ def test_host_reads_do_not_grow_with_the_blocks_of_hugging_face_models(case, req
 
 def test_qwen2_vl_vision_blocks_attend_once_over_all_images(qwen2_vl, monkeypatch):
     """One attention call per vision block for two images, with the carried image layout."""
-    from mmpipe.model import attention
-
     spec = spec_from_folder(qwen2_vl)
     layers = build_hf_layers(spec, seed=0)
     rng = np.random.default_rng(3)
-    from .test_hf_layers import _media_sample
-
-    mb = collate_hf([_media_sample(spec, rng), _media_sample(spec, rng)], spec=spec, packed=True, pad_id=0)
+    mb = collate_hf([media_sample(spec, rng), media_sample(spec, rng)], spec=spec, packed=True, pad_id=0)
     calls = []
     real = kernels.packed
 
@@ -223,7 +220,7 @@ def test_qwen2_vl_vision_blocks_attend_once_over_all_images(qwen2_vl, monkeypatc
         calls.append((query.shape[2], stream.lengths, kw["causal"]))
         return real(kernel, query, key, value, stream, **kw)
 
-    monkeypatch.setattr(attention.kernels, "packed", spy)
+    monkeypatch.setattr(kernels, "packed", spy)
     x = mb.carrier
     for layer in layers:
         if layer.name == "llm.embed":
@@ -243,11 +240,9 @@ def test_hugging_face_layouts_are_transformers_own_segments(qwen2_vl, qwen2_audi
     cu = layout.read(layout.encode([1], layout.image_segments(grid.tolist()), [])).image.cu_seqlens
     assert torch.equal(cu, get_vision_cu_seqlens(grid))
     rng = np.random.default_rng(4)
-    from .test_hf_layers import _media_sample
-
     for folder in (qwen2_vl, qwen2_audio):
         spec = spec_from_folder(folder)
-        mb = collate_hf([_media_sample(spec, rng), _media_sample(spec, rng)], spec=spec, packed=True, pad_id=0)
+        mb = collate_hf([media_sample(spec, rng), media_sample(spec, rng)], spec=spec, packed=True, pad_id=0)
         lay = layout.read(mb.carrier[C.LAYOUT])
         if spec.audio is None:
             assert torch.equal(lay.image.cu_seqlens, get_vision_cu_seqlens(mb.carrier[C.IMAGE_GRID]))
@@ -264,3 +259,28 @@ def test_a_micro_batch_collated_for_another_audio_stride_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"audio clip 0 has 45 encoder positions but the micro-batch's layout "
                                          r"says 30; collate it with audio_stride=model.audio.conv_stride \(2\)"):
         audio_embed(mb.carrier)
+
+
+@UNFUSED_FLEX
+def test_a_sliding_window_decoder_gives_one_loss_under_every_cpu_kernel(llava_clip_mistral):
+    """Mistral with an 8-token window, shorter than the samples: packed loss under sdpa, eager
+    and flex, and the padded (dense-mask) loss."""
+    from mmpipe.model.hf.media import preprocess_image
+
+    from . import hf_cases as H
+
+    spec = spec_from_folder(llava_clip_mistral)
+    layers = build_hf_layers(spec, seed=0)
+    samples = [H.Sample(s.key, s.input_ids, s.labels, [preprocess_image(spec, b) for b in s.images], [])
+               for s in H.llava_samples(spec, np.random.default_rng(0))]
+    assert min(len(s.input_ids) for s in samples) > 8
+    losses = {}
+    with torch.no_grad():
+        for kernel, packed in (("sdpa", True), ("eager", True), ("flex", True), ("sdpa", False)):
+            mb = collate_hf(samples, spec=spec, packed=packed, pad_id=0)
+            with kernels.using(kernel):
+                losses[kernel, packed] = token_loss(run_layers(layers, mb.carrier),
+                                                    (mb.targets, torch.tensor([1.0 / mb.label_tokens]))).item()
+    print(f"\nmistral window 8: {losses}")
+    ref = losses["sdpa", True]
+    assert all(v == pytest.approx(ref, rel=1e-6) for v in losses.values()), losses
