@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mmpipe.data.commands import run_bench_data  # noqa: E402
-from mmpipe.model.spec import spec_from_dict  # noqa: E402
+from mmpipe.model.group import model_from_group  # noqa: E402
 
 
 def main() -> int:
@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--generated", type=int, default=5000)
     args = ap.parse_args()
-    spec = spec_from_dict(yaml.safe_load((ROOT / "mmpipe" / "conf" / "model" / f"{args.model}.yaml").read_text()))
+    spec = model_from_group(yaml.safe_load((ROOT / "mmpipe" / "conf" / "model" / f"{args.model}.yaml").read_text())).spec
     return run_bench_data(path=args.path, tokenizer=args.tokenizer, model=spec, samples=args.samples,
                           generated=args.generated)
 

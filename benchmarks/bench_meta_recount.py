@@ -41,7 +41,7 @@ from mmpipe.data.reader import SampleStream, iter_meta  # noqa: E402
 from mmpipe.data.shards import resolve_urls  # noqa: E402
 from mmpipe.data.template import PLACEHOLDER, TinyTemplate  # noqa: E402
 from mmpipe.data.tokenizer import load_tokenizer  # noqa: E402
-from mmpipe.model.spec import spec_from_dict  # noqa: E402
+from mmpipe.model.group import model_from_group  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     preset = ROOT / "mmpipe" / "conf" / "model" / f"{args.model}.yaml"
-    spec = spec_from_dict(yaml.safe_load(preset.read_text()))
+    spec = model_from_group(yaml.safe_load(preset.read_text())).spec
     tiny = TinyTemplate(load_tokenizer(args.tokenizer))
     with tempfile.TemporaryDirectory() as tmp:
         hf_checkpoint(Path(tmp), texts(args.path))

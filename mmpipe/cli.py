@@ -20,7 +20,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from mmpipe.commands import COMMANDS, Command, Invocation, usage
+from mmpipe.commands import COMMANDS, Command, Invocation, export_command, usage
 from mmpipe.config import PACKAGE_ROOT, RunConfig, run_config_from_dict, shell_word
 from mmpipe.overrides import check_overrides, explain
 
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             print("mmpipe (not installed: running from a source folder)")
         return 0
     name, args = argv[0], argv[1:]
+    if name == "export":
+        return export_command(args)
     if name not in COMMANDS:
         hint = " (a command comes first: mmpipe train --cfg job)" if name.startswith("-") else ""
         print(f"mmpipe: {shell_word(name)} is not a command{hint}; use one of {', '.join(COMMANDS)}\n"

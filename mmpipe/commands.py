@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path, shell_word
+from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path, shell_word, tokenizer_source
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,9 +70,13 @@ def checkpoint_policy(rc: RunConfig) -> str:
 def check_train(rc: RunConfig) -> None:
     from mmpipe.model.kernels import check as check_kernel
     from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
+    from mmpipe.runtime.hf_run import check_model
     from mmpipe.runtime.metrics import check_loggers
     from mmpipe.runtime.preflight import check_backend, check_data, checkpoint_dir
 
+    memory = check_model(rc)  # a planner-only preset, a model this machine cannot hold: before anything runs
+    if memory and os.environ.get("RANK", "0") == "0":
+        print(f"mmpipe: {memory}", flush=True)
     check_loggers(rc.train.loggers)
     check_data(rc)
     require_tested_deepspeed()
@@ -118,23 +122,64 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
 
 
 def check_plan(rc: RunConfig) -> None:
+    if rc.data.kind == "shards":
+        if rc.data.sources is not None:
+            raise ValueError("mmpipe plan data=shards reads one shard list (data.path); a mixture (data.sources) "
+                             "is not supported: set data.sources=null")
+        from mmpipe.data.shards import check_shards
+
+        check_shards(resolve_path(rc.data.path), root=PACKAGE_ROOT)
+        return
     if rc.data.kind != "trace":
-        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace; "
-                         f"use data=trace data.path=FILE.jsonl (shipped: data/workloads/*.jsonl)")
+        raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace or shard metadata; "
+                         f"use data=trace data.path=FILE.jsonl (shipped: data/workloads/*.jsonl) or data=shards")
     if not Path(resolve_path(rc.data.path)).is_file():
         raise FileNotFoundError(f"data.path={rc.data.path}: no such trace file (a relative path is looked up in "
                                 f"the current directory, then in the installed package: data/workloads/*.jsonl)")
 
 
-def run_plan(rc: RunConfig, _inv: Invocation, *, compare_schedules: bool = False) -> int:
+def plan_precision(rc: RunConfig, inv: Invocation):
+    """How `mmpipe plan` prices memory: the run's train.precision / train.zero_stage when the user
+    sets them, else what every MLLM run the planner prices uses (bf16 + ZeRO-1, docs/spec.md §6;
+    train.precision's own default, fp32, is what this CPU project trains with)."""
+    from mmpipe.planner.api import TrainingPrecision
+
+    chosen = any(o.lstrip("+").partition("=")[0] in ("train.precision", "train.zero_stage") for o in inv.overrides)
+    if chosen:
+        return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero,
+                                 optimizer=rc.train.optimizer)
+    return TrainingPrecision(optimizer=rc.train.optimizer)
+
+
+def shard_meta(rc: RunConfig) -> list:
+    """(key, metadata) of the shards' samples in stream order, media never read (every sample's
+    `meta` is a trace line, docs/spec.md section 1); as many as plan.steps needs. Read here: the
+    planner imports no data package."""
+    import itertools
+
+    from mmpipe.data.reader import iter_meta
+    from mmpipe.runtime.hf_run import load_templater
+
+    tok = load_templater(rc)  # text tokens are counted under the run's tokenizer (shards are not tied to one)
+    metas = iter_meta(path=resolve_path(rc.data.path), seed=rc.train.seed, epochs=1,
+                      shuffle_buffer=rc.data.shuffle_buffer, on_error=rc.data.on_error, spec=rc.model,
+                      too_long=rc.data.too_long, tokenizer=tok, root=PACKAGE_ROOT)
+    limit = rc.plan.steps * rc.train.global_batch if rc.plan.steps else None
+    return list(itertools.islice(metas, limit))
+
+
+def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False) -> int:
     from mmpipe.config import hardware_spec
     from mmpipe.planner.command import run_plan as plan
 
-    plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.pp, dp=rc.parallel.dp,
-         global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches, trainable=rc.train.trainable,
-         policy=rc.plan.policy, trace_path=resolve_path(rc.data.path), out=output_path(rc, rc.plan.out),
-         steps=rc.plan.steps, plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
-         compare_schedules=compare_schedules)
+    trace, samples = (resolve_path(rc.data.path), None) if rc.data.kind == "trace" else (None, shard_meta(rc))
+    plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.fixed("pp"), dp=rc.parallel.fixed("dp"),
+         devices=rc.parallel.devices, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
+         trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=trace, samples=samples,
+         source=rc.data.path, out=output_path(rc, rc.plan.out), steps=rc.plan.steps,
+         plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
+         compare_schedules=compare_schedules, memory_headroom=rc.plan.memory_headroom,
+         precision=plan_precision(rc, inv))
     return 0
 
 
@@ -151,7 +196,7 @@ def run_bench(rc: RunConfig, inv: Invocation) -> int:
 def run_bench_data(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.data.commands import run_bench_data as bench_data
 
-    return bench_data(path=resolve_path(rc.data.path), tokenizer=resolve_path(rc.data.tokenizer or ""),
+    return bench_data(path=resolve_path(rc.data.path), tokenizer=tokenizer_source(rc)[0],
                       model=rc.model, samples=rc.bench.samples, generated=rc.bench.generated, root=str(PACKAGE_ROOT))
 
 
@@ -164,7 +209,7 @@ def run_shards(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.data.commands import run_convert
 
     s = rc.shards
-    return run_convert(json_path=s.json, out=s.out, tokenizer=resolve_path(rc.data.tokenizer or ""),
+    return run_convert(json_path=s.json, out=s.out, tokenizer=tokenizer_source(rc)[0],
                        model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
                        maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix, limits=rc.data.limits,
                        allow_outside_roots=s.allow_outside_roots)
@@ -201,7 +246,7 @@ _SETUP = ("model", "parallel", "hardware")
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command(name="train", summary="train the configured model through DeepSpeed pipeline stages",
             run=run_train, check=check_train,
-            keys=("parallel", "train", "data", "plan", "launcher", "pretrained", "model", "hardware"),
+            keys=("parallel", "train", "data", "plan", "launcher", "model", "hardware"),
             examples=("mmpipe train                                   # tiny model, shipped data, pp=2",
                       "mmpipe train train.steps=20 parallel.dp=2      # 4 processes",
                       "mmpipe train recipes=tiny-pp4                  # a ready experiment (config group recipes)",
@@ -253,7 +298,41 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
 )}
 
 
+EXPORT_SUMMARY = "write a trained Hugging Face model back as its transformers class (from_pretrained loads it)"
+EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR"
+
+
 def usage() -> str:
     """The command list of `mmpipe --help`."""
-    width = max(map(len, COMMANDS))
-    return "\n".join(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items())
+    rows = {**{name: c.summary for name, c in COMMANDS.items()}, "export": EXPORT_SUMMARY}
+    width = max(map(len, rows))
+    return "\n".join(f"  {name:<{width}}  {summary}" for name, summary in rows.items())
+
+
+def export_command(args: list[str]) -> int:
+    """`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR`. Not a Hydra app: its arguments name a
+    finished run (whose run.yaml holds the model and seed), not a configuration to compose."""
+    import sys
+
+    from mmpipe.runtime.export import run_export
+
+    if any(a in ("-h", "--help") for a in args):
+        print(f"{EXPORT_USAGE}\n\n{EXPORT_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN;\n"
+              f"tokenizer and processor files are copied from the source checkpoint.")
+        return 0
+    runs = [a for a in args if "=" not in a]
+    keys = dict(a.split("=", 1) for a in args if "=" in a)
+    try:
+        unknown = sorted(set(keys) - {"checkpoint", "out"})
+        if unknown:
+            raise ValueError(f"{unknown[0]}={keys[unknown[0]]}: not an export argument; {EXPORT_USAGE}")
+        if len(runs) != 1 or not keys.get("out"):
+            raise ValueError(f"give one run directory and out=DIR; {EXPORT_USAGE}")
+        report = run_export(runs[0], out=keys["out"], checkpoint=keys.get("checkpoint"))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"mmpipe export: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"mmpipe export: wrote {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB, {report.shards} "
+          f"safetensors file(s); {len(report.copied)} held by no pipeline layer, copied from the source) to "
+          f"{report.folder} in {report.seconds:.1f} s")
+    return 0

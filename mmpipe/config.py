@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mmpipe.data.options import CAPTION_PROMPT, check_options
+from mmpipe.model.group import model_from_group
 from mmpipe.model.kernels import KERNELS
-from mmpipe.model.pretrained import Pretrained, check_matches
-from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names, spec_from_dict
-from mmpipe.planner.api import POLICIES, hardware_from_dict  # the planner owns both
+from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names
+from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # planner-owned
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 """The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
@@ -32,16 +32,44 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
-    pp: int = 2
-    """Pipeline stages."""
-    dp: int = 1
-    """Data-parallel replicas."""
+    pp: int | str = 2
+    """Pipeline stages, or `auto` (chosen among the splits of parallel.devices)."""
+    dp: int | str = 1
+    """Data-parallel replicas, or `auto`."""
+    devices: int | None = None
+    """Devices to split into pp x dp (needed when pp or dp is auto)."""
 
     def __post_init__(self) -> None:
         for key in ("pp", "dp"):
             v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"parallel.{key}={v!r} must be a positive integer")
+            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"parallel.{key}={v!r} must be a positive integer or auto")
+        n = self.devices
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"parallel.devices={n!r} must be a positive integer or null")
+        if self.auto and n is None:
+            raise ValueError(f"parallel.pp={self.pp} parallel.dp={self.dp}: auto needs "
+                             f"parallel.devices=N, the devices to split into stages x replicas")
+        if n is not None:
+            for key in ("pp", "dp"):
+                v = getattr(self, key)
+                if v != "auto" and n % v:
+                    raise ValueError(f"parallel.{key}={v} does not divide parallel.devices={n}; "
+                                     f"use a divisor of {n} or auto")
+            if not self.auto and self.pp * self.dp != n:
+                raise ValueError(f"parallel.pp={self.pp} x parallel.dp={self.dp} = "
+                                 f"{self.pp * self.dp} is not parallel.devices={n}; set one of "
+                                 f"them to auto")
+
+    @property
+    def auto(self) -> bool:
+        """pp or dp is still to be chosen (`resolve_layout`)."""
+        return self.pp == "auto" or self.dp == "auto"
+
+    def fixed(self, key: str) -> int | None:
+        """parallel.pp or parallel.dp as a number, None when auto."""
+        v = getattr(self, key)
+        return None if v == "auto" else int(v)
 
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -57,7 +85,7 @@ class TrainConfig:
     micro_batches: int = 4
     """Micro-batches per replica per step."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (0: the weights never change; each step only measures the loss)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 5
@@ -121,8 +149,8 @@ class TrainConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train.{key}={v!r} must be a non-negative integer")
-        if not self.lr > 0:
-            raise ValueError(f"train.lr={self.lr!r} must be > 0")
+        if not self.lr >= 0:
+            raise ValueError(f"train.lr={self.lr!r} must be >= 0 (0 keeps the weights as loaded)")
         if self.grad_clip < 0:
             raise ValueError(f"train.grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         if self.optimizer not in ("adamw", "sgd"):
@@ -178,7 +206,8 @@ class DataConfig:
     path: str = ""
     """Shard brace list or trace file."""
     tokenizer: str | None = None
-    """Tokenizer JSON made by mmpipe.data.synth."""
+    """mmpipe's tokenizer JSON (made by mmpipe.data.synth) or a Hugging Face checkpoint folder (its
+    tokenizer and chat template); None: the model's own (`tokenizer_source`)."""
     on_error: str = "skip"
     """skip (count and go on) | raise."""
     shuffle_buffer: int = 0
@@ -239,10 +268,14 @@ class PlanConfig:
     """Training: plan each global step across the data-parallel replicas (every replica reads
     the whole stream and decodes its planned share) instead of each replica planning its own
     shards' samples."""
+    memory_headroom: float = DEFAULT_HEADROOM
+    """Share of usable device memory no plan fills (allocator fragmentation, buffers the cost
+    model does not see); see docs/planner.md."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"plan.policy={self.policy!r} is unknown; use {', '.join(POLICIES)}")
+        check_headroom(self.memory_headroom)
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
             raise ValueError(f"plan.steps={self.steps!r} must be a positive integer or null")
 
@@ -359,7 +392,6 @@ class RunConfig:
     plan: PlanConfig
     launcher: LauncherConfig
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    pretrained: Pretrained = field(default_factory=Pretrained)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -368,6 +400,11 @@ class RunConfig:
     """Raw hardware group (typed by the planner's HardwareSpec plus HardwareOrigin)."""
     run_dir: str = "."
     """Where metrics.jsonl and checkpoints go."""
+    model_settings: Mapping[str, Any] = field(default_factory=dict)
+    """A Hugging Face model group as given, folders absolute (run.yaml records it; see
+    mmpipe.model.group.ModelChoice); empty for mmpipe's own figures."""
+    planner_only: str | None = None
+    """Why the model preset can be planned but not trained (omni-7b), else None."""
 
     @property
     def layers(self) -> list[str]:
@@ -417,8 +454,8 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     return cls(**values)
 
 
-GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "pretrained", "shards", "bench",
-          "report", "deepspeed", "hardware", "hydra")
+GROUPS = ("model", "parallel", "train", "data", "plan", "launcher", "profile", "shards", "bench", "report",
+          "deepspeed", "hardware", "hydra")
 
 
 def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -444,28 +481,34 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])
+    model = model_from_group(cfg["model"], resolve=model_folder)
     rc = RunConfig(
-        model=spec_from_dict(cfg["model"]),
+        model=model.spec,
         parallel=_section(ParallelConfig, "parallel", cfg.get("parallel")),
         train=_section(TrainConfig, "train", train),
         data=_section(DataConfig, "data", cfg.get("data")),
         plan=_section(PlanConfig, "plan", plan),
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
         profile=_section(ProfileConfig, "profile", cfg.get("profile")),
-        pretrained=_section(Pretrained, "pretrained", cfg.get("pretrained")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),
         bench=_section(BenchConfig, "bench", _tuple_of(cfg.get("bench"), "policies")),
         report=_section(ReportConfig, "report", _tuple_of(cfg.get("report"), "runs")),
         deepspeed=_section(DeepSpeedSettings, "deepspeed", cfg.get("deepspeed")),
         hardware=dict(cfg.get("hardware") or {}),
         run_dir=run_dir,
+        model_settings=model.settings,
+        planner_only=model.planner_only,
     )
     check_run(rc)
     return rc
 
 
 def check_run(rc: RunConfig) -> None:
-    """Cross-key checks: the ones no single section can make."""
+    """Cross-key checks: the ones no single section can make (those on parallel.pp / dp wait
+    for `resolve_layout` while they are auto)."""
+    if rc.parallel.auto:
+        _check_auto(rc)
+        return
     pp, dp, t = rc.parallel.pp, rc.parallel.dp, rc.train
     n_layers = len(rc.layers)
     if pp > n_layers:
@@ -496,8 +539,45 @@ def check_run(rc: RunConfig) -> None:
         )
     rc.stage_bounds  # validates names and tiling
     hardware_spec(rc)
-    if rc.pretrained.any():
-        check_matches(rc.model, rc.pretrained)
+
+
+def _check_auto(rc: RunConfig) -> None:
+    """What can be checked before the layout is chosen."""
+    n = rc.parallel.devices
+    if rc.launcher.nproc is not None and rc.launcher.nproc != n:
+        raise ValueError(f"launcher.nproc={rc.launcher.nproc} does not equal parallel.devices={n}; "
+                         f"set launcher.nproc={n} or leave it null")
+    if rc.plan.stages is not None and rc.parallel.pp == "auto":
+        raise ValueError(f"plan.stages gives {len(rc.plan.stages)} stages: with a stage override set "
+                         f"parallel.pp={len(rc.plan.stages)} instead of auto")
+    if rc.plan.stages is not None:
+        stages_to_bounds(rc.plan.stages, rc.layers)  # validates names and tiling
+    hardware_spec(rc)
+
+
+def resolve_layout(rc: RunConfig, sample) -> RunConfig:
+    """The run with parallel.pp / parallel.dp = auto replaced by the planner's choice
+    (`planner.api.choose_layout` on `sample`: the features of the run's first samples in
+    stream order, at least one whole step), checked like any run; `rc` itself when nothing
+    is auto. Pure: the caller reads the sample (before launching any process)."""
+    if not rc.parallel.auto:
+        return rc
+    from dataclasses import replace
+
+    from mmpipe.planner.api import choose_layout
+
+    p = rc.parallel
+    choice = choose_layout(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
+                           devices=p.devices, global_batch=rc.train.global_batch,
+                           micro_batches=rc.train.micro_batches, sample=sample, pp=p.fixed("pp"),
+                           dp=p.fixed("dp"), memory_headroom=rc.plan.memory_headroom)
+    best = choice.best
+    if not best.fits:
+        raise ValueError(f"parallel.devices={p.devices}: no pp x dp layout fits in memory ("
+                         + "; ".join(f"{x.pp}x{x.dp}: {x.note}" for x in choice.layouts) + ")")
+    out = replace(rc, parallel=ParallelConfig(pp=best.pp, dp=best.dp, devices=p.devices))
+    check_run(out)
+    return out
 
 
 def hardware_spec(rc: RunConfig):
@@ -597,3 +677,31 @@ def override_hint(key: str, value: str) -> str:
     if not _HYDRA_SAFE.fullmatch(value):
         value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return shell_word(f"{key}={value}")
+
+
+def model_folder(p: str) -> str:
+    """A model folder as given, made absolute (the workers and `mmpipe export` read it from run.yaml)."""
+    return str(Path(resolve_path(p)).expanduser().absolute())
+
+
+DEFAULT_TOKENIZER = "data/tokenizer.json"
+"""mmpipe's own tokenizer (the shipped data's), the tokenizer of mmpipe's own models."""
+
+
+def tokenizer_source(rc: RunConfig) -> tuple[str, str]:
+    """(file or folder, the key it comes from) of the run's tokenizer: data.tokenizer when set;
+    else a Hugging Face model's checkpoint folder (its tokenizer and chat template: model.path, or
+    a composition's model.llm.path); else mmpipe's own tokenizer."""
+    from mmpipe.data.chat import checkpoint_folder
+
+    if rc.data.tokenizer:
+        return resolve_path(rc.data.tokenizer), "data.tokenizer"
+    if rc.model.hf is None:
+        return resolve_path(DEFAULT_TOKENIZER), "data.tokenizer"
+    folder = checkpoint_folder(rc.model)
+    if folder is None:
+        raise ValueError(f"model {rc.model.name} has no checkpoint folder to take its tokenizer and chat template "
+                         f"from (a preset builds random weights); give data.tokenizer=DIR, a folder holding the "
+                         f"model's tokenizer with a chat template")
+    key = "model.path" if any(part == "model" for part, _ in rc.model.hf.weights) else "model.llm.path"
+    return str(folder), key

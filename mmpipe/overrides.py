@@ -106,7 +106,7 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
         key = m.group(1)
         if key in known_keys():
             return f"~{key}: {key} is null already; nothing to remove"
-        return f"~{key}: no such config key{_near(key)}"
+        return f"~{key}: no such config key{_near(key, overrides)}"
     m = re.search(r"Could not append to config\. An item is already at '([^']+)'", text)
     if m:
         key = m.group(1)
@@ -119,7 +119,7 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
             return (f"~{key}: a typed setting cannot be removed; set it instead "
                     f"(its default: {_default_text(key)}, e.g. {key}={_default_text(key)})")
         if isinstance(e, (ConfigKeyError, ConfigTypeError)) or "not in struct" in str(e) or "not in '" in str(e):
-            return f"{as_typed(key)}: no such config key{_near(key)}"
+            return f"{as_typed(key)}: no such config key{_near(key, overrides)}"
         if isinstance(e, ValidationError):
             value = typed.get(key, "=?").partition("=")[2]
             wanted = describe_type(key_type(key)) if key_type(key) is not None else "of another type"
@@ -127,15 +127,15 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         key = m.group(1)
-        return f"{as_typed(key)}: no such config key{_near(key)}"
+        return f"{as_typed(key)}: no such config key{_near(key, overrides)}"
     if any(isinstance(e, yaml.YAMLError) for e in chain):
         return f"a config file is not valid YAML: {text}"
     first = str(err).strip().splitlines()
     return " ".join(" ".join(first[:3]).split()) or type(err).__name__
 
 
-def _near(key: str) -> str:
-    near = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.75)
+def _near(key: str, overrides: list[str] = ()) -> str:
+    near = difflib.get_close_matches(key, known_keys() + _model_keys(overrides), n=1, cutoff=0.75)
     if near:
         return f"; did you mean {near[0]}?"
     section = key.split(".")[0]
@@ -150,6 +150,24 @@ def _default_text(key: str) -> str:
 
     value = OmegaConf.select(OmegaConf.structured(schema()), key, throw_on_missing=False)
     return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+
+
+def _model_keys(overrides: list[str]) -> list[str]:
+    """The keys of the model group the overrides choose (model=hf, model=compose, a preset; else
+    the default), dotted: the schema types `model` loosely, so its keys come from the group file."""
+    from mmpipe.config import PACKAGE_ROOT
+
+    name = next((o.partition("=")[2] for o in overrides if o.lstrip("+").partition("=")[0] == "model"), "tiny")
+    path = PACKAGE_ROOT / "conf" / "model" / f"{name}.yaml"
+    if not path.is_file():
+        return []
+
+    def flat(prefix: str, node) -> list[str]:
+        if isinstance(node, dict):
+            return [k for sub, v in node.items() for k in flat(f"{prefix}.{sub}", v)]
+        return [prefix]
+
+    return flat("model", yaml.safe_load(path.read_text()) or {})
 
 
 def known_keys() -> list[str]:

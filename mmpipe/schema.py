@@ -2,14 +2,15 @@
 
 Part of the CLI edge (with mmpipe/cli.py, the only code that sees Hydra). Every key, type,
 default and docstring lives once, in the frozen dataclasses of mmpipe/config.py (and the
-planner's HardwareSpec, the model's Pretrained): this module turns them into plain OmegaConf
+planner's HardwareSpec): this module turns them into plain OmegaConf
 dataclasses, registers the result in Hydra's ConfigStore as `schema`, and reads the field
 docstrings for `--help`. So a typo or a value of the wrong type is caught while Hydra composes,
 and `--cfg job` shows every key with its default. The frozen dataclasses still validate the
 values (ranges, names, cross-key rules) when the composed config becomes a RunConfig.
 
-`model` is typed loosely (any mapping): a model config has several shapes (a tiny spec, a
-preset) and `spec_from_dict` validates it.
+`model` is typed loosely (any mapping): a model config has several shapes (mmpipe's tiny spec,
+a preset with an inline Hugging Face config, `model=hf`, `model=compose`) and
+`mmpipe.model.group.model_from_group` validates it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Union
 
 from omegaconf import MISSING
 
-from mmpipe.config import HardwareOrigin, RunConfig
+from mmpipe.config import GROUPS, HardwareOrigin, RunConfig
 from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.api import HardwareSpec
 
@@ -46,7 +47,7 @@ def section_classes() -> dict[str, tuple[type, ...]]:
     hints = typing.get_type_hints(RunConfig)
     out: dict[str, tuple[type, ...]] = {}
     for f in dataclasses.fields(RunConfig):
-        if f.name == "run_dir":
+        if f.name not in GROUPS:  # derived, not typed by the user (run_dir, the model group as given, ...)
             continue
         if f.name in _LOOSE:
             out[f.name] = ()

@@ -113,7 +113,7 @@ def templater_for(source: str | Path, spec: ModelSpec, *, key: str = "data.token
 
 def checkpoint_folder(spec: ModelSpec) -> Path | None:
     """The folder whose tokenizer and chat template a Hugging Face model trains with: the
-    checkpoint's (`model.hf.path`), or a composition's LLM (`model.hf.compose.llm`); None for
+    checkpoint's (`model.path`), or a composition's LLM (`model.llm.path`); None for
     mmpipe's own models and configs without weights."""
     if spec.hf is None:
         return None
@@ -443,7 +443,7 @@ def _strip_edges(items: list[dict[str, Any]], *, end: bool = False) -> None:
 def _model_config(spec: ModelSpec, folder: Path, where: str) -> dict[str, Any]:
     """The model's config as its JSON fields: the spec's (a model built from transformers
     classes, compositions included), else the folder's config.json, else empty."""
-    text, origin = (spec.hf.config, "model.hf.config") if spec.hf is not None and spec.hf.config else (None, "")
+    text, origin = (spec.hf.config, "model.config") if spec.hf is not None and spec.hf.config else (None, "")
     if text is None and (folder / "config.json").is_file():
         text, origin = (folder / "config.json").read_text(), str(folder / "config.json")
     if text is None:

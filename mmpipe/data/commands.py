@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from mmpipe.config import override_hint
+from mmpipe.data.chat import templater_for
 from mmpipe.data.convert import convert
 from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits
 from mmpipe.data.skips import SampleError
@@ -22,8 +23,9 @@ def run_convert(*, json_path: str, out: str, tokenizer: str, model: ModelSpec, i
                 prefix: str = "train", progress: bool | None = None, limits: MediaLimits = DEFAULT_LIMITS,
                 allow_outside_roots: bool = False) -> int:
     """Convert a LLaVA-style JSON into shards; prints the report. Returns the exit status
-    (0; 1 when on_error=raise stopped at a bad sample or nothing was written)."""
-    tok = load_tokenizer(tokenizer)
+    (0; 1 when on_error=raise stopped at a bad sample or nothing was written). `tokenizer`: mmpipe's
+    tokenizer.json, or a Hugging Face checkpoint folder (its chat template counts the text)."""
+    tok = templater_for(tokenizer, model) if Path(tokenizer).is_dir() else load_tokenizer(tokenizer)
     check_vocab(tok, model.llm.vocab)
     try:
         report = convert(json_path=json_path, out=out, tokenizer=tok, spec=model, image_root=image_root,

@@ -55,9 +55,11 @@ class Sample:
     labels: list[int]
     """Same length: the id on answer tokens, -100 elsewhere (not shifted)."""
     images: list[np.ndarray]
-    """uint8 [H, W, 3] per image, already resized by the vision rules (empty if not decoded)."""
+    """uint8 [H, W, 3] per image, already resized by the vision rules (empty if not decoded); for a
+    Hugging Face model the image processor's output (mmpipe.model.hf.media.ImageInput)."""
     audio: list[np.ndarray]
-    """float32 [mel_bins, frames] log-mel features per clip (empty if not decoded)."""
+    """float32 [mel_bins, frames] log-mel features per clip (empty if not decoded); for a Hugging
+    Face model the feature extractor's (mmpipe.model.hf.media.AudioInput)."""
     meta: SampleMeta
     """What the planner sees: text tokens, original image sizes, clip durations."""
     shard: str = ""
@@ -303,6 +305,10 @@ def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Templater |
 
 def blank_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Zero images and features of the planned shapes (decode_record(..., blank=True))."""
+    if spec.hf is not None:
+        from mmpipe.data.hf_media import blank_hf_media
+
+        return blank_hf_media(meta, spec)
     v, a = spec.vision, spec.audio
     images = [np.zeros((*resize_image(v, h, w), 3), np.uint8) for h, w in meta.images] if v else []
     audio = [np.zeros((a.mel_bins, audio_frames(a, s)), np.float32) for s in meta.audio_seconds] if a else []
@@ -335,9 +341,9 @@ def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec
         try:
             n_img, n_aud = len(rec.meta.images), len(rec.meta.audio_seconds)
             for _, b in media_members(rec.raw, IMAGE_EXTS, n_img, "image"):
-                images.append(decode_image(b, spec.vision, limits).pixels)
+                images.append(_image(b, spec, limits))
             for (ext, b), s in zip(media_members(rec.raw, AUDIO_EXTS, n_aud, "audio"), rec.meta.audio_seconds):
-                audio.append(decode_audio(b, spec.audio, ext, limits, seconds=s).features)
+                audio.append(_clip(b, ext, s, spec, limits))
         except SampleError as err:
             err = err.at(shard=rec.shard, key=rec.key)
             if not blank:
@@ -347,3 +353,21 @@ def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec
     return Sample(key=rec.key, input_ids=ids, labels=labels, images=images, audio=audio, meta=rec.meta,
                   shard=rec.shard, source=rec.source, media=media, worker=rec.worker, cursor=rec.cursor,
                   dropped=dropped)
+
+
+def _image(data: bytes, spec: ModelSpec, limits: MediaLimits):
+    """mmpipe's resized pixels, or a Hugging Face model's processor output (mmpipe.data.hf_media)."""
+    if spec.hf is not None:
+        from mmpipe.data.hf_media import hf_image
+
+        return hf_image(data, spec, limits)
+    return decode_image(data, spec.vision, limits).pixels
+
+
+def _clip(data: bytes, ext: str, seconds: float, spec: ModelSpec, limits: MediaLimits):
+    """mmpipe's log-mel features, or a Hugging Face model's feature extractor output."""
+    if spec.hf is not None:
+        from mmpipe.data.hf_media import hf_audio
+
+        return hf_audio(data, spec, ext, limits, seconds=seconds)
+    return decode_audio(data, spec.audio, ext, limits, seconds=seconds).features

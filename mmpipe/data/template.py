@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from mmpipe.data.skips import (
-    BAD_CONVERSATION, EMPTY_ANSWER, NO_ANSWER, PLACEHOLDER_MISMATCH, NO_ENCODER, SampleError,
+    BAD_CONVERSATION, EMPTY_ANSWER, NO_ANSWER, NO_ENCODER, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE, SampleError,
 )
 from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
 from mmpipe.model.spec import ModelSpec
@@ -267,13 +267,18 @@ def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int
     """LLM tokens of each image and each clip of a sample under a model (the geometry rules).
 
     Raises:
-        SampleError: `no encoder` when the sample has a medium the model cannot encode.
+        SampleError: `no encoder` when the sample has a medium the model cannot encode;
+            `undecodable image` for an image the model's resize rule refuses (Qwen2-VL's: an
+            aspect ratio over 200).
     """
     if meta.images and spec.vision is None:
         raise SampleError(NO_ENCODER, f"the sample has images but model {spec.name} has no vision encoder")
     if meta.audio_seconds and spec.audio is None:
         raise SampleError(NO_ENCODER, f"the sample has audio but model {spec.name} has no audio encoder")
-    img = [image_tokens(spec.vision, h, w) for h, w in meta.images] if spec.vision else []
+    try:
+        img = [image_tokens(spec.vision, h, w) for h, w in meta.images] if spec.vision else []
+    except ValueError as err:
+        raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({err})") from None
     aud = [audio_tokens(spec.audio, s) for s in meta.audio_seconds] if spec.audio else []
     return img, aud
 

@@ -23,7 +23,6 @@ from mmpipe.model import carrier as C
 from mmpipe.model import layout
 from mmpipe.model.attention import NAME as SEGMENT_ATTENTION
 from mmpipe.model.attention import Segments, segments
-from mmpipe.model.pretrained import Pretrained, load_into
 from mmpipe.model.spec import AudioSpec, LLMSpec, ModelSpec, VisionSpec, layer_names
 
 _ATTN = SEGMENT_ATTENTION
@@ -334,17 +333,14 @@ def layer_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def build_layer(spec: ModelSpec, name: str, *, seed: int, image_token: int, audio_token: int,
-                pretrained: Pretrained | None = None) -> nn.Module:
-    """Build one named pipeline layer with deterministic initial weights, or the weights of a
-    local checkpoint where `pretrained` names one for its component."""
+def build_layer(spec: ModelSpec, name: str, *, seed: int, image_token: int, audio_token: int) -> nn.Module:
+    """Build one named pipeline layer of mmpipe's own model with deterministic initial weights
+    (a Hugging Face model's layers are mmpipe.model.hf.build_layer's)."""
     comp, kind, *rest = name.split(".")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, name))
         layer = _construct(spec, comp, kind, rest, image_token, audio_token)
         _init_weights(layer)
-    if pretrained is not None:
-        load_into(layer, name, pretrained)
     layer.name = name
     return layer
 
@@ -377,11 +373,10 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.normal_(m.weight, std=0.02)
 
 
-def build_layers(spec: ModelSpec, *, seed: int, image_token: int, audio_token: int,
-                 pretrained: Pretrained | None = None) -> list[nn.Module]:
+def build_layers(spec: ModelSpec, *, seed: int, image_token: int, audio_token: int) -> list[nn.Module]:
     """All pipeline layers in order (for single-process reference runs and tests)."""
-    return [build_layer(spec, n, seed=seed, image_token=image_token, audio_token=audio_token,
-                        pretrained=pretrained) for n in layer_names(spec)]
+    return [build_layer(spec, n, seed=seed, image_token=image_token, audio_token=audio_token)
+            for n in layer_names(spec)]
 
 
 def run_layers(layers: list[nn.Module], carrier: tuple[torch.Tensor, ...]) -> torch.Tensor:

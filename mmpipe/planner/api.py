@@ -20,12 +20,24 @@
     plan_step(*, policy, features, stage_plan, cost, dp, micro_batches) -> Replicas
         `StepPlanner.plan` without the prediction, on a given CostModel.
 
+    choose_layout(*, model, hardware, trainable, devices, global_batch, micro_batches, sample,
+                  pp=None, dp=None, ...) -> LayoutChoice
+        parallel.pp=auto / parallel.dp=auto: rank every pp x dp split of `devices` on the first
+        steps of `sample` (features in stream order, whole steps of global_batch); `.best` has
+        pp, dp and the stage plan it was priced with; `.layouts` the ranked table.
+
+    calibrated_hardware(hardware, coef) -> HardwareSpec
+        The hardware whose predicted step time is a StepCalibration fit's prediction (its
+        per-micro-batch and per-step costs become micro_batch_overhead_s / step_overhead_s).
+
     validate_trainable(trainable, model) -> tuple[str, ...]
         ValueError for a name matching no layer, e.g. "train.trainable=[visoin] names
         'visoin', which matches no layer of model qwen2-vl-7b; use all, vision, ...".
 
 Policies: data-aware, ds-default, llava-grouped, packed-ffd. The plan's contract is
-docs/spec.md section 4.
+docs/spec.md section 4. Every function takes `precision` (a TrainingPrecision: train.precision,
+train.zero_stage, train.optimizer; default the spec's bf16, ZeRO-1, AdamW) and
+`memory_headroom` (plan.memory_headroom; default 0 here, the config's default for commands).
 """
 
 from __future__ import annotations
@@ -37,12 +49,20 @@ from typing import Sequence
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
-from mmpipe.planner.baselines import (BASELINES, PACK_TOKENS, ds_default_step,
-                                      llava_grouped_step, packed_ffd_step, tune_baseline)
-from mmpipe.planner.calibrate import StepCalibration
-from mmpipe.planner.cost import CostModel, build_cost_model, validate_trainable
+from mmpipe.planner.baselines import BASELINES, fitting_baseline_step, tune_baseline
+from mmpipe.planner.calibrate import StepCalibration, calibrated_hardware
+from mmpipe.planner.cost import (
+    DEFAULT_HEADROOM,
+    DEFAULT_PRECISION,
+    CostModel,
+    build_cost_model,
+    check_headroom,
+    validate_trainable,
+)
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
+from mmpipe.planner.layout import Layout, LayoutChoice, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
+from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import SampleTable, sample_table
 from mmpipe.planner.stage_cost import StageCosts, stage_costs
 from mmpipe.planner.step import Replicas, evaluate_step
@@ -54,8 +74,11 @@ PACKED_POLICIES = ("data-aware", "packed-ffd")
 UNLIMITED_MEMORY_GB = 1e6
 """Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
-__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "HardwareSpec", "Replicas", "StagePlan",
-           "StepCalibration", "StepPlan", "StepPlanner", "build_cost_model", "check_policy",
+__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
+           "HardwareSpec",
+           "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
+           "StepPlanner", "TrainingPrecision", "build_cost_model", "calibrated_hardware",
+           "check_headroom", "check_policy", "choose_layout",
            "hardware_from_dict", "hardware_to_dict", "plan_stages", "plan_step",
            "stage_memory_warnings", "validate_trainable"]
 
@@ -68,11 +91,13 @@ def check_policy(policy: str) -> None:
 
 def plan_stages(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int,
                 trainable: tuple[str, ...], sample: list[SampleFeatures], micro_batches: int,
-                policy: str) -> StagePlan:
+                policy: str, precision: TrainingPrecision = DEFAULT_PRECISION,
+                memory_headroom: float = 0.0) -> StagePlan:
     """Stage ranges and recompute for a policy (see module docstring)."""
     check_policy(policy)
     check_pp(pp, len(layer_names(model)), model.name)
-    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                            precision=precision, memory_headroom=memory_headroom)
     table = sample_table(sample)
     rows = list(range(len(sample)))
     if policy == "data-aware":
@@ -95,12 +120,7 @@ def _replicas(policy: str, table: SampleTable, sc: StageCosts, dp: int,
     rows = list(range(len(table)))
     if policy == "data-aware":
         return balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches)
-    if policy == "ds-default":
-        return ds_default_step(rows, dp=dp, m=micro_batches)
-    if policy == "llava-grouped":
-        return llava_grouped_step(table, rows, dp=dp, m=micro_batches)
-    longest = int(table.tokens[:, 4].max()) if len(table) else 1
-    return packed_ffd_step(table, rows, dp=dp, pack_len=max(longest, PACK_TOKENS))
+    return fitting_baseline_step(policy, sc, table, rows, dp=dp, micro_batches=micro_batches)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,13 +131,15 @@ class StepPlan:
     """Per replica, its micro-batches in execution order, each a list of indices into the
     step's samples."""
     step_time: float
-    """Simulated step time: the slowest replica's 1F1B makespan, s."""
+    """Simulated step time: the slowest replica's 1F1B makespan and per-micro-batch overhead,
+    plus the per-step overhead, s."""
     busy: tuple[tuple[float, ...], ...]
     """Per replica, the simulated compute time of each stage, s (empty for a replica that got
     no samples)."""
-    peak_bytes: tuple[float, ...] = ()
-    """Per stage, the predicted peak memory (weights, optimizer state and in-flight
-    activations), largest over the replicas, bytes."""
+    peak_bytes: tuple[tuple[float, ...], ...]
+    """Per replica, the predicted peak memory of each stage: weights, gradients, optimizer
+    states and the exact 1F1B in-flight activations, bytes (what the runtime logs beside the
+    measured peak of that stage's rank)."""
 
 
 class StepPlanner:
@@ -129,7 +151,9 @@ class StepPlanner:
 
     def __init__(self, *, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
                  dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
-                 replicas: int | None = None, memory_limit: bool = True) -> None:
+                 replicas: int | None = None, memory_limit: bool = True,
+                 precision: TrainingPrecision = DEFAULT_PRECISION,
+                 memory_headroom: float = 0.0) -> None:
         """Args:
             model, hardware, trainable, dp: what the cost model prices (dp: data-parallel
                 replicas of the run, over which ZeRO-1 shards optimizer states).
@@ -141,6 +165,12 @@ class StepPlanner:
             memory_limit: False plans as if memory were unlimited: for a user's stages that
                 already exceed it under the cost model (trained with a warning), planning
                 within it would refuse samples or steps the user chose to run anyway.
+            precision: train.precision, train.zero_stage and train.optimizer (default the
+                spec's bf16, ZeRO-1, AdamW).
+            memory_headroom: plan.memory_headroom, the share of usable memory never planned
+                into (default 0: all of it).
+        To re-plan with what the runtime measured, build a new StepPlanner with
+        `calibrated_hardware(hardware, calibration.coef)`.
         """
         check_policy(policy)
         if not memory_limit:
@@ -149,7 +179,8 @@ class StepPlanner:
         self.policy = policy
         self.micro_batches = micro_batches
         self.replicas = dp if replicas is None else replicas
-        self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+        self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                                     precision=precision, memory_headroom=memory_headroom)
         self.stage_costs = stage_costs(self.cost, stage_plan.stages, stage_plan.recompute)
 
     @property
@@ -164,18 +195,21 @@ class StepPlanner:
         ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
-                        peak_bytes=tuple(float(b) for b in ev.peak_bytes))
+                        peak_bytes=ev.replica_peaks)
 
 
 def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
                           dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
-                          sample: Sequence[SampleFeatures]) -> tuple[str, ...]:
+                          sample: Sequence[SampleFeatures],
+                          precision: TrainingPrecision = DEFAULT_PRECISION,
+                          memory_headroom: float = 0.0) -> tuple[str, ...]:
     """Stages of a user's stage plan whose planned peak memory on `sample` (one step's samples,
     all replicas) exceeds the device under the cost model, one warning line each (the user's
     stages are trained anyway; the user hears which stage and by how much). A sample that
     fits on no micro-batch is one warning too."""
     check_policy(policy)
-    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
+    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                            precision=precision, memory_headroom=memory_headroom)
     sc = stage_costs(cost, stage_plan.stages, stage_plan.recompute)
     table = sample_table(sample)
     try:
@@ -190,6 +224,37 @@ def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable
         if need > usable:
             out.append(f"plan.stages: stage {s} ({names[a]}..{names[b - 1]}) needs {need / 1e9:.3g} GB "
                        f"under the cost model, {(need - usable) / 1e9:.3g} GB more than the "
-                       f"{usable / 1e9:.3g} GB usable on hardware {hardware.name}; it may run out of "
+                       f"{cost.usable_text()} on hardware {hardware.name}; it may run out of "
                        f"memory (move layers off it, or enable recompute)")
     return tuple(out)
+
+
+def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
+                  devices: int, global_batch: int, micro_batches: int,
+                  sample: Sequence[SampleFeatures], pp: int | None = None, dp: int | None = None,
+                  precision: TrainingPrecision = DEFAULT_PRECISION,
+                  memory_headroom: float = 0.0, probe_steps: int = 2) -> LayoutChoice:
+    """Rank the pp x dp splits of `devices` for the data-aware policy (planner.layout).
+
+    Args:
+        sample: features of the run's first samples in stream order, all replicas together
+            (at least one whole step of global_batch); up to `probe_steps` whole steps are
+            priced.
+        pp, dp: the value the user fixed, or None for auto.
+    Raises ValueError naming the keys when no layout is valid or the sample is short.
+    """
+    if global_batch < 1 or len(sample) < global_batch:
+        raise ValueError(f"parallel.devices={devices}: choosing a layout needs one whole step of "
+                         f"train.global_batch={global_batch} samples; the data gave "
+                         f"{len(sample)}")
+    k = max(1, min(probe_steps, len(sample) // global_batch))
+    table = sample_table(list(sample[:k * global_batch]))
+    steps = [list(range(i * global_batch, (i + 1) * global_batch)) for i in range(k)]
+    costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
+                                 precision=precision, memory_headroom=memory_headroom)
+             for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
+    if not costs:
+        raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a "
+                         f"divisor or auto")
+    return search_layouts(costs=costs, table=table, steps=steps, devices=devices,
+                          global_batch=global_batch, micro_batches=micro_batches, pp=pp, dp=dp)

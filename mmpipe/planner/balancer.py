@@ -53,7 +53,7 @@ GB = 1e9
 
 def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp: int,
                  micro_batches: int, labels: Sequence[str] | None = None,
-                 search: bool = True) -> Replicas:
+                 search: bool = True, thorough: bool = True) -> Replicas:
     """Plan one step of the data-aware policy.
 
     Args:
@@ -64,6 +64,9 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         micro_batches: the configured count (one of the candidates tried).
         labels: how to name each row in errors (e.g. `trace line 17`), indexed like `table`.
         search: try ramped profiles and run the local search (off = equal micro-batches only).
+        thorough: shape the profiles, run the targeted search and search from two starts (off:
+            ramps and the neighbour search only, for the partition search's many trial plans,
+            where a fair comparison matters more than the last percent).
     Returns:
         per replica, its micro-batches in execution order, lists of rows of `table`.
     """
@@ -72,9 +75,9 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         return [[] for _ in range(dp)]
     sub = table.rows(rows)
     work, act, tr = sample_work(sc, sub)
-    budget = sc.cost.hardware.usable_bytes - sc.static
-    _check_static(sc, budget)
-    _check_alone(sc, rows, act + tr, budget, labels)
+    budget = sc.cost.usable_bytes - sc.static
+    check_static(sc, budget)
+    check_alone(sc, rows, act + tr, budget, labels)
     per_replica = deal(work, dp)
     plans: Replicas = []
     for local in per_replica:
@@ -84,7 +87,7 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         idx = np.asarray(local, dtype=np.int64)
         planner = ReplicaPlanner(sc, sub.tokens[idx], sub.squares[idx], work[idx], act[idx],
                                  tr[idx], budget)
-        bins = planner.plan(micro_batches, search)
+        bins = planner.plan(micro_batches, search, thorough)
         plans.append([[local[i] for i in b] for b in bins])
     if search and dp > 1:
         plans = _even_replicas(BinCosts(sc, sub.tokens, sub.squares, work, act, tr, budget), plans)
@@ -155,7 +158,9 @@ def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replic
     return [r.bins if r is not None else [] for r in reps]
 
 
-def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
+def check_static(sc: StageCosts, budget: np.ndarray) -> None:
+    """ValueError naming the first stage whose weights, gradients and optimizer states alone
+    leave no room (`budget`: bytes left per stage for activations)."""
     if np.all(budget > 0):
         return
     s = int(np.argmin(budget))
@@ -164,13 +169,15 @@ def _check_static(sc: StageCosts, budget: np.ndarray) -> None:
     hw = sc.cost.hardware
     raise ValueError(
         f"stage {s} ({names[a]}..{names[b - 1]}) needs {sc.static[s] / GB:.3g} GB for weights, "
-        f"gradients and optimizer states alone, more than the {hw.usable_bytes / GB:.3g} GB usable "
+        f"gradients and optimizer states alone, more than the {sc.cost.usable_text()} "
         f"(hardware.memory_gb={hw.memory_gb:g}); raise parallel.pp or parallel.dp, or train fewer "
         f"layers (train.trainable)")
 
 
-def _check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.ndarray,
-                 labels: Sequence[str] | None) -> None:
+def check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.ndarray,
+                labels: Sequence[str] | None) -> None:
+    """ValueError naming the first sample that does not fit on some stage even alone (`need`:
+    its kept + transient bytes per stage)."""
     over = need > budget[None, :]
     if not over.any():
         return
@@ -181,6 +188,6 @@ def _check_alone(sc: StageCosts, rows: list[int], need: np.ndarray, budget: np.n
     raise ValueError(
         f"{who} needs {need[i, s] / GB:.3g} GB of activations on stage {s} "
         f"({names[a]}..{names[b - 1]}) even alone, but only {max(budget[s], 0) / GB:.3g} GB "
-        f"are left there ({sc.cost.hardware.usable_fraction:.0%} of "
-        f"hardware.memory_gb={sc.cost.hardware.memory_gb:g} less {sc.static[s] / GB:.3g} GB of "
+        f"are left there (the {sc.cost.usable_text()} of hardware.memory_gb="
+        f"{sc.cost.hardware.memory_gb:g} less {sc.static[s] / GB:.3g} GB of "
         f"weights and optimizer states); raise parallel.pp, recompute that stage or drop the sample")

@@ -26,7 +26,7 @@ import numpy as np
 from mmpipe.planner.cost import CostModel
 from mmpipe.planner.partition import StagePlan, packed_ffd_partition, parameters_partition
 from mmpipe.planner.samples import SampleTable
-from mmpipe.planner.stage_cost import stage_costs
+from mmpipe.planner.stage_cost import StageCosts, stage_costs
 from mmpipe.planner.step import Replicas, StepEval, evaluate_step
 
 BASELINES = ("ds-default", "llava-grouped", "packed-ffd")
@@ -144,6 +144,61 @@ def packed_ffd_step(table: SampleTable, rows: Sequence[int], *, dp: int,
     return out
 
 
+def settings(policy: str, table: SampleTable, steps: Sequence[Sequence[int]], *, dp: int,
+             micro_batches: int) -> list[tuple[str, int]]:
+    """The settings a user tries (docs/spec.md section 7): micro-batch counts M, 2M, 4M, ... up
+    to one sample per micro-batch, or (packed-ffd) pack lengths 1/2x, 1x and 2x the default,
+    never below the longest sample. (label, value) pairs, without repeats."""
+    n_rep = max(1, max((math.ceil(len(s) / dp) for s in steps), default=1))
+    out: list[tuple[str, int]] = []
+    if policy == "packed-ffd":
+        longest = int(max((table.tokens[r, 4] for s in steps for r in s), default=1))
+        base = max(longest, PACK_TOKENS)
+        for f in (0.5, 1.0, 2.0):
+            out.append((f"pack={max(longest, int(base * f))}", max(longest, int(base * f))))
+    else:
+        m = max(1, micro_batches)
+        while True:
+            out.append((f"m={min(m, n_rep)}", min(m, n_rep)))
+            if m >= n_rep:
+                break
+            m *= 2
+    return list(dict(out).items())
+
+
+def baseline_step(policy: str, table: SampleTable, rows: Sequence[int], *, dp: int, value: int,
+                  seed: int = 0) -> Replicas:
+    """One step of a baseline at one setting (micro-batch count, or pack length)."""
+    if policy == "ds-default":
+        return ds_default_step(rows, dp=dp, m=value)
+    if policy == "llava-grouped":
+        return llava_grouped_step(table, rows, dp=dp, m=value, seed=seed)
+    return packed_ffd_step(table, rows, dp=dp, pack_len=value)
+
+
+def fitting_baseline_step(policy: str, sc: StageCosts, table: SampleTable, rows: Sequence[int], *,
+                          dp: int, micro_batches: int) -> Replicas:
+    """One step of a baseline as a run of it plans it on the run's stages: as the user set it
+    (train.micro_batches; packed-ffd: the default pack length) when that fits in memory (less
+    the headroom), else as a user who ran out of memory would retry: the next setting of
+    section 7 that holds less (2M, 4M, ... micro-batches; half-length packs) and fits; the
+    least over memory if none does."""
+    options = settings(policy, table, [rows], dp=dp, micro_batches=micro_batches)
+    if policy == "packed-ffd":  # default first, then the shorter packs
+        options = [options[1], options[0]] if len(options) > 1 else options
+    least: tuple[float, Replicas] | None = None
+    for _, value in options:
+        rep = baseline_step(policy, table, rows, dp=dp, value=value)
+        ev = evaluate_step(sc, table, rep, packing=policy == "packed-ffd")
+        if ev.fits:
+            return rep
+        over = float((ev.peak_bytes / ev.usable).max())
+        if least is None or over < least[0]:
+            least = (over, rep)
+    assert least is not None
+    return least[1]
+
+
 def tune_baseline(policy: str, cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
                   *, pp: int, dp: int, micro_batches: int) -> BaselinePlan:
     """The fastest fitting setting of a baseline over the given steps (rows of `table`)."""
@@ -154,38 +209,14 @@ def tune_baseline(policy: str, cost: CostModel, table: SampleTable, steps: Seque
         stages = packed_ffd_partition(kinds, pp)
     else:
         stages = parameters_partition([l.params for l in cost.layers], pp)
-    n_rep = max(1, max((math.ceil(len(s) / dp) for s in steps), default=1))
-    settings: list[tuple[str, object]] = []
-    if policy == "packed-ffd":
-        longest = int(max((table.tokens[r, 4] for s in steps for r in s), default=1))
-        base = max(longest, PACK_TOKENS)
-        for f in (0.5, 1.0, 2.0):
-            settings.append((f"pack={max(longest, int(base * f))}", max(longest, int(base * f))))
-    else:
-        m = max(1, micro_batches)
-        while True:
-            settings.append((f"m={min(m, n_rep)}", min(m, n_rep)))
-            if m >= n_rep:
-                break
-            m *= 2
     best: BaselinePlan | None = None
-    seen: set[str] = set()
-    for label, value in settings:
-        if label in seen:
-            continue
-        seen.add(label)
+    for label, value in settings(policy, table, steps, dp=dp, micro_batches=micro_batches):
         for rc in (False, True):
             sp = StagePlan(stages=list(stages), recompute=[rc] * pp)
             sc = stage_costs(cost, sp.stages, sp.recompute)
             packing = policy == "packed-ffd"
-            plans: list[Replicas] = []
-            for k, rows in enumerate(steps):
-                if policy == "ds-default":
-                    plans.append(ds_default_step(rows, dp=dp, m=int(value)))
-                elif policy == "llava-grouped":
-                    plans.append(llava_grouped_step(table, rows, dp=dp, m=int(value), seed=k))
-                else:
-                    plans.append(packed_ffd_step(table, rows, dp=dp, pack_len=int(value)))
+            plans = [baseline_step(policy, table, rows, dp=dp, value=value, seed=k)
+                     for k, rows in enumerate(steps)]
             evals = tuple(evaluate_step(sc, table, p, packing=packing) for p in plans)
             cand = BaselinePlan(policy=policy, setting=f"{label} recompute={'on' if rc else 'off'}",
                                 stage_plan=sp, packing=packing, steps=tuple(plans), evals=evals)

@@ -76,11 +76,17 @@ class BinCosts:
         A, R = self.bytes(bins)
         return bool(np.all(window_peaks(A, R) <= self.budget))
 
+    def replica_time(self, span: float, m: int) -> float:
+        """A replica's time from its 1F1B makespan over m micro-batches (the runtime's fixed
+        cost per micro-batch on top), what every search compares."""
+        return self.sc.cost.hardware.replica_seconds(span, m)
+
     def makespan(self, bins: Bins) -> float:
-        """Simulated 1F1B makespan of the bins."""
+        """Simulated 1F1B makespan of the bins, plus the per-micro-batch overhead."""
         T, S2 = self.streams(bins)
         f, b, sf, sb = self.times(T, S2)
-        return makespan(make_schedule("1f1b", self.P, len(bins)), f, b, sf, sb)
+        return self.replica_time(makespan(make_schedule("1f1b", self.P, len(bins)), f, b, sf, sb),
+                                 len(bins))
 
 
 class CostedBins:
@@ -93,7 +99,7 @@ class CostedBins:
         self.T, self.S2 = costs.streams(bins)
         self.ts = costs.times(self.T, self.S2)
         self.sched = make_schedule("1f1b", costs.P, len(bins))
-        self.t = makespan(self.sched, *self.ts)
+        self.t = costs.replica_time(makespan(self.sched, *self.ts), len(bins))
 
     def trial(self, edits: Edits) -> tuple[float, tuple]:
         """Makespan after the edits, and the state `apply` takes to keep them."""
@@ -111,7 +117,8 @@ class CostedBins:
         ts = tuple(x.copy() for x in self.ts)
         for x, y in zip(ts, new):
             x[:, cols] = y
-        return makespan(self.sched, *ts), (cols, T, S2, ts)
+        span = makespan(self.sched, *ts)
+        return pl.replica_time(span, len(self.bins)), (cols, T, S2, ts)
 
     def apply(self, edits: Edits, t: float, state: tuple) -> None:
         """Keep the edits of a trial (its makespan `t` and `state`)."""

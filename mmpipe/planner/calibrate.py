@@ -8,15 +8,20 @@ runtime reports (simulated step time, micro-batches, measured step time); the ca
     measured = scale * simulated + per_micro_batch * m + per_step
 
 by least squares over a sliding window of past steps, and predicts the next step from that
-fit before it runs (so the reported error is out of sample).
+fit before it runs (so the reported error is out of sample). `calibrated_hardware` turns a
+fit into the hardware's own constants, so that the planner's choices (micro-batch counts
+above all) use what the runtime really costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from mmpipe.planner.hardware import HardwareSpec
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,3 +53,30 @@ class StepCalibration:
         if coef[0] <= 0 or not np.all(np.isfinite(coef)):  # degenerate window: scale only
             coef = np.array([float(np.sum(h[:, 2]) / np.sum(h[:, 0])), 0.0, 0.0])
         self.coef = (float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def calibrated_hardware(hw: HardwareSpec, coef: tuple[float, float, float]) -> HardwareSpec:
+    """The hardware whose simulated step time is what a StepCalibration fit predicts.
+
+    With `coef` = (scale, per_micro_batch_s, per_step_s) fitted on step times simulated with
+    `hw`, the returned hardware prices a step at scale * (the step on hw) + per_micro_batch_s
+    * m + per_step_s: every time constant of hw is scaled (peak FLOP/s and link bandwidth
+    divided by scale, every fixed time multiplied by it), which scales every simulated
+    makespan exactly, and the fitted fixed costs join `micro_batch_overhead_s` and
+    `step_overhead_s`, so the planner chooses its micro-batch counts with them. A fixed cost
+    the fit puts below zero is taken as 0 (a runtime cannot give time back); a scale that is
+    not positive leaves hw as it is (a degenerate fit).
+    """
+    scale, per_mb, per_step = (float(x) for x in coef)
+    if not (scale > 0 and np.isfinite(scale)):
+        return hw
+    return dataclasses.replace(
+        hw,
+        peak_flops=hw.peak_flops / scale,
+        link_gbps=hw.link_gbps / scale,
+        link_latency_s=hw.link_latency_s * scale,
+        op_overhead_s=hw.op_overhead_s * scale,
+        kind_overhead_s={k: v * scale for k, v in hw.kind_overhead_s.items()},
+        micro_batch_overhead_s=max(0.0, hw.micro_batch_overhead_s * scale + per_mb),
+        step_overhead_s=max(0.0, hw.step_overhead_s * scale + per_step),
+    )

@@ -1,64 +1,118 @@
-"""`mmpipe plan`: read a trace, plan every step, print the report, write the plan JSON.
+"""`mmpipe plan`: read a trace (or shard metadata), choose the layout when asked
+(`parallel.pp=auto` / `parallel.dp=auto`), plan every step, print the report, write the plan
+JSON.
 
-The plan JSON follows docs/spec.md section 4; sample ids are 0-based trace line
-numbers (the sample's position in the trace).
+The plan JSON follows docs/spec.md section 4; sample ids are 0-based trace line numbers (the
+sample's position in the trace), or positions in the shard stream (then `sample_keys` lists
+each position's key).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from mmpipe.model.geometry import features
+from mmpipe.model.geometry import SampleFeatures, SampleMeta, features
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.api import check_policy
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, tune_baseline
-from mmpipe.planner.cost import build_cost_model, lower_bound_s
+from mmpipe.planner.cost import DEFAULT_HEADROOM, DEFAULT_PRECISION, build_cost_model, lower_bound_s
 from mmpipe.planner.hardware import HardwareSpec
+from mmpipe.planner.layout import equal_bubble, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages, stages_from_names
-from mmpipe.planner.report import plot_timeline, schedule_comparison, stage_table, steps_table
+from mmpipe.planner.precision import TrainingPrecision
+from mmpipe.planner.report import (
+    layout_json,
+    layout_table,
+    plot_timeline,
+    schedule_comparison,
+    stage_table,
+    steps_table,
+)
 from mmpipe.planner.samples import sample_table
 from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import evaluate_step
 from mmpipe.planner.trace import read_trace
 
 GB = 1e9
+SMALL_REPORT = 16
+"""The report explains the bubble floor when a replica gets fewer than this x pp samples (32
+for 4 stages already costs 1.6-1.7x the lower bound on LLaVA-style data)."""
 COMPARE_STEPS = 8
 """Baselines shown next to a data-aware plan are tuned on at most this many steps."""
 
 
-def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int, global_batch: int,
-             micro_batches: int, trainable: tuple[str, ...], policy: str, trace_path: str,
-             out: str | None, steps: int | None, plot: str | None,
-             stages: list[tuple[str, str]] | None = None, compare_schedules: bool = False,
-             quiet: bool = False) -> dict[str, Any]:
-    """Plan the trace's full steps (or the first `steps`) and return the plan dict."""
+def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: int | None,
+             global_batch: int, micro_batches: int, trainable: tuple[str, ...], policy: str,
+             trace_path: str | None = None, out: str | None = None, steps: int | None = None,
+             plot: str | None = None, stages: list[tuple[str, str]] | None = None,
+             compare_schedules: bool = False, quiet: bool = False, devices: int | None = None,
+             memory_headroom: float = DEFAULT_HEADROOM,
+             precision: TrainingPrecision = DEFAULT_PRECISION,
+             samples: Sequence[tuple[str, SampleMeta]] | None = None,
+             source: str = "") -> dict[str, Any]:
+    """Plan the full steps (or the first `steps`) of a trace or of shard metadata and return
+    the plan dict.
+
+    Args:
+        pp, dp: None is `auto`: the layout search picks it among the splits of `devices`.
+        trace_path: a JSONL trace (docs/spec.md section 1); or
+        samples: (key, metadata) of each sample in stream order (`mmpipe plan data=shards`),
+            named by `source` (the data.path) in messages.
+        memory_headroom: plan.memory_headroom; precision: the run's precision, ZeRO stage
+            and optimizer.
+    """
     check_policy(policy)
     names = layer_names(model)
-    check_pp(pp, len(names), model.name)
-    for key, v in (("parallel.dp", dp), ("train.global_batch", global_batch),
-                   ("train.micro_batches", micro_batches)):
+    for key, v in (("train.global_batch", global_batch), ("train.micro_batches", micro_batches)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{key}={v!r} must be a positive integer")
-    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp)
-    trace = Path(trace_path)
-    feats = [features(model, meta, where=f"{trace.name} sample {i} (line {i + 1})")
-             for i, meta in enumerate(read_trace(trace))]
+    auto = pp is None or dp is None
+    if auto and devices is None:
+        raise ValueError("parallel.pp=auto / parallel.dp=auto needs parallel.devices=N, the "
+                         "devices to split into pipeline stages x replicas")
+    if not auto:
+        check_pp(pp, len(names), model.name)
+        if not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"parallel.dp={dp!r} must be a positive integer")
+    feats, labels, where = _read_samples(model, trace_path, samples, source)
     n_full = len(feats) // global_batch
     if n_full == 0:
-        raise ValueError(f"data.path={trace_path} holds {len(feats)} samples, fewer than "
+        raise ValueError(f"data.path={where} holds {len(feats)} samples, fewer than "
                          f"train.global_batch={global_batch}; lower train.global_batch")
     if steps is not None and steps < 1:
         raise ValueError(f"plan.steps={steps} must be >= 1 (or null for every full step)")
     n_steps = min(n_full, steps) if steps else n_full
     table = sample_table(feats)
-    labels = [f"{trace.name} line {i + 1} (sample {i})" for i in range(len(feats))]
     step_rows = [list(range(k * global_batch, (k + 1) * global_batch)) for k in range(n_steps)]
     compare_rows = step_rows[:COMPARE_STEPS]
+    probe = _probe_steps(step_rows)
+
+    choice = None
+    if auto:
+        assert devices is not None
+        costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
+                                     precision=precision, memory_headroom=memory_headroom)
+                 for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
+        if not costs:
+            raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a "
+                             f"divisor or auto")
+        choice = search_layouts(costs=costs, table=table, steps=probe, devices=devices,
+                                global_batch=global_batch, micro_batches=micro_batches, pp=pp,
+                                dp=dp, labels=labels)
+        if not choice.best.fits:
+            raise ValueError(f"no layout of parallel.devices={devices} fits in memory:\n"
+                             + layout_table(choice))
+        pp, dp = choice.best.pp, choice.best.dp
+    elif devices is not None and pp * dp != devices:
+        raise ValueError(f"parallel.pp={pp} x parallel.dp={dp} = {pp * dp} is not "
+                         f"parallel.devices={devices}; set one of them to auto")
+    cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                            precision=precision, memory_headroom=memory_headroom)
 
     baselines = {}
     for b in BASELINES:
@@ -72,9 +126,10 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int, glob
                              f"give one [first, last] pair per stage")
         stage_plan = StagePlan(stages=ranges, recompute=[False] * pp)
     elif policy == "data-aware":
-        probe = _probe_steps(step_rows)
-        stage_plan = data_aware_stages(cost, table, probe, pp=pp, dp=dp,
-                                       micro_batches=micro_batches, labels=labels)
+        chosen = choice.best.stage_plan if choice is not None and choice.best.how == "planned" \
+            else None
+        stage_plan = chosen or data_aware_stages(cost, table, probe, pp=pp, dp=dp,
+                                                 micro_batches=micro_batches, labels=labels)
     else:
         stage_plan = baselines[policy].stage_plan
 
@@ -92,20 +147,20 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int, glob
             evals = [evaluate_step(sc, table, p, packing=True) for p in plans]
         setting = "own micro-batch counts, packed"
     else:
-        chosen = baselines[policy]
-        packing = chosen.packing
+        chosen_base = baselines[policy]
+        packing = chosen_base.packing
         if stages is None:
-            stage_plan = chosen.stage_plan
+            stage_plan = chosen_base.stage_plan
         else:
-            stage_plan = StagePlan(stages=stage_plan.stages, recompute=chosen.stage_plan.recompute)
+            stage_plan = StagePlan(stages=stage_plan.stages,
+                                   recompute=chosen_base.stage_plan.recompute)
         sc = stage_costs(cost, stage_plan.stages, stage_plan.recompute)
-        plans = list(chosen.steps)
+        plans = list(chosen_base.steps)
         evals = [evaluate_step(sc, table, p, packing=packing) for p in plans]
-        setting = chosen.setting
+        setting = chosen_base.setting
 
-    lower = [lower_bound_s(cost, sample_table([feats[i] for i in rows]), pp=pp, dp=dp)
-             for rows in step_rows]
-    plan = {
+    lower = [lower_bound_s(cost, table.rows(rows), pp=pp, dp=dp) for rows in step_rows]
+    plan: dict[str, Any] = {
         "version": 1,
         "model": model.name,
         "layers": names,
@@ -121,6 +176,9 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int, glob
                                np.max([e.peak_bytes for e in evals], axis=0)],
             "fits": all(e.fits for e in evals),
             "hardware": hardware.name,
+            "memory": {"precision": precision.precision, "zero_stage": precision.zero_stage,
+                       "optimizer": precision.optimizer, "memory_headroom": memory_headroom,
+                       "plannable_gb": round(cost.usable_bytes / GB, 3)},
             "policy": policy,
             "setting": setting,
             "baselines": {b: {"setting": bp.setting, "fits": bp.fits,
@@ -128,11 +186,20 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int, glob
                           for b, bp in baselines.items()},
         },
     }
+    if choice is not None:
+        plan["predicted"]["layout"] = {"devices": devices, "pp": pp, "dp": dp}
+        plan["predicted"]["layouts"] = [layout_json(x) for x in choice.layouts]
+    if samples is not None:
+        plan["sample_keys"] = [str(k) for k, _ in samples][:len(feats)]
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(plan, indent=1) + "\n")
     text = _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, evals,
-                   setting, baselines, lower, feats, step_rows)
+                   setting, baselines, lower, feats, step_rows, precision)
+    if choice is not None:
+        text = (f"layouts of parallel.devices={devices} (data-aware, {len(probe)} probe "
+                f"step{'s' if len(probe) > 1 else ''}; * chosen):\n{layout_table(choice)}\n\n"
+                + text)
     if compare_schedules:
         k = int(np.argmax([e.step_time for e in evals]))
         r = evals[k].slowest
@@ -150,6 +217,25 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int, glob
     return plan
 
 
+def _read_samples(model: ModelSpec, trace_path: str | None,
+                  samples: Sequence[tuple[str, SampleMeta]] | None, source: str
+                  ) -> tuple[list[SampleFeatures], list[str], str]:
+    """Features, error labels and a name of the input: a trace, or shard metadata."""
+    if (trace_path is None) == (samples is None):
+        raise ValueError("give a trace (data=trace data.path=FILE.jsonl) or shards (data=shards)")
+    if trace_path is not None:
+        trace = Path(trace_path)
+        feats = [features(model, meta, where=f"{trace.name} sample {i} (line {i + 1})")
+                 for i, meta in enumerate(read_trace(trace))]
+        return feats, [f"{trace.name} line {i + 1} (sample {i})" for i in range(len(feats))], \
+            trace_path
+    assert samples is not None
+    feats = [features(model, meta, where=f"shard sample {key!r} (sample {i})")
+             for i, (key, meta) in enumerate(samples)]
+    return feats, [f"shard sample {key!r} (sample {i})" for i, (key, _) in enumerate(samples)], \
+        source or "(shards)"
+
+
 def _probe_steps(step_rows: list[list[int]], k: int = 2) -> list[list[int]]:
     """A few steps spread over the run to partition on."""
     if len(step_rows) <= k:
@@ -159,13 +245,20 @@ def _probe_steps(step_rows: list[list[int]], k: int = 2) -> list[list[int]]:
 
 
 def _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, evals, setting,
-            baselines, lower, feats, step_rows) -> str:
+            baselines, lower, feats, step_rows, precision) -> str:
     tokens = np.mean([sum(feats[i].llm_len for i in rows) for rows in step_rows])
     head = (f"mmpipe plan: model {model.name} on {hardware.name}, pp={pp} dp={dp}, "
             f"global batch {global_batch} ({tokens:,.0f} LLM tokens per step), "
-            f"{len(step_rows)} steps, policy {policy}")
-    if micro_batches < pp:
+            f"{len(step_rows)} steps, policy {policy}, memory {precision.describe()}")
+    if micro_batches < pp and policy != "data-aware":
         head += f"\nwarning: train.micro_batches={micro_batches} < parallel.pp={pp}: large bubbles"
+    per_replica = global_batch // dp
+    if pp > 1 and per_replica < SMALL_REPORT * pp:
+        head += (f"\nsmall step: each replica gets {per_replica} samples per step for {pp} stages; "
+                 f"1F1B with m equal micro-batches idles (pp-1)/(m+pp-1) of the step, "
+                 f"{equal_bubble(pp, per_replica):.1%} even at one sample per micro-batch (which "
+                 f"runs far below peak); fewer stages or a larger train.global_batch avoid it "
+                 f"(parallel.pp=auto parallel.devices={pp * dp} weighs the layouts)")
     rows = [(policy, [e.step_time for e in evals], setting)]
     for b, bp in baselines.items():
         if b != policy:

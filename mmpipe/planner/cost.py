@@ -12,8 +12,11 @@ trainable layer (1x input gradient + 1x weight gradient), 1x for a frozen layer 
 gradients cross on their way to a trainable one upstream, 0 for a frozen layer with nothing
 trainable upstream (which also keeps no activations). Recompute adds one forward to backward.
 
-Every constant comes from `HardwareSpec`. `mmpipe.planner.stage_cost` sums these figures per
-stage and prices micro-batches; the lower bound of a step is here.
+Every time constant comes from `HardwareSpec`; the bytes of weights, gradients, optimizer
+states and activations follow the run's `TrainingPrecision` (precision, ZeRO stage,
+optimizer), and `memory_headroom` is the share of usable memory no plan may fill.
+`mmpipe.planner.stage_cost` sums these figures per stage and prices micro-batches; the lower
+bound of a step is here.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import numpy as np
 
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, is_trainable, layer_names
 from mmpipe.planner.hardware import HardwareSpec
+from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import STREAMS, SampleTable
+
+DEFAULT_PRECISION = TrainingPrecision()
+"""bf16 mixed precision, ZeRO-1, AdamW: the run docs/spec.md section 6 prices."""
+DEFAULT_HEADROOM = 0.08
+"""plan.memory_headroom's default: the share of usable memory no plan fills (docs/planner.md
+says why 8%)."""
 KINDS = ("vision.embed", "vision.block", "vision.proj", "audio.embed", "audio.block",
          "audio.proj", "llm.embed", "llm.block", "llm.norm", "llm.head")
 """Layer kinds with a cost; any other layer name is free."""
@@ -71,6 +81,10 @@ class CostModel:
     """Trainable component prefixes."""
     dp: int
     """Data-parallel replicas (ZeRO-1 shards optimizer states over them)."""
+    precision: TrainingPrecision
+    """How the run stores weights, gradients, optimizer states and activations."""
+    memory_headroom: float
+    """Share of the usable memory no plan may fill (plan.memory_headroom)."""
     layers: tuple[LayerCost, ...]
     """One entry per pipeline layer, in layer_names order."""
     cut_fwd_bytes: np.ndarray
@@ -82,10 +96,23 @@ class CostModel:
     def names(self) -> list[str]:
         return [layer.name for layer in self.layers]
 
+    @property
+    def usable_bytes(self) -> float:
+        """Bytes a plan may fill on one device: the hardware's usable memory less the
+        headroom."""
+        return self.hardware.usable_bytes * (1.0 - self.memory_headroom)
+
+    def usable_text(self) -> str:
+        """How much a plan may fill, for messages: `72 GB usable` (and the headroom, if any)."""
+        text = f"{self.usable_bytes / 1e9:.3g} GB usable"
+        if self.memory_headroom:
+            text += f" after plan.memory_headroom={self.memory_headroom:g}"
+        return text
+
     def static_bytes(self, start: int, end: int) -> float:
         """Weights, gradients and optimizer states of layers [start, end)."""
-        hw = self.hardware
-        return sum(l.params * hw.param_bytes(trainable=l.trainable, dp=self.dp)
+        pr = self.precision
+        return sum(l.params * pr.param_bytes(trainable=l.trainable, dp=self.dp)
                    for l in self.layers[start:end])
 
 
@@ -108,11 +135,21 @@ def validate_trainable(trainable: Sequence[str], model: ModelSpec) -> tuple[str,
 
 
 def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
-                     dp: int = 1) -> CostModel:
-    """Cost every layer of `model` on `hardware` with the given trainable prefixes."""
+                     dp: int = 1, precision: TrainingPrecision = DEFAULT_PRECISION,
+                     memory_headroom: float = 0.0) -> CostModel:
+    """Cost every layer of `model` on `hardware` with the given trainable prefixes.
+
+    Args:
+        dp: data-parallel replicas (ZeRO-1 shards the optimizer side over them).
+        precision: the run's precision, ZeRO stage and optimizer (default: the spec's bf16,
+            ZeRO-1, AdamW).
+        memory_headroom: share of the usable memory left unplanned (0 <= x < 1).
+    """
     trainable = validate_trainable(trainable, model)
     if dp < 1:
         raise ValueError(f"parallel.dp={dp} must be >= 1")
+    check_headroom(memory_headroom)
+    scale = precision.activation_scale
     names = layer_names(model)
     flags = [is_trainable(n, trainable) for n in names]
     kinds = [_kind(n) for n in names]
@@ -129,13 +166,13 @@ def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Seq
         factor = 2.0 if train else (1.0 if upstream else 0.0)
         params, lin, attn, width, is_block = _layer_figures(model, kind)
         if kind == "llm.head":
-            act = hardware.logits_bytes_per_vocab * model.llm.vocab
+            act = scale * hardware.logits_bytes_per_vocab * model.llm.vocab
             rec = act
         elif is_block:
-            act = hardware.act_bytes_per_hidden * width
-            rec = hardware.recompute_bytes_per_hidden * width
+            act = scale * hardware.act_bytes_per_hidden * width
+            rec = scale * hardware.recompute_bytes_per_hidden * width
         else:
-            act = rec = hardware.io_bytes_per_hidden * width if kind != "llm.embed" else 0.0
+            act = rec = scale * hardware.io_bytes_per_hidden * width if kind != "llm.embed" else 0.0
         keeps = factor > 0
         layers.append(LayerCost(name=name, kind=kind, params=params, lin_flops=lin,
                                 attn_flops=attn, trainable=train, bwd_factor=factor,
@@ -143,9 +180,18 @@ def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Seq
                                 recompute_bytes=rec if keeps else 0.0))
         if comp in seen and train:
             seen[comp] = True
-    fwd, bwd = _cut_bytes(model, hardware, names, kinds, layers)
+    fwd, bwd = _cut_bytes(model, precision.element_bytes, kinds, layers)
     return CostModel(model=model, hardware=hardware, trainable=trainable, dp=dp,
+                     precision=precision, memory_headroom=float(memory_headroom),
                      layers=tuple(layers), cut_fwd_bytes=fwd, cut_bwd_bytes=bwd)
+
+
+def check_headroom(memory_headroom: float) -> None:
+    """plan.memory_headroom must be a fraction in [0, 1)."""
+    if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
+            or not 0.0 <= memory_headroom < 1.0:
+        raise ValueError(f"plan.memory_headroom={memory_headroom!r} must be a fraction of usable "
+                         f"memory in [0, 1), e.g. 0.08")
 
 
 def _kind(name: str) -> str:
@@ -208,13 +254,13 @@ def _mlp(width_in: int, widths: Sequence[int]) -> tuple[int, int]:
     return mat, bias
 
 
-def _cut_bytes(m: ModelSpec, hw: HardwareSpec, names: list[str], kinds: list[str],
+def _cut_bytes(m: ModelSpec, b: int, kinds: list[str],
                layers: list[LayerCost]) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes per stream token crossing the cut before each layer index, fwd and bwd."""
-    n = len(names)
+    """Bytes per stream token crossing the cut before each layer index, fwd and bwd, with `b`
+    bytes per element (the run's precision)."""
+    n = len(kinds)
     fwd = np.zeros((n + 1, len(STREAMS)))
     bwd = np.zeros((n + 1, len(STREAMS)))
-    b = hw.boundary_bytes_per_hidden
 
     def span(prefix: str) -> tuple[int, int]:
         idx = [i for i, k in enumerate(kinds) if k.startswith(prefix)]
@@ -231,7 +277,7 @@ def _cut_bytes(m: ModelSpec, hw: HardwareSpec, names: list[str], kinds: list[str
         for c in range(n + 1):
             if comp == "audio" and c <= first:
                 # raw log-mel frames travel from the data-loading first stage to the encoder
-                fwd[c, s_pos] += 2.0 * m.audio.mel_bins * m.audio.conv_stride if c > 0 else 0.0
+                fwd[c, s_pos] += b * m.audio.mel_bins * m.audio.conv_stride if c > 0 else 0.0
             elif first < c <= proj:
                 fwd[c, s_pos] += b * enc.hidden
                 bwd[c, s_pos] += b * enc.hidden if train_upto[c] else 0.0

@@ -1,18 +1,24 @@
 """What one accelerator and its links cost: the single home of every cost constant.
 
 The cost model (`planner.cost`, `planner.stage_cost`) reads nothing else: peak FLOP/s, the
-small-micro-batch efficiency curve, the fixed per-op overhead, link bandwidth and latency, and
-the memory rules of thumb of docs/spec.md section 6. Presets live in `conf/hardware/*.yaml`; a
-measured machine is the same dataclass with `kind_efficiency` / `kind_overhead_s` filled in by
-`mmpipe profile`.
+small-micro-batch efficiency curve, the fixed per-op overhead, the runtime's fixed costs per
+micro-batch and per step, link bandwidth and latency, and the activation rules of thumb of
+docs/spec.md section 6 (the bytes of weights, gradients and optimizer states follow the run's
+precision, ZeRO stage and optimizer: `planner.precision`). Presets live in
+`conf/hardware/*.yaml`; a measured machine is the same dataclass with `kind_efficiency` /
+`kind_overhead_s` filled in by `mmpipe profile`, and `micro_batch_overhead_s` /
+`step_overhead_s` by a measured run (`calibrate.calibrated_hardware` turns the online re-fit
+of `runtime/train.py` into them).
 
 Efficiency curve: a layer kind running on a micro-batch whose stream holds `T` tokens reaches
 
     efficiency(T) = max_efficiency * T / (T + half_tokens)
 
 of `peak_flops` (a saturating curve: half of `max_efficiency` at `half_tokens` tokens), and each
-layer pays `op_overhead_s` per pass on top. The planner's lower bound uses `max_efficiency`
-(the best a layer can do), never the dense peak alone.
+layer pays `op_overhead_s` per pass on top. A replica's step is its simulated 1F1B makespan
+plus `micro_batch_overhead_s` per micro-batch, and the step adds `step_overhead_s` (optimizer
+step, gradient reduction, engine bookkeeping). The planner's lower bound uses
+`max_efficiency` (the best a layer can do), never the dense peak alone.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from typing import Any, Mapping
 
 GB = 1e9
 """Bytes in a gigabyte as the presets count them (decimal, like vendors do)."""
+RUN_STATE_KEYS = ("trainable_param_bytes", "sharded_param_bytes", "frozen_param_bytes",
+                  "boundary_bytes_per_hidden")
+"""Keys older hardware files carried for what is now the run's precision (planner.precision)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,29 +54,30 @@ class HardwareSpec:
     op_overhead_s: float = 4e-5
     """Fixed time of one layer's forward pass (kernel launches, hooks); backward pays it
     again for each pass it makes."""
+    micro_batch_overhead_s: float = 0.0
+    """Fixed time the runtime spends per micro-batch of a replica outside the layers (engine
+    instructions, input copies, loss bookkeeping); measured, not a rule of thumb (0 in the
+    presets, which follow docs/spec.md section 6)."""
+    step_overhead_s: float = 0.0
+    """Fixed time per step outside the pipeline (optimizer step, gradient reduction); it
+    moves every plan alike, so it changes predictions, not choices."""
     usable_fraction: float = 0.9
     """Share of device memory the planner may fill."""
     reserved_gb: float = 0.0
     """Memory taken before training starts (context, communication buffers), GB."""
     act_bytes_per_hidden: float = 34.0
-    """Activation bytes kept per token per transformer block, per unit of hidden width
-    (Korthikanti et al. 2022, flash attention)."""
+    """Activation bytes kept per token per transformer block, per unit of hidden width, at
+    2-byte elements (Korthikanti et al. 2022, flash attention); fp32 runs keep twice as many."""
     recompute_bytes_per_hidden: float = 2.0
     """Bytes kept per token per block under recomputation (the block input), per unit of
-    hidden width; one block's full activations come on top during its recompute."""
+    hidden width at 2-byte elements; one block's full activations come on top during its
+    recompute."""
     io_bytes_per_hidden: float = 4.0
-    """Bytes kept per token per non-block layer (embed, projector, norm), per unit of width."""
+    """Bytes kept per token per non-block layer (embed, projector, norm), per unit of width,
+    at 2-byte elements."""
     logits_bytes_per_vocab: float = 6.0
-    """Bytes the LM head keeps per token per vocabulary entry for the loss."""
-    trainable_param_bytes: float = 4.0
-    """Bytes per trainable parameter on every replica (bf16 weight + bf16 gradient)."""
-    sharded_param_bytes: float = 12.0
-    """Bytes per trainable parameter shared across data-parallel replicas (ZeRO-1: fp32
-    master weight and two Adam moments), divided by parallel.dp."""
-    frozen_param_bytes: float = 2.0
-    """Bytes per frozen parameter (bf16 weight only)."""
-    boundary_bytes_per_hidden: float = 2.0
-    """Bytes per token per unit of width of the hidden state crossing a stage boundary (bf16)."""
+    """Bytes the LM head keeps per token per vocabulary entry for the loss, at 2-byte
+    elements."""
     kind_efficiency: Mapping[str, float] = field(default_factory=dict)
     """Measured max_efficiency per layer kind (`llm.block`, `vision.block`, `llm.head`, ...),
     overriding max_efficiency for that kind; written by `mmpipe profile`."""
@@ -80,9 +90,8 @@ class HardwareSpec:
         for key in ("peak_flops", "memory_gb", "link_gbps", "max_efficiency", "half_tokens",
                     "usable_fraction", "act_bytes_per_hidden", "logits_bytes_per_vocab"):
             _check_positive(key, getattr(self, key))
-        for key in ("link_latency_s", "op_overhead_s", "reserved_gb", "recompute_bytes_per_hidden",
-                    "io_bytes_per_hidden", "trainable_param_bytes", "sharded_param_bytes",
-                    "frozen_param_bytes", "boundary_bytes_per_hidden"):
+        for key in ("link_latency_s", "op_overhead_s", "micro_batch_overhead_s", "step_overhead_s",
+                    "reserved_gb", "recompute_bytes_per_hidden", "io_bytes_per_hidden"):
             _check_nonneg(key, getattr(self, key))
         if self.max_efficiency > 1:
             raise ValueError(f"hardware.max_efficiency={self.max_efficiency} is above 1; "
@@ -114,11 +123,14 @@ class HardwareSpec:
         """Per-pass fixed time of a layer kind."""
         return float(self.kind_overhead_s.get(kind, self.op_overhead_s))
 
-    def param_bytes(self, *, trainable: bool, dp: int) -> float:
-        """Static bytes one parameter costs on its stage (ZeRO-1 over dp replicas)."""
-        if trainable:
-            return self.trainable_param_bytes + self.sharded_param_bytes / dp
-        return self.frozen_param_bytes
+    def replica_seconds(self, makespan: float, micro_batches: int) -> float:
+        """A replica's step time: its simulated makespan plus the runtime's fixed cost per
+        micro-batch (`step_overhead_s` comes once per step on top, `step_seconds`)."""
+        return makespan + self.micro_batch_overhead_s * micro_batches
+
+    def step_seconds(self, slowest_replica: float) -> float:
+        """The step time from its slowest replica's time (`replica_seconds`)."""
+        return slowest_replica + self.step_overhead_s
 
 
 def hardware_from_dict(d: Mapping[str, Any]) -> HardwareSpec:
@@ -129,6 +141,10 @@ def hardware_from_dict(d: Mapping[str, Any]) -> HardwareSpec:
     known = {f.name: f for f in fields(HardwareSpec)}
     kwargs: dict[str, Any] = {}
     for key, value in dict(d).items():
+        if key in RUN_STATE_KEYS:
+            raise ValueError(f"hardware.{key} is no longer a hardware setting: the bytes of weights, "
+                             f"gradients, optimizer states and stage boundaries follow "
+                             f"train.precision, train.zero_stage and train.optimizer; delete the line")
         if key not in known:
             raise ValueError(f"hardware.{key} is not a hardware setting; known: "
                              f"{', '.join(sorted(known))}")

@@ -109,3 +109,15 @@ def ramp_shares(m: int, ramp: float) -> np.ndarray:
         # the flat middle holds about half the micro-batches
         w = ramp ** np.minimum(edge, max(1, m // 4))
     return w / w.sum()
+
+
+def edge_shares(m: int, head: float, head_growth: float, tail: float,
+                tail_growth: float) -> np.ndarray:
+    """Relative sizes of m micro-batches in execution order: a flat top with a geometric ramp
+    at each end, each end with its own start (as a fraction of the top) and growth per
+    micro-batch; they sum to 1. The two ends differ because under 1F1B the warm-up waits on the
+    first micro-batches' forwards and the cool-down on the last ones' backwards (twice the
+    forward where the layers train, nothing where they are frozen)."""
+    j = np.arange(m)
+    w = np.minimum(1.0, np.minimum(head * head_growth ** j, tail * tail_growth ** (m - 1 - j)))
+    return w / w.sum()

@@ -19,9 +19,16 @@ import numpy as np
 
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.cost import CostModel
+from mmpipe.planner.memory import window_peaks
+from mmpipe.planner.packing import deal
 from mmpipe.planner.samples import SampleTable, mb_streams
-from mmpipe.planner.stage_cost import micro_batch_costs, send_seconds, stage_costs
+from mmpipe.planner.schedules import make_schedule
+from mmpipe.planner.simulator import makespan
+from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, sample_work, send_seconds, stage_costs, stage_times
 from mmpipe.planner.step import evaluate_step
+
+SAMPLE_REPLICAS = 2
+"""Replicas per step the partition search plans (the heaviest ones) when dp is larger."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -233,26 +240,40 @@ def balanced_partition(loads: LayerLoads, pp: int, usable: float) -> StagePlan |
     return best
 
 
+def shift_cuts(plan: StagePlan, first: int, last: int, d: int) -> StagePlan | None:
+    """The plan with cuts first..last (cut c starts stage c) moved by d layers together, or
+    None when a stage would become empty."""
+    cuts = [a for a, _ in plan.stages] + [plan.stages[-1][1]]
+    for c in range(first, last + 1):
+        cuts[c] += d
+    if any(cuts[i] >= cuts[i + 1] for i in range(len(cuts) - 1)):
+        return None
+    return StagePlan(stages=[(cuts[i], cuts[i + 1]) for i in range(plan.pp)],
+                     recompute=plan.recompute)
+
+
 def hill_climb(plan: StagePlan, score: Callable[[StagePlan], float], *, rounds: int = 3,
-               steps: Sequence[int] = (1, 2, 4)) -> tuple[StagePlan, float]:
-    """Move single cuts by a few layers (and toggle recompute) while the score improves."""
+               steps: Sequence[int] = (1, 2, 4), blocks: bool = False) -> tuple[StagePlan, float]:
+    """Move single cuts by a few layers (and toggle recompute) while the score improves;
+    `blocks`: also move runs of neighbouring cuts together by one layer. A single move cannot
+    shift every stage by one block at once (each step through is worse when the layers are
+    coarse: a 7B LLM block is 1/8 of a stage at pp=4), and that is often what balances the
+    stages or moves load off the last ones, which wait for every earlier stage's first
+    forward and last backward."""
     best, best_s = plan, score(plan)
     for _ in range(rounds):
         improved = False
-        for c in range(1, best.pp):
-            for d in steps:
-                for sign in (-1, 1):
-                    st = list(best.stages)
-                    a0, b0 = st[c - 1]
-                    a1, b1 = st[c]
-                    cut = b0 + sign * d
-                    if not a0 < cut < b1:
-                        continue
-                    st[c - 1], st[c] = (a0, cut), (cut, b1)
-                    cand = StagePlan(stages=st, recompute=best.recompute)
-                    s = score(cand)
-                    if s < best_s:
-                        best, best_s, improved = cand, s, True
+        moves = [(c, c, sign * d) for c in range(1, best.pp) for d in steps for sign in (-1, 1)]
+        if blocks:
+            moves += [(c0, c1, sign) for c0 in range(1, best.pp) for c1 in range(c0 + 1, best.pp)
+                      for sign in (-1, 1)]
+        for c0, c1, d in moves:
+            cand = shift_cuts(best, c0, c1, d)
+            if cand is None:
+                continue
+            s = score(cand)
+            if s < best_s:
+                best, best_s, improved = cand, s, True
         for s_i in range(best.pp):
             rc = list(best.recompute)
             rc[s_i] = not rc[s_i]
@@ -265,6 +286,27 @@ def hill_climb(plan: StagePlan, score: Callable[[StagePlan], float], *, rounds: 
     return best, best_s
 
 
+def representative_steps(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]], *,
+                         pp: int, dp: int, keep: int = SAMPLE_REPLICAS
+                         ) -> tuple[list[list[int]], int]:
+    """What the partition search plans: the steps themselves when dp <= keep, else, per step,
+    the `keep` replicas with the heaviest busiest stage (the step ends with its slowest
+    replica) after dealing the step as the balancer does on a parameter-balanced partition,
+    each planned as a replica of its own. Returns the row lists and the replicas each one is
+    dealt to. Planning `keep` replicas instead of dp keeps the search's cost flat in dp."""
+    if dp <= keep:
+        return [list(rows) for rows in steps], dp
+    sc = stage_costs(cost, parameters_partition([l.params for l in cost.layers], pp), [False] * pp)
+    out = []
+    for rows in steps:
+        rows = list(rows)
+        work, _, _ = sample_work(sc, table.rows(rows))
+        reps = [r for r in deal(work, dp) if r]
+        heavy = sorted(reps, key=lambda r: -float(work[r].sum(axis=0).max()))[:keep]
+        out += [[rows[i] for i in r] for r in heavy]
+    return out, 1
+
+
 def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]], *,
                       pp: int, dp: int, micro_batches: int,
                       labels: Sequence[str] | None = None) -> StagePlan:
@@ -273,11 +315,13 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
     on the simulated step time of the same micro-batches, and keep whichever candidate is
     fastest once its own micro-batches are re-planned (the best micro-batch count and sizes
     depend on the partition). A last hill climb moves single cuts by one layer, each candidate
-    judged with its re-planned micro-batches."""
+    judged with its re-planned micro-batches. Above SAMPLE_REPLICAS replicas, the search
+    plans the heaviest replicas of each step only (`representative_steps`)."""
     L = len(cost.layers)
     check_pp(pp, L, cost.model.name)
-    hw = cost.hardware
+    steps, dp = representative_steps(cost, table, steps, pp=pp, dp=dp)
     replanned: dict[tuple, float] = {}
+    costed: dict[tuple, StageCosts] = {}
 
     def replan(p: StagePlan) -> float:
         key = (p.stages, p.recompute)
@@ -287,7 +331,7 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
             try:
                 for rows in steps:
                     rep = balance_step(s, table, rows, dp=dp, micro_batches=micro_batches,
-                                       labels=labels)
+                                       labels=labels, thorough=False)
                     ev = evaluate_step(s, table, rep, packing=True)
                     if not ev.fits:
                         total = np.inf
@@ -305,29 +349,42 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         sc = stage_costs(cost, plan.stages, plan.recompute)
         # equal micro-batches on the first round, the policy's own (ramped) ones after
         reps = [balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
-                             labels=labels, search=it > 0) for rows in steps]
+                             labels=labels, search=it > 0, thorough=False) for rows in steps]
         mbs = [mb for rep in reps for r in rep for mb in r]
         T, S2 = mb_streams(table, mbs, packing=True)
         loads = layer_loads(cost, T, S2)
-        cand = balanced_partition(loads, pp, hw.usable_bytes) or plan
+        cand = balanced_partition(loads, pp, cost.usable_bytes) or plan
 
-        def score(p: StagePlan) -> float:
-            s = stage_costs(cost, p.stages, p.recompute)
+        streams = [[mb_streams(table, r, packing=True) for r in rep if r] for rep in reps]
+
+        def score(p: StagePlan, streams: list = streams) -> float:
+            # what evaluate_step gives for these fixed micro-batches, on the fast paths
+            # (1F1B makespan, exact in-flight windows): this is the search's inner loop
+            key = (p.stages, p.recompute)
+            s = costed.get(key)
+            if s is None:
+                s = costed[key] = stage_costs(cost, p.stages, p.recompute)
+            hw = cost.hardware
             total = 0.0
-            for rep in reps:
-                ev = evaluate_step(s, table, rep, packing=True)
-                if not ev.fits:
-                    return np.inf
-                total += ev.step_time
+            for step in streams:
+                slowest = 0.0
+                for T, S2 in step:
+                    m = T.shape[0]
+                    span = makespan(make_schedule("1f1b", pp, m), *stage_times(s, T, S2))
+                    tr = (s.transient[:, None, :] * T[None, :, :]).max(axis=2)
+                    if np.any(window_peaks(s.act @ T.T, tr) + s.static > cost.usable_bytes * (1 + 1e-9)):
+                        return np.inf
+                    slowest = max(slowest, hw.replica_seconds(span, m))
+                total += hw.step_seconds(slowest)
             return total
 
         for start in (cand, plan):
-            p, _ = hill_climb(start, score)
+            p, _ = hill_climb(start, score, blocks=True)
             t = replan(p)
             if t < best_t:
                 best_plan, best_t = p, t
         if it > 0 and best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
             break
         plan = best_plan
-    best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,))
+    best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,), blocks=True)
     return best_plan

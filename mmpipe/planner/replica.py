@@ -16,9 +16,9 @@ import numpy as np
 
 from mmpipe.planner.bins import BinCosts, Bins, CostedBins, edge_positions, edit_bins
 from mmpipe.planner.memory import in_flight_counts, window_peaks
-from mmpipe.planner.packing import lpt_pack, ramp_shares
+from mmpipe.planner.packing import edge_shares, lpt_pack, ramp_shares
 from mmpipe.planner.schedules import make_schedule
-from mmpipe.planner.simulator import makespan
+from mmpipe.planner.simulator import makespan, simulate
 from mmpipe.planner.stage_cost import StageCosts
 
 TARGETED_BUDGET = 1000
@@ -26,6 +26,17 @@ TARGETED_BUDGET = 1000
 one replica may spend: a fixed count rather than a clock, so every rank plans alike."""
 RAMPS = (1.35, 1.8)
 """Growth factors of the ramped size profiles tried (1 = equal micro-batches)."""
+SHAPE_START = (0.35, 1.4, 0.35, 1.4)
+"""Where the profile search starts: (head start, head growth, tail start, tail growth) of
+`packing.edge_shares`."""
+SHAPE_STEP = (0.12, 0.2, 0.12, 0.2)
+"""Its first step per parameter."""
+SHAPE_LOW = (0.05, 1.0, 0.05, 1.0)
+"""Its lower limits (growth 1: a flat end)."""
+SHAPE_HIGH = (1.0, 3.0, 1.0, 3.0)
+"""Its upper limits (start 1: no ramp at that end)."""
+SHAPE_ROUNDS = 6
+"""Rounds of the profile search (8 trials each)."""
 
 
 class ReplicaPlanner(BinCosts):
@@ -35,6 +46,7 @@ class ReplicaPlanner(BinCosts):
                  work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.ndarray) -> None:
         super().__init__(sc, tokens, squares, work, act, tr, budget)
         self.order = np.argsort(-work.sum(axis=1), kind="stable")
+        self._affine: list[tuple[np.ndarray, np.ndarray]] | None = None
         # (m, ramp) -> (simulated makespan, memory held, bins)
         self.cache: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
 
@@ -116,15 +128,20 @@ class ReplicaPlanner(BinCosts):
         share = self.clip(ramp_shares(m, ramp) if share is None else share)
         if share is None:
             return np.inf
-        share = share[:, None]
-        T = share * self.tokens.sum(axis=0)[None, :]
-        S2 = share * self.squares.sum(axis=0)[None, :]
-        f, b, sf, sb = self.times(T, S2)
-        return makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb)
+        if self._affine is None:
+            # a micro-batch holding share s of every stream costs, per stage, overhead +
+            # (lin + attn * S2/T) * (s * T + half_tokens) / speed, and its sends latency +
+            # s * bytes / bandwidth: affine in s, so two evaluations give every fluid profile
+            T = np.array([[1.0], [0.5]]) * self.tokens.sum(axis=0)[None, :]
+            S2 = np.array([[1.0], [0.5]]) * self.squares.sum(axis=0)[None, :]
+            one, half = zip(*(x.T for x in self.times(T, S2)))
+            self._affine = [(2.0 * (a - h), 2.0 * h - a) for a, h in zip(one, half)]
+        f, b, sf, sb = (np.outer(slope, share) + base[:, None] for slope, base in self._affine)
+        return self.replica_time(makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb), m)
 
-    def plan(self, m_hint: int, search: bool) -> Bins:
-        """The replica's micro-batches in execution order (rows of its samples); `m_hint` (the
-        configured count) is among the counts tried; `search` off: equal sizes, no search."""
+    def rank_profiles(self, m_hint: int, search: bool) -> list[tuple[float, int, float]]:
+        """(fluid time, m, ramp) of the best micro-batch counts per size profile, best first:
+        counts on a geometric grid (with `m_hint`), equal sizes and (`search`) ramps."""
         n = self.n
         grid = sorted({int(round(x)) for x in np.geomspace(1, n, max(2, int(np.log(n) / 0.12)))}
                       | {max(1, min(n, m_hint)), n})
@@ -143,22 +160,66 @@ class ReplicaPlanner(BinCosts):
                 # a ramp wants a few more micro-batches: its edges are small
                 scored.append((ts[k + 1], grid[k + 1], ramp))
         scored.sort()
+        return scored
+
+    def fluid_outcome(self, m: int, ramp: float) -> tuple[float, np.ndarray, np.ndarray]:
+        """The fluid profile's replica time, per-stage in-flight activation peak (bytes; the
+        replica's transients spread like its tokens) and per-stage idle share (for layout
+        estimates, where packing every candidate would cost too much)."""
+        share = self.clip(ramp_shares(m, ramp))
+        if share is None:
+            return np.inf, np.full(self.P, np.inf), np.ones(self.P)
+        T = share[:, None] * self.tokens.sum(axis=0)[None, :]
+        S2 = share[:, None] * self.squares.sum(axis=0)[None, :]
+        f, b, sf, sb = self.times(T, S2)
+        sim = simulate(make_schedule("1f1b", self.P, m), fwd=f, bwd=b, send_fwd=sf, send_bwd=sb)
+        act = np.outer(self.act.sum(axis=0), share)
+        tr = np.outer(self.tr.sum(axis=0), share)
+        return (self.replica_time(sim.makespan, m), window_peaks(act, tr),
+                np.asarray(sim.bubble))
+
+    def plan(self, m_hint: int, search: bool, thorough: bool = True) -> Bins:
+        """The replica's micro-batches in execution order (rows of its samples); `m_hint` (the
+        configured count) is among the counts tried; `search` off: equal sizes, no search;
+        `thorough` off: ramped profiles and the neighbour search only (no shaping, no
+        targeted search, one start)."""
+        n = self.n
+        scored = self.rank_profiles(m_hint, search)
         for _, m, ramp in scored[:4 if search else 2]:
             self.pack(m, ramp)
-        if search and scored[0][1] >= 3:
-            # shape the sizes freely around the best profile, still on the fluid model
+        if search and thorough and scored[0][1] >= 3:
+            # shape the sizes freely around the best profile, still on the fluid model, at
+            # the best count and its neighbours (a shaped profile may want one more or less)
             _, m, ramp = scored[0]
-            share = self._shape(m, ramp)
-            self.pack(m, -1.0, share)
+            counts = {max(3, m - 1), m, min(n, m + 1)}
+            shaped = sorted(self._shape(k, ramp) for k in sorted(counts) if k <= n)
+            for key, (_, k, share) in enumerate(shaped[:2]):
+                self.pack(k, -1.0 - key, share)
         m_best = self._best()[0]
         while not self.cache[self._best()][1] and m_best < n:
             m_best = min(n, 2 * m_best)  # memory binds: more, smaller micro-batches
             self.pack(m_best, 1.0)
-        bins = [list(b) for b in self.cache[self._best()][2]]
-        if search and len(bins) > 1:
-            bins = self._local_search(bins)
-            bins = self._targeted(bins, TARGETED_BUDGET)
-        return bins
+        if not search:
+            return [list(b) for b in self.cache[self._best()][2]]
+        # the searches below move samples one at a time, so where they end depends on where
+        # they start: start from the best packing and from the best of a different count
+        # or profile family, and keep the faster end
+        fits = sorted((v[0], k) for k, v in self.cache.items() if v[1])
+        starts = [fits[0][1]] if fits else [self._best()]
+        if thorough:
+            starts += [k for _, k in fits[1:]
+                       if k[0] != starts[0][0] or (k[1] < 0) != (starts[0][1] < 0)][:1]
+        best_bins, best_t = None, np.inf
+        for key in starts:
+            bins = [list(b) for b in self.cache[key][2]]
+            if len(bins) > 1:
+                bins = self._local_search(bins)
+                if thorough:
+                    bins = self._targeted(bins, TARGETED_BUDGET)
+            t = self.makespan(bins)
+            if t < best_t:
+                best_bins, best_t = bins, t
+        return best_bins
 
     def _targeted(self, bins: Bins, budget: int, givers: int = 3) -> Bins:
         """Move samples out of the bottleneck stage's largest micro-batches (the `givers`
@@ -194,25 +255,42 @@ class ReplicaPlanner(BinCosts):
             c.apply(e, t, st)
         return c.bins
 
-    def _shape(self, m: int, ramp: float, sweeps: int = 2) -> np.ndarray:
-        """Coordinate descent on the micro-batch shares under the fluid model: scale one
-        micro-batch near either end (where the bubble is decided) up or down while the
-        simulated makespan drops."""
+    def _shape(self, m: int, ramp: float) -> tuple[float, int, np.ndarray]:
+        """The best fluid profile of m micro-batches found by a pattern search on the two ends
+        of `edge_shares` (start and growth of each ramp; SHAPE_ROUNDS rounds, step halved when
+        no move helps), started from the symmetric ramp and kept only if better than the
+        ramped profile itself, then coordinate descent that scales single micro-batches near
+        either end. Returns (fluid time, m, shares)."""
         share = ramp_shares(m, ramp)
         best = self.fluid(m, ramp, share)
-        for _ in range(sweeps):
+        p, step = list(SHAPE_START), list(SHAPE_STEP)
+        cur = self.fluid(m, -1.0, edge_shares(m, *p))
+        for _ in range(SHAPE_ROUNDS):
             improved = False
-            for j in edge_positions(m, edge=4):
-                for f in (0.6, 1.4):
+            for i in range(4):
+                for sign in (-1.0, 1.0):
+                    q = list(p)
+                    q[i] = min(SHAPE_HIGH[i], max(SHAPE_LOW[i], q[i] + sign * step[i]))
+                    t = self.fluid(m, -1.0, edge_shares(m, *q))
+                    if t < cur - 1e-12:
+                        p, cur, improved = q, t, True
+            if not improved:
+                step = [s / 2 for s in step]
+        if cur < best:
+            share, best = edge_shares(m, *p), cur
+        for _ in range(2):
+            improved = False
+            for j in edge_positions(m, edge=6):
+                for f in (0.9, 1.1):
                     trial = share.copy()
                     trial[j] *= f
                     trial /= trial.sum()
-                    t = self.fluid(m, ramp, trial)
+                    t = self.fluid(m, -1.0, trial)
                     if t < best - 1e-12:
                         share, best, improved = trial, t, True
             if not improved:
                 break
-        return share
+        return best, m, share
 
     def _local_search(self, bins: Bins, rounds: int = 3) -> Bins:
         """Move one sample at a time between neighbouring micro-batches (the lightest sample

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from mmpipe.planner.layout import Layout, LayoutChoice
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.schedules import SCHEDULES
 from mmpipe.planner.stage_cost import StageCosts
@@ -32,7 +33,7 @@ def stage_table(sc: StageCosts, evals: Sequence[StepEval]) -> str:
         bubble += np.asarray(r.bubble)
     k = max(1, len(evals))
     peak = np.max([e.peak_bytes for e in evals], axis=0) if evals else sc.static
-    usable = sc.cost.hardware.usable_bytes
+    usable = sc.cost.usable_bytes
     lines = [f"{'stage':>5}  {'layers':<36} {'#':>3} {'recomp':>6} {'busy':>6} {'bubble':>6} "
              f"{'static GB':>9} {'peak GB':>8}"]
     for s, (a, b) in enumerate(sc.stages):
@@ -41,8 +42,47 @@ def stage_table(sc: StageCosts, evals: Sequence[StepEval]) -> str:
         lines.append(f"{s:>5}  {span:<36} {b - a:>3} {'on' if sc.recompute[s] else 'off':>6} "
                      f"{busy[s] / k:>6.1%} {bubble[s] / k:>6.1%} {sc.static[s] / GB:>9.1f} "
                      f"{peak[s] / GB:>8.1f}{flag}")
-    lines.append(f"usable memory per device: {usable / GB:.1f} GB")
+    head = sc.cost.memory_headroom
+    lines.append(f"memory a plan may fill per device: {usable / GB:.1f} GB"
+                 + (f" (usable {sc.cost.hardware.usable_bytes / GB:.1f} GB less the "
+                    f"{head:.0%} plan.memory_headroom)" if head else ""))
     return "\n".join(lines)
+
+
+def layout_table(choice: LayoutChoice) -> str:
+    """The ranked layouts: predicted step time, samples/s, efficiency against the lower bound,
+    peak memory per stage, bubble, and how each was priced."""
+    lines = [f"  {'layout':<10} {'step s':>8} {'samples/s':>10} {'eff.':>6} {'bubble':>6}  "
+             f"{'peak GB per stage':<28} {'priced':<9} note"]
+    for i, x in enumerate(choice.layouts):
+        mark = "*" if i == 0 and x.fits else " "
+        fmt = ".0f" if max(x.peak_bytes, default=0.0) >= 10 * GB else ".2g"
+        peak = " ".join(format(b / GB, fmt) for b in x.peak_bytes[:8])
+        if len(x.peak_bytes) > 8:
+            peak += f" .. max {format(max(x.peak_bytes) / GB, fmt)}"
+        if x.how == "bounded":
+            nums = (f"{'>=' + format(x.step_time, '.3f'):>8} {'<=' + format(x.samples_per_s, '.1f'):>10} "
+                    f"{'<=' + format(x.efficiency, '.2f'):>6} {'-':>6}")
+        elif x.fits:
+            nums = (f"{x.step_time:>8.3f} {x.samples_per_s:>10.1f} {x.efficiency:>6.2f} "
+                    f"{x.bubble:>6.1%}")
+        else:
+            nums = f"{'-':>8} {'-':>10} {'-':>6} {'-':>6}"
+        lines.append(f"{mark} {f'{x.pp}x{x.dp}':<10} {nums}  {peak:<28} {x.how:<9} {x.note}")
+    return "\n".join(lines)
+
+
+def layout_json(x: Layout) -> dict:
+    """One ranked layout as the plan file's `predicted.layouts` entry."""
+    ok = x.fits and x.how != "bounded"
+    return {"pp": x.pp, "dp": x.dp, "priced": x.how, "fits": x.fits,
+            "step_time_s": round(x.step_time, 6) if ok else None,
+            "samples_per_s": round(x.samples_per_s, 3) if ok else None,
+            "efficiency": round(x.efficiency, 4) if ok else None,
+            "bubble": round(x.bubble, 4) if ok else None,
+            "peak_memory_gb": [round(b / GB, 3) for b in x.peak_bytes] if ok else [],
+            "at_least_s": round(x.step_time, 6) if x.how == "bounded" else None,
+            "small_step": x.small_step, "note": x.note}
 
 
 def steps_table(rows: Sequence[tuple[str, Sequence[float], str]], lower: Sequence[float]) -> str:

@@ -18,6 +18,7 @@ from mmpipe.planner.cost import KIND_STREAM, KINDS, CostModel
 from mmpipe.planner.hardware import HardwareSpec
 from mmpipe.planner.samples import STREAMS, SampleTable
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageCosts:
     """Per-stage coefficients of a cost model under one partition and recompute choice."""

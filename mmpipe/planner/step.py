@@ -1,7 +1,9 @@
 """Judge a planned step: simulate every replica's micro-batches and check memory.
 
-The step time is the slowest replica's makespan; memory per stage is the static bytes plus
-the largest in-flight activation peak over replicas. Every policy (data-aware and baselines)
+The step time is the slowest replica's time (its makespan plus the runtime's fixed cost per
+micro-batch) plus the fixed cost per step (`HardwareSpec.replica_seconds`, `step_seconds`);
+memory per stage is the static bytes plus the largest in-flight activation peak over
+replicas, judged against the usable memory less the plan's headroom. Every policy (data-aware and baselines)
 is scored by this one function, so comparisons are like for like.
 """
 
@@ -26,13 +28,19 @@ class StepEval:
     """The simulated outcome of one step."""
 
     step_time: float
-    """Slowest replica's makespan, s."""
+    """Slowest replica's time (makespan and per-micro-batch overhead) plus the per-step
+    overhead, s."""
     replicas: tuple[SimResult | None, ...]
     """Per replica its simulation (None for a replica without samples)."""
+    replica_times: tuple[float, ...]
+    """Per replica its makespan plus per-micro-batch overhead, s (0 without samples)."""
+    replica_peaks: tuple[tuple[float, ...], ...]
+    """Per replica and stage: static + in-flight activation peak, bytes (static alone for a
+    replica without samples)."""
     peak_bytes: np.ndarray
     """[P] static + largest in-flight activation peak over replicas."""
     usable: float
-    """Bytes a device may fill."""
+    """Bytes a plan may fill on a device (usable memory less the headroom)."""
 
     @property
     def fits(self) -> bool:
@@ -40,8 +48,7 @@ class StepEval:
 
     @property
     def slowest(self) -> int:
-        times = [r.makespan if r else 0.0 for r in self.replicas]
-        return int(np.argmax(times))
+        return int(np.argmax(self.replica_times))
 
 
 def mb_costs(sc: StageCosts, table: SampleTable, mbs: Sequence[Sequence[int]], *,
@@ -76,15 +83,23 @@ def evaluate_step(sc: StageCosts, table: SampleTable, replicas: Replicas, *,
                   packing: bool) -> StepEval:
     """Simulate every replica of a step under 1F1B (sample indices are rows of `table`)."""
     P = sc.pp
+    hw = sc.cost.hardware
     sims: list[SimResult | None] = []
+    times: list[float] = []
+    peaks: list[tuple[float, ...]] = []
     peak_act = np.zeros(P)
     for mbs in replicas:
         if not mbs:
             sims.append(None)
+            times.append(0.0)
+            peaks.append(tuple(float(x) for x in sc.static))
             continue
         r = simulate_replica(mb_costs(sc, table, mbs, packing=packing))
         sims.append(r)
+        times.append(hw.replica_seconds(r.makespan, len(mbs)))
+        peaks.append(tuple(float(x) for x in sc.static + np.asarray(r.peak_act)))
         peak_act = np.maximum(peak_act, np.asarray(r.peak_act))
-    step_time = max((r.makespan for r in sims if r is not None), default=0.0)
-    return StepEval(step_time=step_time, replicas=tuple(sims), peak_bytes=sc.static + peak_act,
-                    usable=sc.cost.hardware.usable_bytes)
+    step_time = hw.step_seconds(max(times, default=0.0)) if any(replicas) else 0.0
+    return StepEval(step_time=step_time, replicas=tuple(sims), replica_times=tuple(times),
+                    replica_peaks=tuple(peaks), peak_bytes=sc.static + peak_act,
+                    usable=sc.cost.usable_bytes)

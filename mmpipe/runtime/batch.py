@@ -107,20 +107,23 @@ def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: 
     return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty(), lay]), tgt)
 
 
-def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, pad_id: int) -> MicroBatch:
+def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, pad_id: int,
+               media: bool = True) -> MicroBatch:
     """Build the tensors of one micro-batch of a Hugging Face model (`mmpipe.model.hf`).
 
     Each sample's `images` are `ImageInput`s and `audio` are `AudioInput`s (made by
     `mmpipe.model.hf.media.preprocess_image` / `preprocess_audio`); the carrier slots hold what
     that architecture's first layers take (model/carrier.py). Qwen2-VL's positions are its 3-D
     M-RoPE positions [3, B, T], computed per sample, so packing restarts them per sample.
+    `media=False`: the samples were decoded without media (a last stage, which reads only the
+    targets): the media slots stay empty and the positions are the plain 1-D ones.
     """
     from mmpipe.model.hf.media import carrier_media, sample_positions, uses_mrope
 
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
     ids, pos, seg, tgt = _text_tensors(samples, packed=packed, pad_id=pad_id)
-    if uses_mrope(spec):
+    if uses_mrope(spec) and media:
         per = [torch.from_numpy(sample_positions(spec, s.input_ids, s.images)) for s in samples]
         if packed:
             pos = torch.cat(per, dim=1)[:, None]
@@ -128,8 +131,8 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
             pos = torch.zeros((3, *ids.shape), dtype=torch.long)
             for i, p in enumerate(per):
                 pos[:, i, :p.shape[1]] = p
-    pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images],
-                                                [clip for s in samples for clip in s.audio])
+    pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
+                                                [clip for s in samples for clip in s.audio] if media else [])
     lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1)
     return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay]), tgt)
 

@@ -20,10 +20,11 @@ from mmpipe.config import RunConfig, hardware_spec
 from mmpipe.data.loader import loader
 from mmpipe.data.records import Record, decode_record
 from mmpipe.data.skips import SkipCounter
+from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
 from mmpipe.planner.api import StagePlan, StepPlanner
-from mmpipe.runtime.batch import MicroBatch, collate
+from mmpipe.runtime.batch import MicroBatch, collate, collate_hf
 from mmpipe.runtime.stream import make_stream
 
 
@@ -51,7 +52,7 @@ class PlannedStep:
 class StepFeeder:
     """Yields, step after step, the planned micro-batches of one data-parallel replica."""
 
-    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, stage_plan: StagePlan,
+    def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer | Templater, dp_rank: int, stage_plan: StagePlan,
                  over_memory: bool = False, media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None, first_step: int = 0):
@@ -119,8 +120,12 @@ class StepFeeder:
                                f"train.global_batch (now {self.rc.train.global_batch}) above parallel.dp")
         t3 = time.perf_counter()
         samples = {i: self._decode(records[i]) for g in groups for i in g}  # only this replica's
-        mbs = [collate([samples[i] for i in g], patch=self.patch, packed=self.packed,
-                       pad_id=self.tokenizer.pad_id, audio_stride=self.audio_stride) for g in groups]
+        mbs = [self._collate([samples[i] for i in g]) for g in groups]
+        for g, mb in zip(groups, mbs):  # what the planner costs is what the model gets
+            planned_len = sum(feats[i].llm_len for i in g)
+            if mb.tokens != planned_len:
+                raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens but the planner "
+                                   f"counted {planned_len}")
         self.steps_made += 1
         if self._record:
             self._record.write(json.dumps({"step": self.first_step + self.steps_made,
@@ -129,7 +134,14 @@ class StepFeeder:
         t4 = time.perf_counter()
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
                            predicted_s=planned.step_time, predicted_busy=planned.busy[mine],
-                           predicted_peak_bytes=planned.peak_bytes, reader_state=state)
+                           predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state)
+
+    def _collate(self, samples: list) -> MicroBatch:
+        """mmpipe's own model's tensors, or a Hugging Face model's (its processors' arrays)."""
+        pad = self.tokenizer.pad_id
+        if self.rc.model.hf is not None:
+            return collate_hf(samples, spec=self.rc.model, packed=self.packed, pad_id=pad, media=self.media)
+        return collate(samples, patch=self.patch, packed=self.packed, pad_id=pad, audio_stride=self.audio_stride)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that

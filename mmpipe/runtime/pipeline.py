@@ -13,7 +13,6 @@ from torch import nn
 from mmpipe.config import TrainConfig
 from mmpipe.model import kernels
 from mmpipe.model.layers import build_layer, token_loss
-from mmpipe.model.pretrained import Pretrained
 from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
 from mmpipe.runtime.dsconfig import require_tested_deepspeed
 
@@ -23,14 +22,12 @@ class _LayerFromName(nn.Module):
     each rank constructs only the layers of its own stage (a Hugging Face model's layer also
     reads only its own tensors from the checkpoint)."""
 
-    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int,  # type: ignore[misc]
-                pretrained: Pretrained | None = None):
+    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int):  # type: ignore[misc]
         if spec.hf is not None:
             from mmpipe.model.hf.build import build_layer as build_hf_layer
 
             return build_hf_layer(spec, name, seed=seed)
-        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token,
-                           pretrained=pretrained)
+        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token)
 
 
 class StagedPipelineModule(PipelineModule):
@@ -64,8 +61,6 @@ class PipelineSpec:
     """Component prefixes that train; the rest is frozen."""
     recompute: tuple[bool, ...] = ()
     """Activation recomputation per stage (one layer per checkpoint)."""
-    pretrained: Pretrained | None = None
-    """Local checkpoint folders to initialise components from."""
     attention: str = "auto"
     """Attention kernel of packed micro-batches (train.attention; model/kernels.py)."""
 
@@ -84,10 +79,10 @@ def _layer_specs(p: PipelineSpec) -> list[LayerSpec]:
         if tie is not None and n in tie.layers:
             owner = tie.layers[0]
             specs.append(TiedLayerSpec(tie.key, _LayerFromName, p.model, owner, p.seed, p.image_token, p.audio_token,
-                                       p.pretrained, forward_fn=None if n == owner else tie.head_forward,
+                                       forward_fn=None if n == owner else tie.head_forward,
                                        tied_weight_attr=[tie.weight_attr]))
         else:
-            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.pretrained))
+            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token))
     return specs
 
 

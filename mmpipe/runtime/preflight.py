@@ -15,7 +15,7 @@ from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
     from mmpipe.data.shards import check_shards
-    from mmpipe.data.tokenizer import check_vocab, load_tokenizer
+    from mmpipe.runtime.hf_run import load_templater
 
     if rc.data.kind != "shards":
         raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe train reads webdataset shards; use data=synthetic "
@@ -24,8 +24,7 @@ def check_data(rc: RunConfig) -> None:
     for path in paths:
         check_shards(resolve_path(path), root=PACKAGE_ROOT, dp_size=rc.parallel.dp,
                      num_workers=rc.data.num_workers)
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
-    check_vocab(tok, rc.model.llm.vocab)
+    load_templater(rc)
 
 
 def check_launch(rc: RunConfig) -> None:
@@ -83,9 +82,11 @@ def to_plain(rc: RunConfig) -> dict:
         return x
 
     out = {k: plain(getattr(rc, k)) for k in ("model", "parallel", "train", "data", "plan", "launcher", "profile",
-                                              "pretrained", "shards", "bench", "deepspeed")}
+                                              "shards", "bench", "deepspeed")}
     out["hardware"] = plain(dict(rc.hardware))
     out["model"] = {k: v for k, v in out["model"].items() if v is not None}
+    if rc.model_settings:  # a Hugging Face model: its group (folders), from which every reader rebuilds the spec
+        out["model"] = plain(dict(rc.model_settings))
     return out
 
 

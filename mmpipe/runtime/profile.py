@@ -262,6 +262,9 @@ def _pingpong(rank: int, port: int, sizes, repeats: int, q) -> None:
 
 def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     """Measure, fit, write the hardware YAML; return its path."""
+    if rc.model.hf is not None:  # its layers take its processors' inputs, which synthetic_micro_batch does not make
+        raise ValueError(f"mmpipe profile measures mmpipe's own model; model {rc.model.name} is a Hugging Face model, "
+                         f"which it cannot profile yet: plan it with a hardware preset (hardware=h100, a100, cpu)")
     threads = max(1, (os.cpu_count() or 1) // (rc.parallel.pp * rc.parallel.dp))
     torch.set_num_threads(threads)
     base = hardware_spec(rc)

@@ -28,6 +28,11 @@ class ChosenStages:
 
 def layer_param_counts(spec: ModelSpec) -> list[int]:
     """Parameters of each layer, counted on the meta device (no memory, any model size)."""
+    if spec.hf is not None:
+        from mmpipe.model.hf import layer_params
+
+        counts_by_name = layer_params(spec)
+        return [counts_by_name[n] for n in layer_names(spec)]
     from mmpipe.model.layers import build_layer
 
     counts = []

@@ -113,6 +113,8 @@ class _Pipeline:
     last: bool
     dp_rank: int
     dp_group: object
+    load: dict | None = None
+    """A Hugging Face model: what loading this rank's layers cost (runtime/hf_run.load_report)."""
 
 
 def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
@@ -120,9 +122,9 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     from deepspeed.accelerator import get_accelerator
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
-                         image_token=tok.image_id, audio_token=tok.audio_id,
+                         image_token=_token_id(tok.image_id), audio_token=_token_id(tok.audio_id),
                          trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
-                         pretrained=rc.pretrained if rc.pretrained.any() else None, attention=rc.train.attention)
+                         attention=rc.train.attention)
     torch.manual_seed(rc.train.seed)
     require_tested_deepspeed()
     t = rc.train
@@ -140,11 +142,22 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     if not deepspeed_clips(t.zero):
         clip = GlobalGradClip(optimizer, max_norm=t.grad_clip, group=engine.grid.get_pipe_parallel_group(),
                               device=engine.device)
-    _write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module)
+    load = None
+    if rc.model.hf is not None:
+        from mmpipe.runtime.hf_run import load_report
+
+        a, b = stage_plan.stages[engine.stage_id]
+        load = {"rank": dist.get_rank(), "stage": engine.stage_id, **load_report(layer_names(rc.model)[a:b])}
+    _write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module,
+                      load=load)
     describe = describe_training(t, rc.parallel.dp, engine, optimizer, mmpipe_clips=clip is not None)
     return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, describe=describe, first=engine.is_first_stage(),
                      last=engine.is_last_stage(), dp_rank=engine.grid.data_parallel_id,
-                     dp_group=engine.grid.get_data_parallel_group())
+                     dp_group=engine.grid.get_data_parallel_group(), load=load)
+
+
+def _token_id(tid: int | None) -> int:
+    return -1 if tid is None else tid  # a checkpoint's templater has no token for a medium the model lacks
 
 
 def train(rc: RunConfig, *, stop=None) -> RunResult:
@@ -155,10 +168,9 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     rc = _init_distributed(rc)
     rank, run_dir = dist.get_rank(), Path(rc.run_dir)
 
-    from mmpipe.data.tokenizer import check_vocab, load_tokenizer
+    from mmpipe.runtime.hf_run import load_templater
 
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer or "data/tokenizer.json"))
-    check_vocab(tok, rc.model.llm.vocab)
+    tok = load_templater(rc)
     stages = choose_stages(rc, tok)
     found = _find_checkpoint(rc, stages.plan)  # a damaged checkpoint is refused before the model is built
     pipe = _build(rc, tok, stages.plan)
@@ -177,12 +189,19 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
         truncate_records(run_dir / "metrics.jsonl", start)
     writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
               if rank == 0 else None)
+    loads: list = [None] * dist.get_world_size() if pipe.load is not None else []
+    if loads:
+        dist.all_gather_object(loads, pipe.load)
     bar = None
     if rank == 0:
         print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
         print(pipe.describe, flush=True)
         for w in stages.warnings:
             print(f"warning: {w}", file=sys.stderr, flush=True)
+        if loads:
+            from mmpipe.runtime.hf_run import format_load_line
+
+            print(format_load_line(loads), flush=True)
         bar = ProgressBar(rc.train.steps - start)
     # With train.save_on_signal a stop signal only marks stop.requested until this block ends;
     # the ranks agree on it after a step and save, and the block's end raises StopRequested.
@@ -335,11 +354,13 @@ def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
         engine.set_train_batch_size(count * dp)
 
 
-def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module) -> None:
+def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module, *, load: dict | None = None) -> None:
     layers = [getattr(f, "name", "") for f in module.forward_funcs]
     params = sum(p.numel() for p in module.parameters())
-    (run_dir / f"stage_rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}))
+    record = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}
+    if load is not None:
+        record["load"] = {k: v for k, v in load.items() if k not in ("rank", "stage")}
+    (run_dir / f"stage_rank{rank}.json").write_text(json.dumps(record))
 
 
 def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmpipe.cli import load
-from mmpipe.config import PACKAGE_ROOT, resolve_path
+from mmpipe.config import PACKAGE_ROOT, resolve_path, tokenizer_source
 from mmpipe.data.reader import iter_meta, iter_samples
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.model.layers import build_layers, run_layers, token_loss
@@ -49,7 +49,7 @@ def _with(base: list[str], extra: list[str]) -> list[str]:
 
 def _reference(overrides: list[str], keys_by_replica: list[list[str]]):
     rc = load(overrides, job="test")
-    tok = load_tokenizer(resolve_path(rc.data.tokenizer))
+    tok = load_tokenizer(tokenizer_source(rc)[0])
     samples, want = {}, {k for keys in keys_by_replica for k in keys}
     for s in iter_samples(path=resolve_path(rc.data.path), tokenizer=tok, spec=rc.model, dp_rank=0,
                           dp_size=1, seed=rc.train.seed, epochs=1, root=PACKAGE_ROOT):

@@ -48,10 +48,10 @@ def test_cfg_hydra_and_info_work_as_in_any_hydra_app(in_tmp, capsys):
 def test_help_lists_commands_and_config_groups(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("train", "plan", "simulate", "profile", "bench", "shards", "bench-data", "report"):
+    for command in ("train", "plan", "simulate", "profile", "bench", "shards", "bench-data", "report", "export"):
         assert f"\n  {command} " in out
-    assert "model: llava-1.5-7b, omni-7b, qwen2-audio-7b, qwen2-vl-7b, tiny" in out
-    assert "recipes: plan-qwen2-vl-h100, tiny-pp2-dp2, tiny-pp4" in out
+    assert "model: compose, hf, llava-1.5-7b, omni-7b, qwen2-audio-7b, qwen2-vl-7b, tiny" in out
+    assert "recipes: llava-stage1, llava-stage2, plan-qwen2-vl-h100, qwen2-vl-sft, tiny-pp2-dp2, tiny-pp4" in out
 
 
 def test_command_help_is_specific_and_shows_the_values_it_would_run_with(capsys):
@@ -63,7 +63,7 @@ def test_command_help_is_specific_and_shows_the_values_it_would_run_with(capsys)
     assert "train.lr" not in out and "parallel.pp" not in out
     assert main(["train", "--help", "train.steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "train.steps: 7" in out and "Optimizer steps." in out and "data: mixture, synthetic, trace" in out
+    assert "train.steps: 7" in out and "Optimizer steps." in out and "data: mixture, shards, synthetic, trace" in out
 
 
 def test_override_grammar_adds_removes_and_force_sets():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,33 +19,49 @@ def trace(tmp_path_factory) -> str:
     return str(p)
 
 
-def _overrides_for(group: str, name: str, trace: str) -> list[str]:
+def _overrides_for(group: str, name: str, trace: str, folders: dict[str, Path]) -> list[str]:
+    from tests.unit.model.hf_checkpoints import model_overrides
+
     extra = {"trace": ["data.path=" + trace]}.get(name, [])
     if group == "model" and name != "tiny":
         extra = ["data=trace", "data.path=" + trace]
+    if group == "model" and name in ("hf", "compose"):  # a folder to read: the tiny test checkpoints
+        return [*model_overrides("llava" if name == "hf" else name, folders), *extra]
     return [f"{group}={name}", *extra]
 
 
 @pytest.mark.parametrize("group", ["model", "data", "hardware"])
-def test_every_yaml_in_conf_composes_and_validates(group, trace):
+def test_every_yaml_in_conf_composes_and_validates(group, trace, request):
     names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
     assert names
+    folders = request.getfixturevalue("hf_checkpoints") if group == "model" else {}
     for name in names:
-        rc = load(_overrides_for(group, name, trace), job="test")
+        rc = load(_overrides_for(group, name, trace, folders), job="test")
         assert rc.parallel.pp >= 1
 
 
-def test_every_recipe_composes_and_validates(trace):
+def test_every_recipe_composes_and_validates(trace, request):
+    """Each recipe, launched as its header says; the model folders it names (placeholders the user
+    replaces) are the tiny test checkpoints here."""
     for path in sorted((CONF_DIR / "recipes").glob("*.yaml")):
-        head = path.read_text().splitlines()[:3]
-        assert head[0] == "# @package _global_", f"{path.name} must be a global package"
-        assert any(l.startswith("# mmpipe ") for l in head), f"{path.name} must give its launch command"
         text = path.read_text()
+        head = text.splitlines()[:3]
+        assert head[0] == "# @package _global_", f"{path.name} must be a global package"
+        launch = next((l for l in head if l.startswith("# mmpipe ")), None)
+        assert launch, f"{path.name} must give its launch command"
         extra = ["data.path=" + trace] if "data: trace" in text or "- override /data: trace" in text else []
+        folders = re.findall(r"(model\.(?:\w+\.)?path)=\S+", launch)
+        if folders:
+            f = request.getfixturevalue("hf_checkpoints")
+            mine = {"model.path": f["qwen2-vl"], "model.vision.path": f["compose-vision"],
+                    "model.llm.path": f["compose-llm"], "model.projector.path": f["compose-projector"]}
+            extra += [f"{key}={mine[key]}" for key in folders]
         rc = load([f"recipes={path.stem}", *extra], job="test")
-        for line in path.read_text().splitlines():  # the recipe's own settings took effect
+        for line in text.splitlines():  # the recipe's own settings took effect
             if line.startswith("  pp:"):
                 assert rc.parallel.pp == int(line.split(":")[1])
+            if line.startswith("  trainable:"):
+                assert list(rc.train.trainable) == [t.strip() for t in line.split("[")[1].split("]")[0].split(",")]
 
 
 def test_unknown_key_names_the_key_and_the_nearest_real_one(capsys):
@@ -125,7 +144,7 @@ def test_readme_stage_override_lines_compose():
     ("data.epochs=0", "data.epochs=0 must be >= 1, or null to repeat the data forever"),
     ("model.llm.hiden=64", "model.llm.hiden=64: no such config key; did you mean model.llm.hidden?"),
     ("data.pth=x", "data.pth=x: no such config key; did you mean data.path?"),
-    ("model=qwen3", "model=qwen3: no such model config; available: llava-1.5-7b"),
+    ("model=qwen3", "model=qwen3: no such model config; available: compose, hf, llava-1.5-7b"),
 ])
 def test_bad_values_and_typos_are_one_line_errors(override, message, capsys):
     assert main(["train", override]) == 2

@@ -2,7 +2,7 @@
 
 Supported: `LlavaForConditionalGeneration` (CLIP / SigLIP tower, Llama / Mistral / Qwen2),
 `Qwen2VLForConditionalGeneration`, `Qwen2AudioForConditionalGeneration`, and compositions of
-unimodal checkpoints (`model.hf.compose`). See docs/hf.md.
+unimodal checkpoints (`model=compose`). See docs/hf.md.
 
 What the runtime calls:
 - spec: `spec_from_settings(model_group)`, or `spec_from_folder(DIR)`, `spec_from_config(dict,

@@ -29,20 +29,17 @@ LLM_TYPES = ("llama", "mistral", "qwen2")
 """Decoder families a LLaVA, Qwen2-Audio or composed model may use."""
 VISION_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 """Vision towers a LLaVA or composed model may use (a full CLIP/SigLIP model gives its vision part)."""
-COMPOSE_KEYS = ("vision", "audio", "llm", "projector", "vision_feature_layer", "vision_feature_select_strategy",
-                "projector_hidden_act", "image_token_id", "audio_token_id")
-SETTINGS_KEYS = ("path", "config", "image_processor", "feature_extractor", "compose", "max_seq_len")
 
 
 def _supported() -> str:
-    return (f"{', '.join(ARCHITECTURES.values())}, or model.hf.compose of a CLIP/SigLIP vision model or a "
+    return (f"{', '.join(ARCHITECTURES.values())}, or model=compose of a CLIP/SigLIP vision model or a "
             f"Whisper encoder with a {'/'.join(LLM_TYPES)} causal LM")
 
 
 # ----------------------------------------------------------------------------- reading configs
 
 
-def read_config(folder: str | Path, *, what: str = "model.hf.path") -> PretrainedConfig:
+def read_config(folder: str | Path, *, what: str = "model.path") -> PretrainedConfig:
     """A checkpoint folder's transformers config (local files only)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -99,7 +96,7 @@ def _feature_layer(config: PretrainedConfig, layers: int, what: str) -> int:
     return k
 
 
-def check_supported(config: PretrainedConfig, *, what: str = "model.hf") -> str:
+def check_supported(config: PretrainedConfig, *, what: str = "model") -> str:
     """The model_type of a supported architecture, or a ValueError naming what is not."""
     kind = config.model_type
     if kind not in ARCHITECTURES:
@@ -214,7 +211,7 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
                      weights: tuple[tuple[str, str], ...] = (),
                      image_processor: Mapping[str, Any] | None = None,
                      feature_extractor: Mapping[str, Any] | None = None,
-                     max_seq_len: int | None = None, what: str = "model.hf.config") -> ModelSpec:
+                     max_seq_len: int | None = None, what: str = "model.config") -> ModelSpec:
     """The spec of a supported architecture given its transformers config.
 
     Args:
@@ -250,7 +247,7 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
 
 
 def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len: int | None = None,
-                     what: str = "model.hf.path") -> ModelSpec:
+                     what: str = "model.path") -> ModelSpec:
     """The spec of a checkpoint folder (its config.json, preprocessor files and weights)."""
     config = read_config(folder, what=what)
     check_supported(config, what=f"{what}={str(folder)!r}")

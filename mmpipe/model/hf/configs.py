@@ -19,7 +19,7 @@ ARCHITECTURES = {
 """model_type -> the transformers class mmpipe builds (and exports) for it."""
 
 
-def config_from_dict(values: Mapping[str, Any], *, what: str = "model.hf.config") -> PretrainedConfig:
+def config_from_dict(values: Mapping[str, Any], *, what: str = "model.config") -> PretrainedConfig:
     """A transformers config from a mapping shaped like config.json."""
     values = dict(values)
     model_type = values.get("model_type")

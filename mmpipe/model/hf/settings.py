@@ -1,48 +1,86 @@
 """A `model` config group that names a Hugging Face source becomes a ModelSpec: a checkpoint
-folder, an inline config (the 7B presets), or a composition of unimodal checkpoints."""
+folder (`model=hf`), an inline config (the 7B presets), or a composition of unimodal
+checkpoints (`model=compose`). Errors name each key as the user types it."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from mmpipe.model.hf.arch import COMPOSE_KEYS, SETTINGS_KEYS, spec_from_config, spec_from_folder
+from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.compose import spec_from_compose
 from mmpipe.model.spec import ModelSpec
 
+FOLDER_KEYS = ("name", "path", "max_seq_len")
+"""`model=hf` (conf/model/hf.yaml)."""
+CONFIG_KEYS = ("name", "config", "image_processor", "feature_extractor", "max_seq_len")
+"""A preset stating its transformers config inline (conf/model/llava-1.5-7b.yaml ...)."""
+COMPOSE_KEYS = ("name", "vision", "audio", "llm", "projector", "vision_feature_layer", "vision_feature_select_strategy",
+                "projector_hidden_act", "image_token_id", "audio_token_id", "max_seq_len")
+"""`model=compose` (conf/model/compose.yaml); vision, audio, llm and projector are {path: DIR}."""
+PARTS = ("vision", "audio", "llm", "projector")
+UNSET = (None, "", "???")
+"""Values that mean "not given" (`???` is Hydra's mandatory marker, left unresolved)."""
 
-def spec_from_settings(settings: Mapping[str, Any]) -> ModelSpec:
-    """A `model` config group naming a Hugging Face source, e.g.
 
-        name: llava-1.5-7b
-        hf: {path: DIR}                                  # a checkpoint folder, or
-        hf: {config: {...}, image_processor: {...}}      # an inline config (no weights), or
-        hf: {compose: {vision: DIR, llm: DIR, projector: DIR, image_token_id: 32000}}
+def spec_from_settings(group: Mapping[str, Any]) -> ModelSpec:
+    """The spec of a `model` group naming a Hugging Face source, one of
 
-    and optionally `hf.max_seq_len`. Unknown keys are errors naming the key.
+        name: null                # model=hf: the folder's name
+        path: DIR                 # a checkpoint folder written by save_pretrained
+        ---
+        name: qwen2-vl-7b         # a preset: the Hub config.json and processor config, inline (no weights)
+        config: {...}
+        image_processor: {...}    # or feature_extractor: {...}
+        ---
+        name: null                # model=compose
+        vision: {path: DIR}       # or audio: {path: DIR}
+        llm: {path: DIR}
+        projector: {path: null}   # a folder holding a projector (a LLaVA checkpoint, an export), or null
+        vision_feature_layer: -2  # ... (conf/model/compose.yaml)
+
+    each with an optional `max_seq_len`. Unknown keys and missing values are errors naming the key.
     """
-    settings = dict(settings)
-    name, hf = settings.pop("name", None), settings.pop("hf", None)
-    if settings:
-        raise ValueError(f"model.{sorted(settings)[0]} is not a setting of a Hugging Face model; "
-                         f"known: name, hf")
-    if not isinstance(hf, Mapping):
-        raise ValueError("model.hf is missing; give hf.path, hf.config or hf.compose")
-    unknown = sorted(set(hf) - set(SETTINGS_KEYS))
+    group = dict(group)
+    llm = group.get("llm")
+    if isinstance(llm, Mapping) and "path" in llm:
+        return _compose(group)
+    form, keys = ("path", FOLDER_KEYS) if "path" in group else ("config", CONFIG_KEYS)
+    _known(group, keys, f"model={'hf' if form == 'path' else group.get('name')}")
+    name, max_len = group.get("name"), group.get("max_seq_len")
+    if form == "path":
+        if group["path"] in UNSET:
+            raise ValueError("model.path is not set; give model.path=DIR, a local checkpoint folder written by "
+                             "save_pretrained (LLaVA, Qwen2-VL or Qwen2-Audio)")
+        return spec_from_folder(str(group["path"]), name=name, max_seq_len=max_len)
+    if not isinstance(group.get("config"), Mapping):
+        raise ValueError(f"model.config={group.get('config')!r} must be a mapping shaped like config.json")
+    if not name:
+        raise ValueError("model.name is missing; a preset with an inline config names itself")
+    return spec_from_config(group["config"], name=name, image_processor=group.get("image_processor"),
+                            feature_extractor=group.get("feature_extractor"), max_seq_len=max_len)
+
+
+def _known(group: Mapping[str, Any], keys: tuple[str, ...], what: str) -> None:
+    unknown = sorted(set(group) - set(keys))
     if unknown:
-        raise ValueError(f"model.hf.{unknown[0]} is not a setting; known: {', '.join(SETTINGS_KEYS)}")
-    sources = [k for k in ("path", "config", "compose") if hf.get(k) is not None]
-    if len(sources) != 1:
-        raise ValueError(f"model.hf needs exactly one of path, config, compose; got {sources or 'none'}")
-    max_len = hf.get("max_seq_len")
-    if "path" in sources:
-        return spec_from_folder(hf["path"], name=name, max_seq_len=max_len)
-    if "config" in sources:
-        if not name:
-            raise ValueError("model.name is missing; a preset with an inline config names itself")
-        return spec_from_config(hf["config"], name=name, image_processor=hf.get("image_processor"),
-                                feature_extractor=hf.get("feature_extractor"), max_seq_len=max_len)
-    compose = dict(hf["compose"])
-    unknown = sorted(set(compose) - set(COMPOSE_KEYS))
-    if unknown:
-        raise ValueError(f"model.hf.compose.{unknown[0]} is not a setting; known: {', '.join(COMPOSE_KEYS)}")
-    return spec_from_compose(name=name or "compose", max_seq_len=max_len, **compose)
+        raise ValueError(f"model.{unknown[0]} is not a setting of {what}; known: {', '.join(keys)}")
+
+
+def _compose(group: dict[str, Any]) -> ModelSpec:
+    _known(group, COMPOSE_KEYS, "model=compose")
+    folders: dict[str, str | None] = {}
+    for part in PARTS:
+        value = group.pop(part, None)
+        if value is None:
+            folders[part] = None
+            continue
+        if not isinstance(value, Mapping) or set(value) - {"path"}:
+            extra = sorted(set(value) - {"path"}) if isinstance(value, Mapping) else [repr(value)]
+            raise ValueError(f"model.{part}.{extra[0]} is not a setting of model=compose; give model.{part}.path=DIR")
+        path = value.get("path")
+        folders[part] = None if path in UNSET else str(path)
+    if folders["llm"] is None:
+        raise ValueError("model.llm.path is not set; give model.llm.path=DIR, a local Llama / Mistral / Qwen2 "
+                         "causal LM folder written by save_pretrained")
+    options = {k: v for k, v in group.items() if k != "name" and v not in UNSET}
+    return spec_from_compose(name=group.get("name") or "compose", **folders, **options)

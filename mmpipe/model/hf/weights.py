@@ -106,7 +106,7 @@ def canonical_index(folder: str | Path, model: PreTrainedModel) -> dict[str, Ten
 
 def _source_model(folder: str) -> PreTrainedModel:
     """The meta-device model of a unimodal checkpoint (the class its config.json names)."""
-    config = read_config(folder, what="model.hf.compose")
+    config = read_config(folder, what="model=compose")
     arch = (config.architectures or [None])[0]
     cls = getattr(transformers, arch or "", None)
     if cls is None:
@@ -130,7 +130,7 @@ def _compose_index(part: str, folder: str) -> dict[str, TensorRef]:
     name = type(model).__name__
     rules = [(src, dst) for suffix, src, dst in _COMPOSE_PREFIXES[part] if name.endswith(suffix)]
     if not rules:
-        raise ValueError(f"model.hf.compose.{part}={folder!r} is a {name}; expected a "
+        raise ValueError(f"model.{part}.path={folder!r} is a {name}; expected a "
                          f"{' or '.join('*' + s for s, _, _ in _COMPOSE_PREFIXES[part])}")
     out = {}
     for key, ref in canonical_index(folder, model).items():
@@ -152,7 +152,7 @@ def checkpoint_index(src: HFSource) -> dict[str, TensorRef]:
         elif part == "projector":  # any folder holding a LLaVA / Qwen2-Audio projector
             found = {k: r for k, r in canonical_index(folder, model).items() if k.startswith(PROJECTOR + ".")}
             if not found:
-                raise ValueError(f"model.hf.compose.projector={folder!r} holds no {PROJECTOR} tensors "
+                raise ValueError(f"model.projector.path={folder!r} holds no {PROJECTOR} tensors "
                                  f"of a {src.architecture}")
             index.update(found)
         else:

@@ -12,7 +12,8 @@ from mmpipe.model.hf.arch import spec_from_config
 from mmpipe.model.hf.build import build_layer
 from mmpipe.model.hf.memory import check_memory, estimate_memory, layer_params
 from mmpipe.model.hf.settings import spec_from_settings
-from mmpipe.model.spec import layer_names, spec_from_dict
+from mmpipe.model.group import model_from_group
+from mmpipe.model.spec import layer_names
 
 # The Hub configs of the three 7B checkpoints (config.json and preprocessor figures), as the
 # presets state them.
@@ -52,7 +53,8 @@ WHISPER_FE = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size
 
 
 def _preset(name):
-    return spec_from_dict(yaml.safe_load((PACKAGE_ROOT / f"conf/model/{name}.yaml").read_text()))
+    """The preset as `model=NAME` builds it (its own, separately written copy of the Hub config)."""
+    return model_from_group(yaml.safe_load((PACKAGE_ROOT / f"conf/model/{name}.yaml").read_text())).spec
 
 
 def _same_figures(ours, preset, fields):
@@ -63,8 +65,9 @@ def _same_figures(ours, preset, fields):
 def test_7b_presets_build_from_their_configs_alone():
     llava = spec_from_config(LLAVA_15_7B, name="llava-1.5-7b")
     preset = _preset("llava-1.5-7b")
-    _same_figures(llava.vision, preset.vision, ("hidden", "mlp", "heads", "patch", "image_size", "cls_token", "proj"))
-    _same_figures(llava.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads"))
+    _same_figures(llava.vision, preset.vision, ("blocks", "hidden", "mlp", "heads", "patch", "image_size", "cls_token",
+                                                "select", "proj"))
+    _same_figures(llava.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
     assert llava.vision.blocks == 23  # feature layer -2: the last CLIP block never runs
     assert features(llava, SampleMeta(text_tokens=10, images=((480, 640),))).image_tokens == (576,)
 
@@ -77,7 +80,8 @@ def test_7b_presets_build_from_their_configs_alone():
     audio = spec_from_config(QWEN2_AUDIO_7B, name="qwen2-audio-7b", feature_extractor=WHISPER_FE)
     preset = _preset("qwen2-audio-7b")
     _same_figures(audio.audio, preset.audio, ("blocks", "hidden", "mlp", "heads", "mel_bins", "sample_rate",
-                                              "frames_per_s", "conv_stride", "pool", "max_seconds", "proj"))
+                                              "frames_per_s", "conv_stride", "pool", "pool_ceil", "max_seconds", "proj"))
+    _same_figures(audio.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
     assert features(audio, SampleMeta(text_tokens=3, audio_seconds=(10.0,))).audio_tokens == (250,)
     # a layer of a 7B model is built alone, without weights
     block = build_layer(qwen, "vision.block.31", seed=0)
@@ -100,13 +104,13 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"model_type": "gpt2"}, r"model\.hf\.config: model_type 'gpt2' is not supported; supported: "
+    ({"model_type": "gpt2"}, r"model\.config: model_type 'gpt2' is not supported; supported: "
                              r"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, "
-                             r"Qwen2AudioForConditionalGeneration, or model\.hf\.compose"),
+                             r"Qwen2AudioForConditionalGeneration, or model=compose"),
     ({"model_type": "llava_next"}, r"model_type 'llava_next' is not supported"),
-    ({"model_type": "nonsense"}, r"model\.hf\.config\.model_type='nonsense' is not a transformers model type"),
+    ({"model_type": "nonsense"}, r"model\.config\.model_type='nonsense' is not a transformers model type"),
     ({**LLAVA_15_7B, "vision_feature_layer": [-2, -5]},
-     r"model\.hf\.config\.vision_feature_layer=\[-2, -5\]: only a single layer index is supported"),
+     r"model\.config\.vision_feature_layer=\[-2, -5\]: only a single layer index is supported"),
     ({**LLAVA_15_7B, "vision_feature_layer": 0}, r"vision_feature_layer=0 selects no vision block of 24"),
     ({**LLAVA_15_7B, "vision_config": {"model_type": "pixtral"}},
      r"LLaVA vision tower 'pixtral' is not supported; use clip_vision_model or siglip_vision_model"),
@@ -122,15 +126,20 @@ def test_unsupported_architectures_are_one_line_errors(config, message):
 
 
 def test_settings_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"model\.hf\.pth is not a setting; known: path, config"):
-        spec_from_settings({"name": "x", "hf": {"pth": "/x"}})
-    with pytest.raises(ValueError, match=r"model\.hf needs exactly one of path, config, compose; got \['path', "
-                                         r"'config'\]"):
-        spec_from_settings({"name": "x", "hf": {"path": "/x", "config": {}}})
-    with pytest.raises(ValueError, match=r"model\.hf\.path='.*' is not a checkpoint folder \(no config\.json"):
-        spec_from_settings({"name": "x", "hf": {"path": str(tmp_path)}})
-    with pytest.raises(ValueError, match=r"model\.hf\.compose\.vison is not a setting"):
-        spec_from_settings({"name": "x", "hf": {"compose": {"vison": "/x"}}})
-    spec = spec_from_settings({"name": "q", "hf": {"config": QWEN2_VL_7B, "image_processor": QWEN2_VL_PROCESSOR,
-                                                   "max_seq_len": 8192}})
+    """The model groups as typed (conf/model/hf.yaml, compose.yaml, a preset): errors name `model.<key>`."""
+    with pytest.raises(ValueError, match=r"model\.pth is not a setting of model=hf; known: name, path, max_seq_len"):
+        spec_from_settings({"name": None, "path": "/x", "pth": "/x"})
+    with pytest.raises(ValueError, match=r"model\.path is not set; give model\.path=DIR"):
+        spec_from_settings({"name": None, "path": "???"})
+    with pytest.raises(ValueError, match=r"model\.path='.*' is not a checkpoint folder \(no config\.json"):
+        spec_from_settings({"name": None, "path": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"model\.vison is not a setting of model=compose"):
+        spec_from_settings({"vison": {"path": "/x"}, "llm": {"path": "/y"}})
+    with pytest.raises(ValueError, match=r"model\.llm\.path is not set; give model\.llm\.path=DIR"):
+        spec_from_settings({"vision": {"path": "/x"}, "llm": {"path": "???"}})
+    with pytest.raises(ValueError, match=r"model\.vision\.blocks is not a setting of model=compose; give "
+                                         r"model\.vision\.path=DIR"):
+        spec_from_settings({"vision": {"path": "/x", "blocks": 2}, "llm": {"path": "/y"}})
+    spec = spec_from_settings({"name": "q", "config": QWEN2_VL_7B, "image_processor": QWEN2_VL_PROCESSOR,
+                               "max_seq_len": 8192})
     assert spec.llm.max_seq_len == 8192 and spec.hf.architecture == "Qwen2VLForConditionalGeneration"

@@ -114,15 +114,18 @@ def test_each_part_loads_from_its_own_folder(kind, cls, prefix, unimodal, llava_
 
 def test_compose_errors_name_the_setting(unimodal, tmp_path):
     vision, audio, llm = unimodal("clip-vision"), unimodal("whisper"), unimodal("llama")
-    with pytest.raises(ValueError, match=r"model\.hf\.compose needs exactly one encoder"):
+    with pytest.raises(ValueError, match=r"model=compose needs exactly one encoder"):
         spec_from_compose(name="x", vision=str(vision), audio=str(audio), llm=str(llm), image_token_id=1,
                           audio_token_id=2)
-    with pytest.raises(ValueError, match=r"model\.hf\.compose\.image_token_id=300 must be a token id of the "
+    with pytest.raises(ValueError, match=r"model\.image_token_id=300 must be a token id of the "
                                          r"LLM's vocabulary \(0\.\.299\)"):
         spec_from_compose(name="x", vision=str(vision), llm=str(llm), image_token_id=300)
-    with pytest.raises(ValueError, match=r"model\.hf\.compose\.llm=.* is a clip_vision_model"):
+    with pytest.raises(ValueError, match=r"model\.llm\.path=.* is a clip_vision_model"):
         spec_from_compose(name="x", vision=str(vision), llm=str(vision), image_token_id=1)
-    with pytest.raises(ValueError, match=r"model\.hf\.compose\.vision=.* is a llama model; use a CLIP or SigLIP"):
+    with pytest.raises(ValueError, match=r"model\.vision\.path=.* is a llama model; use a CLIP or SigLIP"):
         spec_from_compose(name="x", vision=str(llm), llm=str(llm), image_token_id=1)
-    with pytest.raises(ValueError, match=r"model\.hf\.compose\.audio=.* is not a checkpoint folder"):
+    with pytest.raises(ValueError, match=r"model\.audio\.path=.* is not a checkpoint folder"):
         spec_from_compose(name="x", audio=str(tmp_path), llm=str(llm), audio_token_id=1)
+    with pytest.raises(ValueError, match=r"model\.image_token_id is not set and the tokenizer in model\.llm\.path="
+                                         r".* has no <image> token"):
+        spec_from_compose(name="x", vision=str(vision), llm=str(llm))

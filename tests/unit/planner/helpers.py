@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from mmpipe.model.spec import ModelSpec, spec_from_dict
+from mmpipe.model.group import model_from_group
+from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -15,7 +16,8 @@ WORKLOADS = PACKAGE / "data" / "workloads"
 
 
 def model(name: str) -> ModelSpec:
-    return spec_from_dict(yaml.safe_load((PACKAGE / "conf" / "model" / f"{name}.yaml").read_text()))
+    """A model preset as `model=NAME` builds it (the 7B presets through their inline Hub configs)."""
+    return model_from_group(yaml.safe_load((PACKAGE / "conf" / "model" / f"{name}.yaml").read_text())).spec
 
 
 def hardware(name: str) -> HardwareSpec:

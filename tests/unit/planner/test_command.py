@@ -1,3 +1,4 @@
+import itertools
 import json
 
 import numpy as np
@@ -101,3 +102,33 @@ def test_data_aware_not_slower_than_baselines_on_7b_slice(tmp_path):
     for name, b in plan["predicted"]["baselines"].items():
         assert ours <= np.mean(b["step_time_s"]), name
     assert ours >= np.mean(plan["predicted"]["lower_bound_s"])
+
+
+def test_a_small_step_is_explained_in_the_report(tmp_path, capsys):
+    _plan(tmp_path, pp=4, dp=2, global_batch=16, steps=1)
+    out = capsys.readouterr().out
+    assert ("small step: each replica gets 8 samples per step for 4 stages; 1F1B with m equal micro-batches "
+            "idles (pp-1)/(m+pp-1) of the step, 27.3% even at one sample per micro-batch") in out
+    _plan(tmp_path, pp=2, dp=1, global_batch=40, steps=1)
+    assert "small step" not in capsys.readouterr().out  # 40 samples for 2 stages
+
+
+def test_plan_from_shards_is_the_plan_of_their_metadata_as_a_trace(tmp_path):
+    """`mmpipe plan data=shards` reads each sample's metadata (no media) in stream order: the
+    same plan as a trace of those lines."""
+    from mmpipe.cli import main
+    from mmpipe.config import PACKAGE_ROOT
+    from mmpipe.data.reader import iter_meta
+
+    shards = str(PACKAGE_ROOT / "data" / "shards" / "train-{000000..000007}.tar")
+    keys, metas = zip(*itertools.islice(iter_meta(path=shards, epochs=1), 32))
+    trace = tmp_path / "meta.jsonl"
+    trace.write_text("".join(json.dumps({"text_tokens": m.text_tokens, "images": [list(i) for i in m.images],
+                                         "audio_seconds": list(m.audio_seconds)}) + "\n" for m in metas))
+    assert main(["plan", "data=shards", f"plan.out={tmp_path / 'a.json'}", "model=tiny", "hardware=cpu",
+                 "parallel.pp=2", "parallel.dp=2", "train.global_batch=16", "train.micro_batches=2",
+                 "plan.steps=2"]) == 0
+    a = json.loads((tmp_path / "a.json").read_text())
+    b = _plan(tmp_path, trace_path=str(trace), steps=2, quiet=True)
+    assert a["sample_keys"] == list(keys[:32]) and len(a["steps"]) == 2
+    assert a["steps"] == b["steps"] and a["stages"] == b["stages"] and a["predicted"] == b["predicted"]

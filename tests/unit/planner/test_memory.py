@@ -1,9 +1,12 @@
 """Exact 1F1B in-flight memory accounting of the data-aware balancer."""
 
-import numpy as np
+import itertools
 
-from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.api import plan_stages, plan_step
+import numpy as np
+import pytest
+
+from mmpipe.model.geometry import SampleFeatures, features
+from mmpipe.planner.api import PACKED_POLICIES, POLICIES, plan_stages, plan_step
 from mmpipe.planner.cost import build_cost_model
 from mmpipe.planner.memory import WindowMemory, window_peaks
 from mmpipe.planner.packing import lpt_pack
@@ -12,8 +15,9 @@ from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import peak_memory
 from mmpipe.planner.stage_cost import stage_costs
 from mmpipe.planner.step import evaluate_step
+from mmpipe.planner.trace import read_trace
 
-from .helpers import hardware, model
+from .helpers import WORKLOADS, hardware, model
 
 
 def test_window_peaks_match_the_simulated_1f1b_peak():
@@ -84,3 +88,28 @@ def test_memory_bound_plan_fits_under_the_simulator():
     sc = stage_costs(cost, sp.stages, sp.recompute)
     ev = evaluate_step(sc, sample_table(feats), reps, packing=True)
     assert ev.fits
+
+
+HEADROOM = 0.08
+
+
+@pytest.mark.parametrize("mname,workload,n", [("llava-1.5-7b", "llava-pretrain", 24), ("qwen2-vl-7b", "llava-sft", 24),
+                                              ("omni-7b", "vision-dynamic", 32),
+                                              ("qwen2-audio-7b", "audio-caption", 24)])
+def test_no_policy_plans_into_the_headroom(mname, workload, n):
+    """Every policy's stages and step (data-aware, and each baseline as a run of it plans its
+    steps) stay within usable memory less plan.memory_headroom under the planner's own
+    evaluation, on every public workload (on vision-dynamic, ds-default taking
+    train.micro_batches as it is would put 2.5x the memory on stage 0)."""
+    m, hw = model(mname), hardware("h100")
+    feats = [features(m, meta) for meta in itertools.islice(read_trace(WORKLOADS / f"{workload}.jsonl"), n)]
+    cost = build_cost_model(model=m, hardware=hw, trainable=("all",), dp=2, memory_headroom=HEADROOM)
+    assert cost.usable_bytes == pytest.approx(hw.usable_bytes * (1 - HEADROOM))
+    for policy in POLICIES:
+        sp = plan_stages(model=m, hardware=hw, pp=4, dp=2, trainable=("all",), sample=feats, micro_batches=4,
+                         policy=policy, memory_headroom=HEADROOM)
+        reps = plan_step(policy=policy, features=feats, stage_plan=sp, cost=cost, dp=2, micro_batches=4)
+        ev = evaluate_step(stage_costs(cost, sp.stages, sp.recompute), sample_table(feats), reps,
+                           packing=policy in PACKED_POLICIES)
+        assert ev.usable == cost.usable_bytes
+        assert np.all(ev.peak_bytes <= cost.usable_bytes), (policy, ev.peak_bytes / cost.usable_bytes)

@@ -1,11 +1,10 @@
 import numpy as np
 import pytest
 
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import layer_names
 from mmpipe.planner.api import plan_stages
-from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.partition import (StagePlan, packed_ffd_partition, parameters_partition,
-                                      stages_from_names)
+from mmpipe.planner.partition import StagePlan, packed_ffd_partition, parameters_partition, stages_from_names
 
 from .helpers import hardware, model
 

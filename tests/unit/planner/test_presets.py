@@ -7,7 +7,7 @@ from .helpers import hardware, model
 
 
 @pytest.mark.parametrize("name,layers,first_llm", [
-    ("llava-1.5-7b", 24 + 2 + 32 + 3, "llm.embed"),
+    ("llava-1.5-7b", 23 + 2 + 32 + 3, "llm.embed"),  # vision_feature_layer -2: the 24th CLIP block never runs
     ("qwen2-vl-7b", 32 + 2 + 28 + 3, "llm.embed"),
     ("qwen2-audio-7b", 32 + 2 + 32 + 3, "llm.embed"),
     ("omni-7b", 34 + 34 + 28 + 3, "llm.embed"),
@@ -21,11 +21,21 @@ def test_model_presets_load_and_list_layers_without_weights(name, layers, first_
 
 
 def test_preset_figures_match_the_spec_table():
+    """docs/spec.md section 5, as the Hub configs give it (the differences are stated there)."""
     q = model("qwen2-vl-7b")
     assert (q.vision.blocks, q.vision.hidden, q.vision.merge, q.vision.proj) == (32, 1280, 2, (5120, 3584))
-    assert (q.llm.hidden, q.llm.mlp, q.llm.kv_heads, q.llm.vocab) == (3584, 18944, 4, 152064)
+    assert (q.vision.min_pixels, q.vision.max_pixels) == (4 * 28 * 28, 1280 * 28 * 28)
+    assert (q.llm.blocks, q.llm.hidden, q.llm.mlp, q.llm.heads, q.llm.kv_heads, q.llm.vocab) == (
+        28, 3584, 18944, 28, 4, 152064)
+    l = model("llava-1.5-7b")
+    assert (l.vision.blocks, l.vision.hidden, l.vision.mlp, l.vision.heads, l.vision.image_size) == (
+        23, 1024, 4096, 16, 336)
+    assert (l.llm.blocks, l.llm.hidden, l.llm.mlp, l.llm.heads, l.llm.kv_heads, l.llm.vocab) == (
+        32, 4096, 11008, 32, 32, 32064)
     a = model("qwen2-audio-7b")
-    assert (a.audio.blocks, a.audio.heads, a.audio.proj, a.llm.vocab) == (32, 20, (4096,), 151936)
+    assert (a.audio.blocks, a.audio.hidden, a.audio.mlp, a.audio.heads, a.audio.proj) == (32, 1280, 5120, 20, (4096,))
+    assert (a.llm.blocks, a.llm.hidden, a.llm.mlp, a.llm.heads, a.llm.kv_heads, a.llm.vocab) == (
+        32, 4096, 11008, 32, 32, 156032)
     o = model("omni-7b")
     assert o.audio.proj == (3584,) and o.vision.proj == (5120, 3584)
 

@@ -1,0 +1,83 @@
+"""Media for a Hugging Face model (`spec.hf` set): read and checked exactly as mmpipe.data.media
+reads them (sizes against the limits from the headers first; whatever a decoder raises becomes a
+counted SampleError), then made into what the checkpoint's own processors make of them
+(`mmpipe.model.hf.media`: its image processor, its Whisper feature extractor), so the model is
+given what transformers would give it.
+
+A clip is decoded whole and resampled whole, then cut at the model's max_seconds, as a clip
+loaded at the model's rate (librosa.load, soundfile + a resampler) and cut by the feature
+extractor is: a cut before resampling would change the last samples before the cut. Its
+waveform is then cut or zero-padded to the samples its header duration gives (resampling may add
+or drop one), so its valid frames, and hence its LLM tokens, are the ones the planner counted;
+an image's patch grid is checked against the geometry by `preprocess_image` itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, open_image, read_audio, resample
+from mmpipe.data.skips import UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError
+from mmpipe.model.geometry import SampleMeta, audio_frames, audio_samples
+from mmpipe.model.spec import ModelSpec
+
+
+def _phrase(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}"[:300] if text else type(err).__name__
+
+
+def hf_image(data: bytes, spec: ModelSpec, limits: MediaLimits = DEFAULT_LIMITS):
+    """An image's pixel values as the checkpoint's image processor makes them (an ImageInput).
+
+    Raises:
+        SampleError: `undecodable image` (also when the processor refuses it), `media too large`.
+    """
+    from mmpipe.model.hf.media import preprocess_image
+
+    img = open_image(data, limits)
+    try:
+        with img:
+            img.load()
+            rgb = img.convert("RGB")
+    except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's problem
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_phrase(err)})") from None
+    try:
+        return preprocess_image(spec, rgb)
+    except ValueError as err:
+        raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({_phrase(err)})") from None
+
+
+def hf_audio(data: bytes, spec: ModelSpec, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMITS,
+             seconds: float | None = None):
+    """A clip's log-mel features as the checkpoint's feature extractor makes them (an AudioInput)
+    of its first model.audio.max_seconds (the whole clip is decoded and resampled; see above).
+
+    Raises:
+        SampleError: `undecodable audio` (also a clip whose decoded length is not the planned
+            one), `media too large`.
+    """
+    from mmpipe.model.hf.media import preprocess_audio
+
+    a = spec.audio
+    x, rate, head = read_audio(data, ext, limits)
+    if seconds is not None and audio_frames(a, seconds) != audio_frames(a, head.seconds):
+        raise SampleError(UNDECODABLE_AUDIO, f"the clip lasts {head.seconds:.3f} s, {seconds:.3f} s were planned")
+    try:
+        x = resample(x, rate, a.sample_rate)
+    except (ValueError, MemoryError, OverflowError) as err:  # e.g. an absurd rate in the header
+        raise SampleError(UNDECODABLE_AUDIO, f"a clip at {rate} Hz cannot be resampled ({_phrase(err)})") from None
+    n = audio_samples(a, head.seconds)
+    x = x[:n] if len(x) >= n else np.pad(x, (0, n - len(x)))
+    return preprocess_audio(spec, x, a.sample_rate)
+
+
+def blank_hf_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list, list]:
+    """Black images and silent clips of the planned sizes, through the processors (what a sample
+    whose media fail to decode behind a valid header trains with; see decode_record)."""
+    from mmpipe.model.hf.media import preprocess_audio, preprocess_image
+
+    images = [preprocess_image(spec, np.zeros((h, w, 3), np.uint8)) for h, w in meta.images] if spec.vision else []
+    audio = [preprocess_audio(spec, np.zeros(audio_samples(spec.audio, s), np.float32), spec.audio.sample_rate)
+             for s in meta.audio_seconds] if spec.audio else []
+    return images, audio

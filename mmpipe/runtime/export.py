@@ -1,0 +1,43 @@
+"""`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR`: a finished run's Hugging Face model, written
+back as the transformers class it is (the work is mmpipe.model.hf.export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmpipe.config import run_config_from_dict, tokenizer_source
+
+
+def run_export(run_dir: str, *, out: str, checkpoint: str | None = None):
+    """`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR`: the run's model (RUN_DIR/run.yaml) at
+    its latest or named checkpoint, written as the transformers class it is (mmpipe.model.hf.export),
+    with the tokenizer and processor files of its source (or of data.tokenizer when that was a
+    folder). Returns the ExportReport.
+
+    Raises:
+        ValueError: one line naming the argument (RUN_DIR, checkpoint=, out=).
+    """
+    import yaml
+
+    from mmpipe.model.hf import export
+    from mmpipe.runtime.checkpoint import MARKER, newest_committed
+
+    run = Path(run_dir)
+    if not (run / "run.yaml").is_file():
+        raise ValueError(f"{run_dir} is not a run directory (no run.yaml); give the hydra.run.dir of a "
+                         f"`mmpipe train` run")
+    rc = run_config_from_dict(yaml.safe_load((run / "run.yaml").read_text()), run_dir=str(run))
+    if rc.model.hf is None:
+        raise ValueError(f"{run_dir} trained model {rc.model.name}, mmpipe's own model: export writes a Hugging Face "
+                         f"model; train one with model=hf, model=compose or a Hub preset")
+    if checkpoint is None:  # the newest committed one (a save cut short by a crash is never exported)
+        folder = newest_committed(run, f"mmpipe export {run_dir}")[0]
+    else:
+        folder = Path(checkpoint) if Path(checkpoint).is_dir() else run / "checkpoints" / checkpoint
+        if not (folder / MARKER).is_file():
+            have = sorted(p.parent.name for p in (run / "checkpoints").glob(f"step*/{MARKER}")) or ["none"]
+            raise ValueError(f"checkpoint={checkpoint}: {folder} is not a committed checkpoint of {run_dir} "
+                             f"(committed: {', '.join(have)}); save with train.save_every=N or train.save_final=true")
+    path, key = tokenizer_source(rc) if rc.data.tokenizer else (None, "")
+    tokenizer = path if path and Path(path).is_dir() else None
+    return export(rc.model, folder, out, seed=rc.train.seed, tokenizer=tokenizer)

@@ -1,0 +1,226 @@
+"""The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
+samples, its inputs built here from the shards' tar members with the checkpoint's own chat
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; Qwen2-VL's
+image processor with its `<|image_pad|>` rule, since its processor needs torchvision), under the
+label convention of docs/data.md, written from that text. None of mmpipe's data code is used.
+
+The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
+content each `<image>` / `<audio>` placeholder is an item, whitespace between a placeholder and the
+start or end of its turn dropped; answer k is labelled with the tokens the render through answer k
+adds to the render of the turns before it with the generation prompt; everything else is -100.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import soundfile
+import soxr
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
+PLACEHOLDER = re.compile(r"(<image>|<audio>)")
+ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def raw_samples(keys: set[str]) -> dict[str, dict]:
+    """{key: {"conversations", "images": [bytes], "audio": [bytes]}} read from the shipped tars."""
+    found: dict[str, dict] = {}
+    shards = sorted(SHARDS.glob("train-*.tar"))
+    if not shards:
+        raise FileNotFoundError(f"no shipped shards in {SHARDS}")
+    for shard in shards:
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                key, _, rest = m.name.partition(".")
+                if key not in keys:
+                    continue
+                entry = found.setdefault(key, {"images": {}, "audio": {}})
+                data = tar.extractfile(m).read()
+                if rest == "json":
+                    entry["conversations"] = json.loads(data)["conversations"]
+                else:
+                    index, ext = rest.split(".")
+                    entry["audio" if ext == "wav" else "images"][int(index)] = data
+        if len(found) == len(keys) and all("conversations" in e for e in found.values()):
+            break
+    for e in found.values():
+        e["images"] = [e["images"][i] for i in sorted(e["images"])]
+        e["audio"] = [e["audio"][i] for i in sorted(e["audio"])]
+    return found
+
+
+def _items(text: str) -> list[dict]:
+    pieces = PLACEHOLDER.split(text)
+    items = [{"type": p[1:-1]} if n % 2 else {"type": "text", "text": p} for n, p in enumerate(pieces)]
+    texts = [i for i, it in enumerate(items) if it["type"] == "text" and it["text"].strip()]
+    for i, it in enumerate(items):
+        if it["type"] != "text":
+            continue
+        if not texts or i < texts[0] or i > texts[-1]:
+            it["text"] = ""  # whitespace at the turn's edges, among placeholders
+        elif i == texts[0] and any(x["type"] != "text" for x in items[:i]):
+            it["text"] = it["text"].lstrip()
+        if texts and i == texts[-1] and any(x["type"] != "text" for x in items[i + 1:]):
+            it["text"] = it["text"].rstrip()
+    return [it for it in items if it["type"] != "text" or it["text"]]
+
+
+def messages(conversations: list[dict], *, structured: bool) -> list[dict]:
+    out = []
+    for turn in conversations:
+        role, text = ROLES[turn["from"]], turn["value"]
+        if not structured:
+            out.append({"role": role, "content": text})
+        elif role == "user":
+            out.append({"role": role, "content": _items(text)})
+        else:
+            out.append({"role": role, "content": [{"type": "text", "text": text}]})
+    return out
+
+
+def waveform(data: bytes, rate: int) -> np.ndarray:
+    x, sr = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    x = x.mean(axis=1)
+    return soxr.resample(x, sr, rate).astype(np.float32) if sr != rate else x
+
+
+class Reference:
+    """One architecture's processors and model (kind: llava, qwen2-vl, qwen2-audio, compose)."""
+
+    def __init__(self, kind: str, folders: dict[str, Path]):
+        from transformers import AutoTokenizer
+
+        self.kind = kind
+        text_folder = folders["compose-llm"] if kind == "compose" else folders[kind]
+        self.tok = AutoTokenizer.from_pretrained(text_folder)
+        self.structured = kind != "compose"  # the composed LLM's template reads string content
+        if kind in ("llava", "compose"):
+            from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+            media = folders["compose-vision"] if kind == "compose" else folders[kind]
+            self.processor = LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(media),
+                                            tokenizer=self.tok, patch_size=7, vision_feature_select_strategy="default",
+                                            num_additional_image_tokens=1)
+        elif kind == "qwen2-audio":
+            from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+
+            self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
+                folders[kind]), tokenizer=self.tok)
+        else:
+            from transformers import Qwen2VLImageProcessorPil
+
+            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(folders[kind])
+        self.folders = folders
+
+    # ------------------------------------------------------------------ inputs
+
+    def _encode(self, text: str, images: list, clips: list) -> tuple[list[int], dict]:
+        """Token ids of a rendered text with its media expanded by the model's processor."""
+        if self.kind in ("llava", "compose"):
+            n = text.count("<image>")
+            out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values")}
+        if self.kind == "qwen2-audio":
+            n = text.count("<|AUDIO|>")
+            out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {"input_features": out.get("input_features"),
+                                                  "feature_attention_mask": out.get("feature_attention_mask")}
+        n = text.count("<|image_pad|>")
+        extra = {}
+        if n:  # Qwen2VLProcessor's rule: grid_t * grid_h * grid_w / merge^2 pads per image
+            proc = self.image_processor(images=images[:n], return_tensors="pt")
+            pieces = text.split("<|image_pad|>")
+            text = pieces[0] + "".join("<|image_pad|>" * (int(g.prod()) // 4) + p
+                                       for g, p in zip(proc["image_grid_thw"], pieces[1:]))
+            extra = {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
+        return self.tok(text)["input_ids"], extra
+
+    def sample(self, raw: dict) -> dict:
+        """input_ids, labels and the model's media inputs of one raw sample."""
+        images = [Image.open(io.BytesIO(b)).convert("RGB") for b in raw["images"]]
+        clips = [waveform(b, 16000) for b in raw["audio"]]
+        msgs = messages(raw["conversations"], structured=self.structured)
+
+        def render(part, gen):
+            return self.tok.apply_chat_template(part, tokenize=False, add_generation_prompt=gen)
+
+        ids, media = self._encode(render(msgs, False), images, clips)
+        labels = [-100] * len(ids)
+        for j, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            before = self._encode(render(msgs[:j], True), images, clips)[0]
+            through = self._encode(render(msgs[:j + 1], False), images, clips)[0]
+            assert through[:len(before)] == before and ids[:len(through)] == through, "renders do not extend"
+            labels[len(before):len(through)] = ids[len(before):len(through)]
+        return {"input_ids": ids, "labels": labels, **media}
+
+    def batch(self, samples: list[dict]) -> dict:
+        """One padded batch of every sample (right padding, attention mask, -100 on padding)."""
+        t = max(len(s["input_ids"]) for s in samples)
+        pad = self.tok.pad_token_id
+        out = {"input_ids": torch.tensor([s["input_ids"] + [pad] * (t - len(s["input_ids"])) for s in samples]),
+               "attention_mask": torch.tensor([[1] * len(s["input_ids"]) + [0] * (t - len(s["input_ids"]))
+                                               for s in samples]),
+               "labels": torch.tensor([s["labels"] + [-100] * (t - len(s["labels"])) for s in samples])}
+        for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"):
+            parts = [s[key] for s in samples if s.get(key) is not None]
+            if parts:
+                out[key] = torch.cat(parts)
+        if self.kind == "qwen2-vl":
+            image = self.tok.convert_tokens_to_ids("<|image_pad|>")
+            out["mm_token_type_ids"] = (out["input_ids"] == image).int()
+        return out
+
+    # ------------------------------------------------------------------ model
+
+    def model(self, folder: Path | None = None):
+        """The transformers model (eager attention) from its checkpoint, or from `folder` (an
+        export); parameters its modules declare frozen stay frozen."""
+        import transformers
+
+        if self.kind == "compose" and folder is None:
+            return self._composed()
+        cls = {"llava": "LlavaForConditionalGeneration", "compose": "LlavaForConditionalGeneration",
+               "qwen2-vl": "Qwen2VLForConditionalGeneration",
+               "qwen2-audio": "Qwen2AudioForConditionalGeneration"}[self.kind]
+        cls = getattr(transformers, cls)
+        model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")
+        with torch.device("meta"):
+            fresh = cls(model.config)
+        frozen = {n for n, p in fresh.named_parameters() if not p.requires_grad}
+        for n, p in model.named_parameters():  # from_pretrained (5.24) loses requires_grad_(False)
+            p.requires_grad_(n not in frozen)
+        return model
+
+    def _composed(self):
+        """A LLaVA of the CLIP vision model, the causal LM and the projector folder's projector."""
+        from transformers import (
+            AutoConfig,
+            CLIPVisionModel,
+            LlavaConfig,
+            LlavaForConditionalGeneration,
+            Qwen2ForCausalLM,
+        )
+
+        f = self.folders
+        vision = CLIPVisionModel.from_pretrained(f["compose-vision"], attn_implementation="eager")
+        causal = Qwen2ForCausalLM.from_pretrained(f["compose-llm"], attn_implementation="eager")
+        config = LlavaConfig(vision_config=vision.config, text_config=AutoConfig.from_pretrained(f["compose-llm"]),
+                             image_token_id=self.tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                             vision_feature_select_strategy="default", projector_hidden_act="gelu")
+        config._attn_implementation = "eager"
+        model = LlavaForConditionalGeneration(config)
+        model.model.vision_tower = vision
+        model.model.language_model, model.lm_head = causal.model, causal.lm_head
+        donor = LlavaForConditionalGeneration.from_pretrained(f["compose-projector"])
+        model.model.multi_modal_projector.load_state_dict(donor.model.multi_modal_projector.state_dict())
+        return model

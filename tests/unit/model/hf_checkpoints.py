@@ -1,0 +1,236 @@
+"""Tiny Hugging Face checkpoint folders as a user has them: the model (saved by transformers'
+save_pretrained, every norm weight and bias moved off its initial value), a tokenizer trained
+here on the shipped shards' conversations with a chat template in its family's format (our own
+wording), and the processor config, all in one folder. Nothing is downloaded.
+
+    folders = write_all(tmp)   # {"llava", "qwen2-vl", "qwen2-audio", "compose-vision", "compose-llm",
+                               #  "compose-projector"}
+
+Shared by the runtime unit tests and tests/distributed/test_hf_train.py, and usable by hand:
+
+    python -m tests.unit.model.hf_checkpoints /tmp/ckpt     # then: mmpipe train model=hf model.path=/tmp/ckpt/llava
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+
+from .hf_cases import perturb
+
+ROOT = Path(__file__).resolve().parents[3]
+SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
+
+LLAVA_TEMPLATE = (  # LLaVA-1.5's conversation format: "USER: <image>\n... ASSISTANT: answer</s>"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{{ ' ' }}"
+    "{% elif m['role'] == 'user' %}USER: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{{ ' ' }}"
+    "{% else %}ASSISTANT: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def _chatml(items: str) -> str:
+    """Qwen's ChatML with its default system message; `items` renders one content item."""
+    return (
+        "{% set audio_count = namespace(value=0) %}"
+        "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}" + items + "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+_TEXT = "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+QWEN2_VL_TEMPLATE = _chatml("{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>" + _TEXT)
+QWEN2_AUDIO_TEMPLATE = _chatml("{% if content['type'] == 'audio' %}{% set audio_count.value = audio_count.value + 1 %}"
+                               "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n" + _TEXT)
+TEXT_TEMPLATE = (  # a text LLM's ChatML: string content only
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
+
+
+def corpus() -> list[str]:
+    """Every turn of the shipped shards' conversations, and the chat templates' own words."""
+    texts = ["USER: ASSISTANT:", "You are a helpful assistant.", "system user assistant Audio 1: 2: 3:"]
+    shards = sorted(SHARDS.glob("train-*.tar"))
+    if not shards:
+        raise FileNotFoundError(f"no shipped shards in {SHARDS}")  # the tokenizers would be trained on nothing
+    for shard in shards:
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                if m.name.endswith(".json"):
+                    texts += [t["value"] for t in json.loads(tar.extractfile(m).read())["conversations"]]
+    return texts
+
+
+def llama_tokenizer(texts: list[str], vocab: int = 600):
+    """A SentencePiece-style BPE (Metaspace) with Llama's specials; it puts <s> before every text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    t.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>", "<pad>", "<image>"], show_progress=False))
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                     special_tokens=[("<s>", t.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
+
+
+def qwen_tokenizer(texts: list[str], extra: tuple[str, ...] = (), named: dict[str, str] | None = None,
+                   vocab: int = 700):
+    """A byte-level BPE with Qwen's specials (pad <|endoftext|>, end of turn <|im_end|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=QWEN_SPECIALS + list(extra), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   **({"extra_special_tokens": named} if named else {}))
+
+
+def _save(model, tok, template: str, folder: Path, seed: int) -> Path:
+    perturb(model, seed)
+    model.save_pretrained(folder)
+    tok.chat_template = template
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _llm(kind: str, tok, **extra):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=len(tok) + 5, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    common.update(extra)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind](**common)
+
+
+CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+            patch_size=7)
+"""A CLIP tower on 28-px images: 16 patches and the class token; with feature layer -2, 2 blocks run."""
+
+
+def write_llava(root: Path, texts: list[str]) -> Path:
+    """CLIP (feature layer -2, `default`) + Llama (rope theta 5e5), LLaVA-1.5's template."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(41)
+    tok = llama_tokenizer(texts)
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(**CLIP),
+                      text_config=_llm("llama", tok, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                       bos_token_id=tok.bos_token_id),
+                      image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                      vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    folder = _save(LlavaForConditionalGeneration(cfg), tok, LLAVA_TEMPLATE, root / "llava", 41)
+    CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+    return folder
+
+
+def write_qwen2_vl(root: Path, texts: list[str]) -> Path:
+    """A 2-block Qwen2-VL tower (14-px patches, 2x2 merge, images of 4 to 16 tokens) + its M-RoPE decoder."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    torch.manual_seed(42)
+    tok = qwen_tokenizer(texts)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    cfg = Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        text_config=dict(vocab_size=len(tok) + 3, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4}),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    folder = _save(Qwen2VLForConditionalGeneration(cfg), tok, QWEN2_VL_TEMPLATE, root / "qwen2-vl", 42)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(folder)
+    return folder
+
+
+def write_qwen2_audio(root: Path, texts: list[str]) -> Path:
+    """A 2-block Qwen2-Audio tower over 16 mel bins, clips cut at 4 s, + a Qwen2 decoder."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
+
+    torch.manual_seed(43)
+    tok = qwen_tokenizer(texts)
+    cfg = Qwen2AudioConfig(
+        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                          max_source_positions=200),
+        text_config=dict(model_type="qwen2", vocab_size=len(tok), hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048),
+        audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"))
+    folder = _save(Qwen2AudioForConditionalGeneration(cfg), tok, QWEN2_AUDIO_TEMPLATE, root / "qwen2-audio", 43)
+    WhisperFeatureExtractor(feature_size=16, chunk_length=4).save_pretrained(folder)
+    return folder
+
+
+def write_composition(root: Path, texts: list[str]) -> dict[str, Path]:
+    """A CLIP vision model, a Qwen2 causal LM (tied embeddings, a string-content ChatML template,
+    `<image>` added to its tokenizer), and a folder holding a projector for the two (a LLaVA
+    checkpoint of the same widths): what `model=compose` joins."""
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(44)
+    vision = root / "compose-vision"
+    model = CLIPVisionModel(CLIPVisionConfig(**CLIP))
+    perturb(model, 44)
+    model.save_pretrained(vision)
+    CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(vision)
+    tok = qwen_tokenizer(texts, extra=("<image>",), named={"image_token": "<image>"})
+    llm_config = _llm("qwen2", tok, tie_word_embeddings=True)
+    llm = _save(Qwen2ForCausalLM(llm_config), tok, TEXT_TEMPLATE, root / "compose-llm", 45)
+    donor = LlavaForConditionalGeneration(LlavaConfig(vision_config=CLIPVisionConfig(**CLIP), text_config=llm_config,
+                                                      image_token_id=tok.convert_tokens_to_ids("<image>")))
+    perturb(donor, 46)
+    projector = root / "compose-projector"
+    donor.save_pretrained(projector)
+    return {"compose-vision": vision, "compose-llm": llm, "compose-projector": projector}
+
+
+def write_all(root: Path) -> dict[str, Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    texts = corpus()
+    return {"llava": write_llava(root, texts), "qwen2-vl": write_qwen2_vl(root, texts),
+            "qwen2-audio": write_qwen2_audio(root, texts), **write_composition(root, texts)}
+
+
+MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose")
+"""The four models the folders of write_all make."""
+
+
+def model_overrides(name: str, folders: dict[str, Path]) -> list[str]:
+    """The `mmpipe train` overrides that select model `name` (one of MODELS) of write_all's folders."""
+    if name == "compose":
+        return ["model=compose", f"model.vision.path={folders['compose-vision']}",
+                f"model.llm.path={folders['compose-llm']}", f"model.projector.path={folders['compose-projector']}"]
+    return ["model=hf", f"model.path={folders[name]}"]
+
+
+if __name__ == "__main__":
+    for name, folder in write_all(Path(sys.argv[1])).items():
+        print(f"{name}: {folder}")

@@ -1,0 +1,186 @@
+"""Running a Hugging Face model: what is refused before launch (one line, no process, no run
+directory), the planner and the runtime agreeing on every sample's length, and `mmpipe export` of
+a checkpoint saved before any update giving the source back bit for bit."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from itertools import islice
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mmpipe.cli import load, main
+from mmpipe.data.records import decode_record
+from mmpipe.data.skips import SkipCounter
+from mmpipe.model.geometry import features
+from mmpipe.model.hf import build_layer, build_layers, save_layer_states
+from mmpipe.model.spec import layer_names
+from mmpipe.runtime import hf_run
+from mmpipe.runtime.batch import collate_hf
+from mmpipe.runtime.checkpoint import commit
+from mmpipe.runtime.hf_run import load_templater
+from mmpipe.runtime.preflight import write_run_config
+from mmpipe.runtime.stream import make_stream
+from tests.unit.model.hf_checkpoints import MODELS, model_overrides
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_a_planner_only_preset_is_refused(capsys, tmp_path):
+    assert main(["train", "model=omni-7b", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    assert _error(capsys).startswith("mmpipe train: error: model=omni-7b is a planner-only composition (no "
+                                     "transformers class holds both a vision and an audio tower)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_7b_preset_that_does_not_fit_says_what_it_needs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_run, "device_memory", lambda _: (24 * 2**30, "RAM"))  # this machine's 24 GB
+    assert main(["train", "model=llava-1.5-7b", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    err = _error(capsys)
+    assert re.search(r"mmpipe train: error: model llava-1\.5-7b needs 10\d\.\d GiB of RAM for the weights, gradients "
+                     r"and optimizer states of its 2 processes here .*7,05\d,\d{3},\d{3} parameters held.* but this "
+                     r"machine has 24\.0 GiB of RAM", err), err
+    assert not (tmp_path / "run").exists()
+    # the same run fits a machine with enough memory (and then wants a tokenizer of the model)
+    monkeypatch.setattr(hf_run, "device_memory", lambda _: (512 * 2**30, "RAM"))
+    assert main(["train", "model=llava-1.5-7b", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    assert "has no checkpoint folder to take its tokenizer and chat template from" in _error(capsys)
+
+
+def test_an_unsupported_checkpoint_is_a_one_line_error(capsys, tmp_path):
+    from transformers import GPT2Config, LlavaConfig
+
+    GPT2Config().save_pretrained(tmp_path / "gpt2")
+    assert main(["train", "model=hf", f"model.path={tmp_path / 'gpt2'}", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    assert _error(capsys) == (
+        f"mmpipe train: error: model.path='{tmp_path / 'gpt2'}': model_type 'gpt2' is not supported; supported: "
+        f"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2AudioForConditionalGeneration, or "
+        f"model=compose of a CLIP/SigLIP vision model or a Whisper encoder with a llama/mistral/qwen2 causal LM")
+    LlavaConfig(vision_feature_layer=[-2, -5]).save_pretrained(tmp_path / "layers")
+    assert main(["train", "model=hf", f"model.path={tmp_path / 'layers'}"]) == 2
+    assert "vision_feature_layer=[-2, -5]: only a single layer index is supported" in _error(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_folders_name_their_keys(capsys, hf_checkpoints):
+    assert main(["train", "model=hf"]) == 2
+    assert _error(capsys).startswith("mmpipe train: error: model.path is not set; give model.path=DIR")
+    assert main(["train", "model=compose", f"model.vision.path={hf_checkpoints['compose-vision']}"]) == 2
+    assert _error(capsys).startswith("mmpipe train: error: model.llm.path is not set; give model.llm.path=DIR")
+    assert main(["train", "model=compose", f"model.vision.path={hf_checkpoints['compose-vision']}",
+                 f"model.audio.path={hf_checkpoints['compose-vision']}",
+                 f"model.llm.path={hf_checkpoints['compose-llm']}"]) == 2
+    assert "model=compose needs exactly one encoder, model.vision.path or model.audio.path" in _error(capsys)
+
+
+def test_typos_in_a_model_group_suggest_its_own_keys(capsys):
+    assert main(["train", "model=hf", "model.pth=x"]) == 2
+    assert _error(capsys) == "mmpipe train: error: model.pth=x: no such config key; did you mean model.path?"
+    assert main(["train", "model=compose", "model.llm.pth=x"]) == 2
+    assert _error(capsys) == "mmpipe train: error: model.llm.pth=x: no such config key; did you mean model.llm.path?"
+
+
+def test_the_tokenizer_must_be_the_models(capsys, hf_checkpoints):
+    assert main(["train", *model_overrides("llava", hf_checkpoints), "data.tokenizer=data/tokenizer.json"]) == 2
+    assert re.search(r"data\.tokenizer='.*data/tokenizer\.json': its image token is id 5, but model llava replaces "
+                     r"id \d+ \(image_token_id of its config\)", _error(capsys))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
+    """The planner's LLM length of a sample (from its metadata) is the length the runtime collates
+    with the checkpoint's templater and processors, and the towers make as many embeddings as
+    the text holds media tokens (the embedding layer refuses any other count)."""
+    rc = load(model_overrides(name, hf_checkpoints), job="test")
+    spec, tok = rc.model, load_templater(rc)
+    names = layer_names(spec)
+    front = [build_layer(spec, n, seed=0) for n in names[:names.index("llm.embed") + 1]]
+    media_id = tok.image_id if spec.vision is not None else tok.audio_id
+    kinds: Counter = Counter()
+    samples, planned = [], []
+    for rec in islice(make_stream(rc, tokenizer=tok, dp_rank=0, skips=SkipCounter()).records(), 40):
+        f = features(spec, rec.meta)
+        sample = decode_record(rec, tok, spec)
+        mb = collate_hf([sample], spec=spec, packed=True, pad_id=tok.pad_id)
+        assert mb.tokens == mb.carrier[0].shape[1] == f.llm_len, rec.key
+        assert sample.input_ids.count(media_id) == sum(f.image_tokens) + sum(f.audio_tokens), rec.key
+        carrier = mb.carrier
+        for layer in front:
+            carrier = layer(carrier)
+        hidden = carrier[7]
+        assert hidden.shape == (1, f.llm_len, spec.llm.hidden)
+        kinds[f.modality] += 1
+        samples.append(sample)
+        planned.append(f.llm_len)
+    assert kinds["text"] and kinds["image" if spec.vision is not None else "audio"], kinds
+    for packed in (True, False):
+        mb = collate_hf(samples, spec=spec, packed=packed, pad_id=tok.pad_id)
+        assert mb.tokens == sum(planned)
+
+
+def test_an_image_the_processor_refuses_is_a_counted_skip(hf_checkpoints):
+    """Qwen2-VL's resize refuses an aspect ratio over 200: the sample is an `undecodable image`
+    (counted and skipped by the reader), not an exception in a rank."""
+    import io
+    import json
+
+    from PIL import Image
+
+    from mmpipe.data.records import make_record
+    from mmpipe.data.skips import SampleError
+
+    rc = load(model_overrides("qwen2-vl", hf_checkpoints), job="test")
+    png = io.BytesIO()
+    Image.new("RGB", (420, 2)).save(png, format="PNG")
+    raw = {"__key__": "k", "__url__": "x.tar", "0.png": png.getvalue(), "json": json.dumps({"conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "a line"}]}).encode()}
+    with pytest.raises(SampleError, match=r"undecodable image: the model's image processor refuses it \(image of "
+                                          r"2x420 has an aspect ratio over 200"):
+        make_record(raw, load_templater(rc), rc.model)
+
+
+def test_export_right_after_loading_is_the_source_bit_for_bit(capsys, tmp_path, hf_checkpoints):
+    """A checkpoint of the layers as every rank loads them, saved in the pipeline's layout, exports
+    to the very tensors of the source, loads with the original class with no missing or
+    unexpected key, and carries the source's tokenizer, chat template and processor config."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    source = hf_checkpoints["llava"]
+    run = tmp_path / "run"
+    rc = load([*model_overrides("llava", hf_checkpoints), f"hydra.run.dir={run}"], job="test")
+    write_run_config(rc)
+    save_layer_states(build_layers(rc.model, seed=rc.train.seed), rc.model, run / "checkpoints" / "step0")
+    commit(run / "checkpoints" / "step0", step=0, files={}, topology={}, schedule={})  # as a finished save does
+    assert main(["export", str(run), f"out={tmp_path / 'out'}"]) == 0
+    assert "mmpipe export: wrote" in capsys.readouterr().out
+    ours, theirs = load_file(tmp_path / "out" / "model.safetensors"), load_file(source / "model.safetensors")
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        assert ours[key].dtype == t.dtype and torch.equal(ours[key], t), key
+    _, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok.chat_template == AutoTokenizer.from_pretrained(source).chat_template
+    config = "preprocessor_config.json"
+    assert (tmp_path / "out" / config).read_text() == (source / config).read_text()
+
+
+def test_export_errors_name_the_argument(capsys, tmp_path):
+    run = tmp_path / "tiny"
+    write_run_config(load([f"hydra.run.dir={run}"], job="test"))
+    assert main(["export", str(run), f"out={tmp_path / 'out'}"]) == 2
+    assert "mmpipe export: error: " in (err := _error(capsys)) and "trained model tiny, mmpipe's own model: export " \
+                                                                   "writes a Hugging Face model" in err
+    assert main(["export", str(tmp_path / "nowhere"), "out=x"]) == 2
+    assert "is not a run directory (no run.yaml)" in _error(capsys)
+    assert main(["export", str(run), "out=x", "step=3"]) == 2
+    assert "step=3: not an export argument; usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR" in _error(capsys)
+    assert main(["export", str(run)]) == 2
+    assert "give one run directory and out=DIR" in _error(capsys)
