@@ -68,6 +68,7 @@ def checkpoint_policy(rc: RunConfig) -> str:
 
 
 def check_train(rc: RunConfig) -> None:
+    from mmpipe.model.kernels import check as check_kernel
     from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
     from mmpipe.runtime.hf_run import check_model
     from mmpipe.runtime.metrics import check_loggers
@@ -82,6 +83,7 @@ def check_train(rc: RunConfig) -> None:
     if rc.deepspeed.config is not None:
         load_user_config(rc.deepspeed.config)  # missing file, bad JSON, a key mmpipe owns: one line now
     check_backend(rc.launcher.backend)
+    check_kernel(rc.train.attention, precision=rc.train.precision)
     if rc.train.resume:
         checkpoint_dir(rc.train.resume)
 

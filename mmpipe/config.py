@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.group import model_from_group
+from mmpipe.model.kernels import KERNELS
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names
 from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # planner-owned
 
@@ -104,6 +105,11 @@ class TrainConfig:
     zero_stage: int | None = None
     """0 | 1 (optimizer state sharded over the data-parallel replicas); null: 1 under bf16 and
     fp16 (the only stage DeepSpeed trains them correctly with under a pipeline), 0 under fp32."""
+    attention: str = "auto"
+    """Attention kernel of packed micro-batches (mmpipe/model/kernels.py): auto (flash where
+    flash-attn imports, on CUDA, in bf16/fp16; else flex on CUDA; else sdpa) | flash (flash-attn
+    varlen) | flex (FlexAttention with a document mask; CUDA) | sdpa (SDPA per segment) | eager
+    (dense block-diagonal mask: the slow reference)."""
     save_every: int = 0
     """Committed checkpoint every N steps (0: none along the way)."""
     save_final: bool = False
@@ -151,6 +157,8 @@ class TrainConfig:
             raise ValueError(f"train.optimizer={self.optimizer!r} is unknown; use adamw or sgd")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is unknown; use stop or skip")
+        if self.attention not in KERNELS:
+            raise ValueError(f"train.attention={self.attention!r} is unknown; use {', '.join(KERNELS)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision={self.precision!r} is unknown; use {', '.join(PRECISIONS)}")
         if self.zero_stage not in (None, 0, 1):

@@ -25,9 +25,10 @@ import torch
 #        tower  | states [1, A, Da]      |                             |                               |   clip's frames 0..2P, 0-filled
 #        proj   | embeddings [N_tok, D]  |                             |                               | states [1, sum P, Da] -> [N_tok, D]
 # AUDIO_FRAMES  | [clips] mel frames     | (empty)                     | (empty)                       | [clips] valid mel frames L
+# LAYOUT        | int32 segment counts and cu_seqlens of the LLM row, the images and the clips (model/layout.py)
 #
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
-# (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (see mmpipe/model/hf/layers.py).
+# (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).
 INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio placeholders expanded)
 POSITION_IDS = 1  # [B, T] long (or [3, B, T] for M-RoPE): positions, restarting at 0 for each packed sample
 SEGMENT_IDS = 2  # [B, T] long: 1.. per sample in a row, 0 on padding
@@ -36,7 +37,8 @@ IMAGE_GRID = 4  # [num_images, 2 or 3] long: patch grid of each image
 AUDIO = 5  # audio features (bits) -> audio states [1, A, Da] -> audio embeddings [N, D]
 AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
 HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)
-NUM_SLOTS = 8
+LAYOUT = 8  # int32 [3 + segments + 3]: each stream's segments, made once by collate (model/layout.py)
+NUM_SLOTS = 9
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

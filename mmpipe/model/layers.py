@@ -20,8 +20,9 @@ from transformers.models.whisper.configuration_whisper import WhisperConfig
 from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
 
 from mmpipe.model import carrier as C
+from mmpipe.model import layout
 from mmpipe.model.attention import NAME as SEGMENT_ATTENTION
-from mmpipe.model.attention import Segments, run_lengths, segments
+from mmpipe.model.attention import Segments, segments
 from mmpipe.model.spec import AudioSpec, LLMSpec, ModelSpec, VisionSpec, layer_names
 
 _ATTN = SEGMENT_ATTENTION
@@ -84,7 +85,12 @@ class VisionEmbed(PipeLayer):
         w = self.embed.patch_embedding.weight
         x = pixels.to(w.dtype) * self.scale.to(w.dtype) - 1.0
         patches = self.embed.patch_embedding(x).flatten(1)  # [P, Dv]
-        pos = [self._positions(int(gh), int(gw)) for gh, gw in grid.tolist()]
+        rows = layout.host_list(grid)
+        carried = layout.read(slots[C.LAYOUT]).image.lengths
+        if list(carried) != layout.image_segments(rows):
+            raise ValueError(f"the micro-batch's layout has image segments {list(carried)} but its image grids "
+                             f"{rows} make {layout.image_segments(rows)}; collate it with mmpipe.runtime.batch.collate")
+        pos = [self._positions(int(gh), int(gw)) for gh, gw in rows]
         if pos:
             patches = patches + torch.cat(pos)
         slots[C.IMAGE] = patches[None]
@@ -107,8 +113,7 @@ class VisionBlock(PipeLayer):
         if h.shape[1] == 0:
             slots[C.IMAGE] = h
             return
-        grid = slots[C.IMAGE_GRID]
-        with segments(Segments(lengths=tuple((grid[:, 0] * grid[:, 1]).tolist()), causal=False)):
+        with segments(Segments(stream=layout.read(slots[C.LAYOUT]).image, causal=False)):
             slots[C.IMAGE] = self.block(h, None)
 
 
@@ -127,7 +132,7 @@ class VisionProj(PipeLayer):
         m = self.merge
         merged = []
         start = 0
-        for gh, gw in slots[C.IMAGE_GRID].tolist():
+        for gh, gw in layout.host_list(slots[C.IMAGE_GRID]):
             n = gh * gw
             x = h[start:start + n].reshape(gh // m, m, gw // m, m, -1).permute(0, 2, 1, 3, 4)
             merged.append(x.reshape((gh // m) * (gw // m), -1))
@@ -166,10 +171,15 @@ class AudioEmbed(PipeLayer):
 
     def step(self, slots: list[torch.Tensor]) -> None:
         mels = C.from_wire(slots[C.AUDIO], self.dtype)
+        carried = layout.read(slots[C.LAYOUT]).audio.lengths
         out = []
-        for i, frames in enumerate(slots[C.AUDIO_FRAMES].tolist()):
+        for i, frames in enumerate(layout.host_list(slots[C.AUDIO_FRAMES])):
             x = nn.functional.gelu(self.conv1(mels[i:i + 1, :, :frames]))
             x = nn.functional.gelu(self.conv2(x))[0].transpose(0, 1)  # [positions, D]
+            if i >= len(carried) or carried[i] != x.shape[0]:
+                raise ValueError(f"audio clip {i} has {x.shape[0]} encoder positions but the micro-batch's layout "
+                                 f"says {carried[i] if i < len(carried) else 'none'}; collate it with "
+                                 f"audio_stride=model.audio.conv_stride ({self.conv2.stride[0]})")
             out.append(x + self.positions.weight[: x.shape[0]])
         w = self.conv1.weight
         h = torch.cat(out) if out else w.new_zeros(0, self.hidden) + 0 * w.sum()
@@ -180,15 +190,13 @@ class AudioBlock(PipeLayer):
     def __init__(self, a: AudioSpec):
         super().__init__()
         self.block = WhisperEncoderLayer(whisper_config(a))
-        self.stride = a.conv_stride
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.AUDIO], self.dtype)
         if h.shape[1] == 0:
             slots[C.AUDIO] = h
             return
-        positions = -(-slots[C.AUDIO_FRAMES] // self.stride)
-        with segments(Segments(lengths=tuple(positions.tolist()), causal=False)):
+        with segments(Segments(stream=layout.read(slots[C.LAYOUT]).audio, causal=False)):
             slots[C.AUDIO] = self.block(h, None)
 
 
@@ -200,12 +208,11 @@ class AudioProj(PipeLayer):
         self.norm = nn.LayerNorm(a.hidden)
         self.pool = nn.AvgPool1d(a.pool, stride=a.pool, ceil_mode=True)
         self.mlp = projector((a.hidden, *a.proj))
-        self.stride = a.conv_stride
         self.hidden = a.hidden
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = self.norm(C.from_wire(slots[C.AUDIO], self.dtype)[0])
-        positions = (-(-slots[C.AUDIO_FRAMES] // self.stride)).tolist()
+        positions = list(layout.read(slots[C.LAYOUT]).audio.lengths)
         pooled = [self.pool(x.T[None])[0].T for x in torch.split(h, positions)] if positions else []
         x = torch.cat(pooled) if pooled else h.new_zeros(0, self.hidden)
         slots[C.AUDIO] = self.mlp(x)
@@ -256,6 +263,15 @@ class LLMEmbed(PipeLayer):
         slots[C.HIDDEN] = h
 
 
+def llm_segments(slots: list[torch.Tensor], dtype: torch.dtype) -> Segments:
+    """Attention of the LLM row(s): per sample in a packed row (the carried layout), or a dense
+    block-diagonal causal mask over padded rows (padding paid for)."""
+    seg_ids = slots[C.SEGMENT_IDS]
+    if seg_ids.shape[0] == 1:
+        return Segments(stream=layout.read(slots[C.LAYOUT]).llm, causal=True)
+    return Segments(stream=None, causal=True, mask=C.causal_segment_mask(seg_ids, dtype))
+
+
 class LLMBlock(PipeLayer):
     def __init__(self, l: LLMSpec, index: int):
         super().__init__()
@@ -265,12 +281,8 @@ class LLMBlock(PipeLayer):
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.HIDDEN], self.dtype)
-        pos, seg_ids = slots[C.POSITION_IDS], slots[C.SEGMENT_IDS]
-        if seg_ids.shape[0] == 1:  # packed: attention per sample
-            seg = Segments(lengths=run_lengths(seg_ids[0]), causal=True)
-        else:  # padded rows: dense mask, padding paid for
-            seg = Segments(lengths=None, causal=True, mask=C.causal_segment_mask(seg_ids, h.dtype))
-        with segments(seg):
+        pos = slots[C.POSITION_IDS]
+        with segments(llm_segments(slots, h.dtype)):
             out = self.block(h, attention_mask=None, position_ids=pos,
                              position_embeddings=self.rotary(h, pos))
         slots[C.HIDDEN] = out[0] if isinstance(out, tuple) else out

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from mmpipe.model import carrier as C
+from mmpipe.model import layout
 from mmpipe.model.spec import ModelSpec
 
 
@@ -76,7 +77,14 @@ def _micro_batch(samples: Sequence[SampleLike], carrier: tuple[torch.Tensor, ...
                       label_tokens=int((tgt != -100).sum()), tokens=sum(len(s.input_ids) for s in samples))
 
 
-def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: int) -> MicroBatch:
+def _layout(samples: Sequence[SampleLike], grid: torch.Tensor, frames: torch.Tensor, conv_stride: int) -> torch.Tensor:
+    """The LAYOUT slot: every stream's segments, computed here once for all stages and layers."""
+    return layout.encode([len(s.input_ids) for s in samples], layout.image_segments(grid.tolist()),
+                         layout.audio_segments(frames.tolist(), conv_stride))
+
+
+def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: int,
+            audio_stride: int = 2) -> MicroBatch:
     """Build the tensors of one micro-batch of mmpipe's own model (uint8 pixels, log-mel features).
 
     Args:
@@ -85,6 +93,8 @@ def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: 
         packed: one row holding every sample (per-sample attention and positions), or one
             padded row per sample.
         pad_id: token id used for padding.
+        audio_stride: the audio encoder's conv stride (model.audio.conv_stride): mel frames per
+            encoder position, for the clips' attention segments.
     """
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
@@ -93,7 +103,8 @@ def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: 
     pixels, grid = _patchify(images, patch)
     clips = [clip for s in samples for clip in s.audio]
     mels, frames = _stack_clips(clips)
-    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty()]), tgt)
+    lay = _layout(samples, grid, frames, audio_stride)
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty(), lay]), tgt)
 
 
 def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, pad_id: int,
@@ -122,7 +133,8 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
                 pos[:, i, :p.shape[1]] = p
     pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
                                                 [clip for s in samples for clip in s.audio] if media else [])
-    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty()]), tgt)
+    lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1)
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay]), tgt)
 
 
 def _patchify(images: list[np.ndarray], patch: int) -> tuple[torch.Tensor, torch.Tensor]:

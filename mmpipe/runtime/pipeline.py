@@ -11,6 +11,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from mmpipe.config import TrainConfig
+from mmpipe.model import kernels
 from mmpipe.model.layers import build_layer, token_loss
 from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
 from mmpipe.runtime.dsconfig import require_tested_deepspeed
@@ -60,6 +61,8 @@ class PipelineSpec:
     """Component prefixes that train; the rest is frozen."""
     recompute: tuple[bool, ...] = ()
     """Activation recomputation per stage (one layer per checkpoint)."""
+    attention: str = "auto"
+    """Attention kernel of packed micro-batches (train.attention; model/kernels.py)."""
 
 
 def _layer_specs(p: PipelineSpec) -> list[LayerSpec]:
@@ -84,6 +87,7 @@ def _layer_specs(p: PipelineSpec) -> list[LayerSpec]:
 
 
 def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
+    kernels.use(p.attention)  # one kernel per process: the layers' attention function reads it
     specs = _layer_specs(p)
     bounds = [s for s, _ in p.stages] + [p.stages[-1][1]]
     module = StagedPipelineModule(
@@ -167,7 +171,8 @@ def describe_training(train: TrainConfig, dp: int, engine, basic: torch.optim.Op
     clip = "off"
     if train.grad_clip > 0:
         clip = f"global norm {train.grad_clip:g} ({'mmpipe' if mmpipe_clips else 'DeepSpeed'})"
-    return f"precision: {precision} | {zero} | optimizer: {opt} | clipping: {clip}"
+    attention = kernels.describe(train.attention, cuda=str(engine.device).startswith("cuda"), precision=train.precision)
+    return f"precision: {precision} | {zero} | optimizer: {opt} | clipping: {clip} | attention: {attention}"
 
 
 def fix_buffer_reuse(engine) -> None:

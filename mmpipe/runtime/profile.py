@@ -99,7 +99,7 @@ def synthetic_micro_batch(spec: ModelSpec, shape, rng: np.random.Generator):
         streams["llm"].append(len(ids))
         samples.append(_Sample(str(i), ids, list(ids), images, clips))
     patch = v.patch if v is not None else 1
-    return collate(samples, patch=patch, packed=True, pad_id=0), streams
+    return collate(samples, patch=patch, packed=True, pad_id=0, audio_stride=a.conv_stride if a else 1), streams
 
 
 _STREAM_OF = {"vision.embed": "vpos", "vision.block": "vpos", "vision.proj": "vtok", "audio.embed": "apos",

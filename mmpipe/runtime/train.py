@@ -122,7 +122,8 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
                          image_token=_token_id(tok.image_id), audio_token=_token_id(tok.audio_id),
-                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute))
+                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
+                         attention=rc.train.attention)
     torch.manual_seed(rc.train.seed)
     require_tested_deepspeed()
     t = rc.train

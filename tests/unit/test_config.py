@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmpipe.cli import CONF_DIR, load, main
 from mmpipe.config import parse_stages, stages_to_bounds
@@ -88,10 +89,22 @@ def test_process_count_must_match_pp_times_dp(capsys):
      "train.on_nonfinite=skip withholds a step's update in mmpipe's gradient hook, which runs with "
      "train.precision=fp32 and ZeRO stage 0 only (now precision=bf16, ZeRO stage 1"),
     (["model.llm.heads=5"], "model.llm.hidden=128 is not divisible by model.llm.heads=5"),
+    (["train.attention=fast"], "train.attention='fast' is unknown; use auto, flash, flex, sdpa, eager"),
 ])
 def test_config_mistakes_fail_before_launch(overrides, message, capsys):
     assert main(["train", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's refusals")
+@pytest.mark.parametrize("overrides, message", [
+    (["train.attention=flash"], "train.attention=flash needs the flash-attn package, which does not import here"),
+    (["train.attention=flex"], "train.attention=flex needs a CUDA GPU: torch 2."),
+])
+def test_an_attention_kernel_this_machine_cannot_run_fails_before_launch(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 LAYERS = ["vision.embed", "vision.block.0", "vision.proj", "llm.embed", "llm.block.0", "llm.block.1", "llm.head"]

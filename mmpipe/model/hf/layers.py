@@ -11,14 +11,17 @@ arguments. What differs is only how samples share a tensor:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+from transformers.vision_utils import get_vision_position_ids
 
 from mmpipe.model import carrier as C
-from mmpipe.model.attention import Segments, run_lengths, segments
-from mmpipe.model.layers import LLMEmbed, PipeLayer
+from mmpipe.model import layout
+from mmpipe.model.attention import VARLEN_NAME, Segments, segments
+from mmpipe.model.layers import LLMEmbed, PipeLayer, llm_segments
 
 
 class HFLayer(PipeLayer):
@@ -60,7 +63,7 @@ class LlavaVisionBlock(HFLayer):
         if h.shape[0] == 0:
             slots[C.IMAGE] = h
             return
-        with segments(Segments(lengths=None, causal=False)):  # every image is one row: no mask
+        with segments(Segments(stream=None, causal=False)):  # every image is one row: no mask
             slots[C.IMAGE] = self.block(h, None)
 
 
@@ -90,19 +93,30 @@ class QwenVisionEmbed(HFLayer):
 
 
 class QwenVisionBlock(HFLayer):
-    """One ViT block over all patches, attending per image (cu_seqlens), 2-D rotary positions."""
+    """One ViT block over all patches, attending per image (cu_seqlens), 2-D rotary positions.
+
+    The block's attention calls mmpipe's attention function once for all images, with the
+    micro-batch's carried image cu_seqlens (attention.VARLEN_NAME says why the name), and the
+    rotary positions are computed once per micro-batch and stage, not in every block."""
+
+    def __init__(self, parts: dict[str, nn.Module]):
+        super().__init__(parts)
+        attn = self.block.attn
+        attn.config = copy.copy(attn.config)  # this block's own: the model's config keeps its name
+        attn.config._attn_implementation = VARLEN_NAME
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.IMAGE], self.dtype)
-        grid = slots[C.IMAGE_GRID]
         if h.shape[0] == 0:
             slots[C.IMAGE] = h
             return
-        config = self.block.attn.config
-        positions = get_vision_position_ids(grid, config.spatial_merge_size)
-        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, config)
-        slots[C.IMAGE] = self.block(h, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                    position_embeddings=self.rotary(h, positions))
+        images = layout.read(slots[C.LAYOUT]).image
+        merge = self.block.attn.config.spatial_merge_size
+        positions = layout.per_batch(slots[C.IMAGE_GRID], ("qwen2_vl_positions", merge),
+                                     lambda g: get_vision_position_ids(g.cpu(), merge).to(g.device))
+        with segments(Segments(stream=images, causal=False)):
+            slots[C.IMAGE] = self.block(h, cu_seqlens=images.cu_seqlens, max_seqlen=images.max_len,
+                                        position_embeddings=self.rotary(h, positions))
 
 
 class QwenVisionMerger(HFLayer):
@@ -113,11 +127,6 @@ class QwenVisionMerger(HFLayer):
 
 
 # ----------------------------------------------------------------------------- Qwen2-Audio tower
-
-
-def audio_positions(frames: torch.Tensor) -> torch.Tensor:
-    """Encoder positions of clips with `frames` valid mel frames (Qwen2-Audio's conv rule)."""
-    return (frames - 1) // 2 + 1
 
 
 class AudioEmbed(HFLayer):
@@ -138,10 +147,9 @@ class AudioEmbed(HFLayer):
 
     def step(self, slots: list[torch.Tensor]) -> None:
         feats = C.from_wire(slots[C.AUDIO], self.dtype)
-        frames = slots[C.AUDIO_FRAMES]
         limit = self.embed_positions.weight.shape[0] * 2
         out = []
-        for i, p in enumerate(audio_positions(frames).tolist()):
+        for i, p in enumerate(layout.read(slots[C.LAYOUT]).audio.lengths):
             need = min(2 * p + 1, limit)
             if feats.shape[2] < need:
                 raise ValueError(f"audio clip {i} carries {feats.shape[2]} mel frames but its {p} positions read "
@@ -162,8 +170,7 @@ class AudioBlock(HFLayer):
         if h.shape[1] == 0:
             slots[C.AUDIO] = h
             return
-        lengths = tuple(audio_positions(slots[C.AUDIO_FRAMES]).tolist())
-        with segments(Segments(lengths=lengths, causal=False)):
+        with segments(Segments(stream=layout.read(slots[C.LAYOUT]).audio, causal=False)):
             slots[C.AUDIO] = self.block(h, None)
 
 
@@ -172,7 +179,7 @@ class AudioProj(HFLayer):
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.AUDIO], self.dtype)[0]
-        lengths = audio_positions(slots[C.AUDIO_FRAMES]).tolist()
+        lengths = list(layout.read(slots[C.LAYOUT]).audio.lengths)
         pooled = [self.avg_pooler(x.T[None])[0].T for x in torch.split(h, lengths)] if lengths else []
         x = torch.cat(pooled) if pooled else h[:0]
         slots[C.AUDIO] = self.projector(self.layer_norm(x))
@@ -202,12 +209,8 @@ class HFLLMBlock(HFLayer):
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.HIDDEN], self.dtype)
-        pos, seg_ids = slots[C.POSITION_IDS], slots[C.SEGMENT_IDS]
-        if seg_ids.shape[0] == 1:  # packed: attention per sample
-            seg = Segments(lengths=run_lengths(seg_ids[0]), causal=True)
-        else:  # padded rows: dense mask, padding paid for
-            seg = Segments(lengths=None, causal=True, mask=C.causal_segment_mask(seg_ids, h.dtype))
-        with segments(seg):
+        pos = slots[C.POSITION_IDS]
+        with segments(llm_segments(slots, h.dtype)):
             slots[C.HIDDEN] = self.block(h, attention_mask=None, position_ids=None if self.mrope else pos,
                                          position_embeddings=self.rotary(h, pos))
 

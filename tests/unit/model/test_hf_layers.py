@@ -21,7 +21,7 @@ from . import hf_cases as H
 CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio"]
 
 
-def _media_sample(spec, rng):
+def media_sample(spec, rng):
     if spec.audio is not None:
         clip = rng.standard_normal(12_345).astype(np.float32)
         n = audio_tokens(spec.audio, len(clip) / 16000)
@@ -38,7 +38,7 @@ def _ids(pieces):
     return s.input_ids, s.labels
 
 
-def _text_sample(rng):
+def text_sample(rng):
     return H.Sample("t", *_ids([H.text(rng, 4), H.text(rng, 9)]), [], [])
 
 
@@ -52,7 +52,7 @@ def test_a_stage_boundary_may_fall_after_any_layer(case, frozen_towers, request)
             if not layer.name.startswith("llm."):
                 layer.requires_grad_(False)
     rng = np.random.default_rng(0)
-    for samples in ([_media_sample(spec, rng), _text_sample(rng)], [_text_sample(rng)]):
+    for samples in ([media_sample(spec, rng), text_sample(rng)], [text_sample(rng)]):
         mb = collate_hf(samples, spec=spec, packed=True, pad_id=0)
         for cut in range(1, len(layers) - 1):
             x = mb.carrier
@@ -72,7 +72,7 @@ def test_a_stage_boundary_may_fall_after_any_layer(case, frozen_towers, request)
 def test_text_only_micro_batch_runs_no_encoder_work(case, request):
     spec = spec_from_folder(request.getfixturevalue(case))
     layers = build_layers(spec, seed=0)
-    mb = collate_hf([_text_sample(np.random.default_rng(1))], spec=spec, packed=True, pad_id=0)
+    mb = collate_hf([text_sample(np.random.default_rng(1))], spec=spec, packed=True, pad_id=0)
     first_llm = next(i for i, l in enumerate(layers) if l.name == "llm.embed")
     x = mb.carrier
     for layer in layers[:first_llm]:

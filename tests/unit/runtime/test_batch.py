@@ -1,11 +1,13 @@
-"""Micro-batch tensors: targets, label masking, patches, padding."""
+"""Micro-batch tensors: targets, label masking, patches, padding, the carried segment layout."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from mmpipe.model import carrier as C
+from mmpipe.model import layout
 from mmpipe.runtime.batch import collate, shifted_targets
 
 
@@ -44,3 +46,43 @@ def test_patches_rebuild_the_image():
     assert grid.tolist() == [[2, 3]]
     rebuilt = patches.reshape(2, 3, 3, 8, 8).permute(0, 3, 1, 4, 2).reshape(16, 24, 3)
     assert torch.equal(rebuilt, torch.from_numpy(img))
+
+
+def _run_lengths(ids: torch.Tensor) -> list[int]:
+    """What every LLM block used to compute from the segment ids: [1, 1, 2, 3, 3] -> [2, 1, 2]."""
+    return torch.unique_consecutive(ids, return_counts=True)[1].tolist()
+
+
+def _media_samples():
+    rng = np.random.default_rng(0)
+    img = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((16, 24), (40, 8), (8, 8))]
+    mel = [rng.standard_normal((4, f)).astype(np.float32) for f in (9, 30, 1)]
+    return [S("a", [1] * 7, [-100] * 7, images=img[:2], audio=mel[:1]),
+            S("b", [2] * 3, [-100] * 3, audio=mel[1:]),
+            S("c", [3] * 12, [-100] * 12, images=img[2:])]
+
+
+def test_the_carried_layout_is_what_the_layers_used_to_compute_per_layer():
+    """Sample lengths (the segment ids' runs; each padded row's valid length), patches per image
+    (grid rows * cols), positions per clip (ceil(frames / conv stride)), as int32 cu_seqlens."""
+    for packed in (True, False):
+        mb = collate(_media_samples(), patch=8, packed=packed, pad_id=0, audio_stride=3)
+        lay = layout.read(mb.carrier[C.LAYOUT])
+        seg, grid, frames = mb.carrier[C.SEGMENT_IDS], mb.carrier[C.IMAGE_GRID], mb.carrier[C.AUDIO_FRAMES]
+        rows = _run_lengths(seg[0]) if packed else (seg > 0).sum(1).tolist()
+        assert list(lay.llm.lengths) == rows == [7, 3, 12]
+        assert list(lay.image.lengths) == (grid[:, 0] * grid[:, 1]).tolist() == [6, 5, 1]
+        assert list(lay.audio.lengths) == (-(-frames // 3)).tolist() == [3, 10, 1]
+        for stream, lengths in ((lay.llm, rows), (lay.image, [6, 5, 1]), (lay.audio, [3, 10, 1])):
+            assert stream.cu_seqlens.dtype == torch.int32
+            assert stream.cu_seqlens.tolist() == [0, *np.cumsum(lengths).tolist()]
+            assert stream.max_len == max(lengths)
+    empty = layout.read(collate([S("t", [1] * 4, [-100] * 4)], patch=8, packed=True, pad_id=0).carrier[C.LAYOUT])
+    assert empty.image.lengths == () and empty.audio.lengths == () and empty.image.cu_seqlens.tolist() == [0]
+
+
+def test_a_layout_slot_that_is_not_collate_s_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"LAYOUT slot is \(4,\) torch.int64"):
+        layout.read(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"holds 7 values but its header \[1, 1, 1\] needs 9"):
+        layout.read(torch.tensor([1, 1, 1, 0, 5, 0, 0], dtype=torch.int32))

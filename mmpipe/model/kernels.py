@@ -1,0 +1,254 @@
+"""Attention kernels for packed segments, and which one a run uses (`train.attention`).
+
+Every kernel computes the same thing: attention inside each segment of a packed sequence
+(a sample, an image, a clip), causal or bidirectional, optionally limited to a sliding window,
+with grouped-query attention (fewer key/value heads than query heads) taken as it is:
+
+- `flash`: flash-attn's varlen kernel on the carried cu_seqlens (CUDA, bf16/fp16). Each segment
+  costs its own length squared; GQA and windows are native.
+- `flex`: torch's FlexAttention with a document mask (CUDA, compiled). The block mask skips
+  every tile outside the segments, so the cost is about the sum of squares too, rounded up to
+  128 x 128 tiles. No dropout: a call with attention dropout runs `sdpa` instead.
+- `sdpa`: one scaled_dot_product_attention call per segment (any device; CPU's only training
+  kernel). Costs the sum of squares, plus one kernel launch per segment.
+- `eager`: a dense block-diagonal mask over the whole row and plain matmul-softmax, the way
+  transformers' eager attention does it: the reference the others are tested against. It pays
+  (sum of lengths)^2 and keeps the full score matrix; not for training at scale.
+- `auto`: flash where flash-attn imports, on CUDA, in half precision; else flex on CUDA; else
+  sdpa.
+
+Padded micro-batches (several rows with a dense mask) and unsegmented rows (LLaVA's fixed-size
+images) run SDPA with that mask under every kernel but `eager`: a padded batch is the baseline
+that pays for its padding, and SDPA's own dispatcher already picks its flash backend on CUDA
+where no mask is needed.
+
+GQA: flash-attn and FlexAttention take fewer key/value heads natively, and SDPA does with
+`enable_gqa` on CPU and in its CUDA flash backend. SDPA's other CUDA backends (the ones that
+take a mask or fp32) do not: there a masked SDPA call repeats K/V, as transformers does,
+rather than fall back to SDPA's math backend, which would keep the full score matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch.nn import functional as F
+
+from mmpipe.model.layout import Stream
+
+KERNELS = ("auto", "flash", "flex", "sdpa", "eager")
+"""Values of train.attention."""
+
+HALF = (torch.bfloat16, torch.float16)
+
+_selected = "auto"
+
+
+def flash_importable() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def flex_importable() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def check(name: str, *, precision: str) -> None:
+    """Refuse, in one line before launch, a kernel this machine or this precision cannot run."""
+    if name not in KERNELS:
+        raise ValueError(f"train.attention={name!r} is unknown; use one of {', '.join(KERNELS)}")
+    cuda = torch.cuda.is_available()
+    if name == "flash":
+        if not flash_importable():
+            raise ValueError("train.attention=flash needs the flash-attn package, which does not import here "
+                             "(pip install flash-attn --no-build-isolation); or use train.attention=auto")
+        if not cuda:
+            raise ValueError("train.attention=flash needs a CUDA GPU and torch sees none "
+                             "(torch.cuda.is_available() is False); use train.attention=auto")
+        if precision not in ("bf16", "fp16"):
+            raise ValueError(f"train.attention=flash runs in bf16 or fp16 only, not train.precision={precision}; "
+                             f"set train.precision=bf16 or use train.attention=auto")
+    if name == "flex":
+        if not flex_importable():
+            raise ValueError(f"train.attention=flex needs torch.nn.attention.flex_attention, which torch "
+                             f"{torch.__version__} lacks; use train.attention=auto")
+        if not cuda:
+            raise ValueError(f"train.attention=flex needs a CUDA GPU: torch {torch.__version__} has no "
+                             f"FlexAttention backward on CPU; use train.attention=sdpa (or auto)")
+
+
+def use(name: str) -> None:
+    """Make `name` this process's kernel (the pipeline builder calls it with train.attention)."""
+    global _selected
+    if name not in KERNELS:
+        raise ValueError(f"train.attention={name!r} is unknown; use one of {', '.join(KERNELS)}")
+    _selected = name
+
+
+def selected() -> str:
+    return _selected
+
+
+@contextmanager
+def using(name: str) -> Iterator[None]:
+    """Run a block with another kernel (tests, benchmarks)."""
+    before = selected()
+    use(name)
+    try:
+        yield
+    finally:
+        use(before)
+
+
+def resolve(name: str, query: torch.Tensor, *, dropout: float) -> str:
+    """The kernel a packed call runs under the choice `name`."""
+    if name == "auto":
+        if query.is_cuda and query.dtype in HALF and flash_importable():
+            return "flash"
+        name = "flex" if query.is_cuda else "sdpa"
+    if name == "flash" and (not query.is_cuda or query.dtype not in HALF):
+        raise ValueError(f"train.attention=flash got {query.dtype} tensors on {query.device}; flash-attn runs "
+                         f"bf16/fp16 on CUDA only: set train.precision=bf16 or use train.attention=auto")
+    if name == "flex" and dropout > 0:
+        return "sdpa"  # FlexAttention has no attention dropout
+    return name
+
+
+def describe(name: str, *, cuda: bool, precision: str) -> str:
+    """What `name` runs on this machine at this precision (for the start-up line)."""
+    if name == "auto":
+        if cuda and precision != "fp32" and flash_importable():
+            return "auto: flash-attn varlen"
+        return "auto: FlexAttention, document mask" if cuda else "auto: SDPA per segment"
+    return {"flash": "flash-attn varlen", "flex": "FlexAttention, document mask", "sdpa": "SDPA per segment",
+            "eager": "eager, dense block-diagonal mask"}[name]
+
+
+# ----------------------------------------------------------------------------- kernels
+# Each takes query [1, H, T, d], key/value [1, Hkv, T, d] of one packed row and returns
+# [1, T, H, d] (transformers' attention-function layout).
+
+
+def packed(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, stream: Stream, *,
+           causal: bool, window: int | None, scale: float | None, dropout: float) -> torch.Tensor:
+    """Attention inside each segment of `stream` with the resolved `kernel`."""
+    if kernel == "flash":
+        return _flash(query, key, value, stream, causal=causal, window=window, scale=scale, dropout=dropout)
+    if kernel == "flex":
+        return _flex(query, key, value, stream, causal=causal, window=window, scale=scale)
+    if kernel == "eager":
+        mask = _document_mask(stream, causal=causal, window=window, dtype=query.dtype)
+        return eager(query, key, value, mask, scale=scale, dropout=dropout)
+    return _sdpa_loop(query, key, value, stream, causal=causal, window=window, scale=scale, dropout=dropout)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask: torch.Tensor | None,
+         causal: bool, scale: float | None, dropout: float) -> torch.Tensor:
+    """SDPA [B, H, T, d] -> [B, H, T, d], key/value heads repeated only where SDPA's backend for
+    this call has no GQA (see the module docstring)."""
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and query.is_cuda and (mask is not None or query.dtype not in HALF):
+        key, value = repeat_kv(key, query.shape[1]), repeat_kv(value, query.shape[1])
+        gqa = False
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *,
+          scale: float | None, dropout: float) -> torch.Tensor:
+    """Matmul, additive mask, fp32 softmax, matmul (transformers' eager attention) -> [B, T, H, d]."""
+    key, value = repeat_kv(key, query.shape[1]), repeat_kv(value, query.shape[1])
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    return torch.matmul(probs, value).transpose(1, 2)
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    groups = heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def window_mask(n: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [n, n] causal mask of a sliding window: query q sees keys q-window < k <= q
+    (transformers' `sliding_window_overlay` on a causal mask)."""
+    q = torch.arange(n, device=device)[:, None]
+    k = torch.arange(n, device=device)[None, :]
+    mask = torch.zeros((n, n), dtype=dtype, device=device)
+    return mask.masked_fill_((k > q) | (k <= q - window), torch.finfo(dtype).min)
+
+
+def _sdpa_loop(query, key, value, stream: Stream, *, causal, window, scale, dropout) -> torch.Tensor:
+    parts, start = [], 0
+    for n in stream.lengths:
+        sl = slice(start, start + n)
+        windowed = causal and window is not None and n > window
+        parts.append(sdpa(query[:, :, sl], key[:, :, sl], value[:, :, sl],
+                          mask=window_mask(n, window, query.dtype, query.device) if windowed else None,
+                          causal=causal and n > 1 and not windowed, scale=scale, dropout=dropout))
+        start += n
+    return (torch.cat(parts, dim=2) if parts else query).transpose(1, 2)
+
+
+def _document_mask(stream: Stream, *, causal: bool, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [T, T] block-diagonal mask of the stream's segments (the dense reference)."""
+    doc = stream.document_ids()
+    i = torch.arange(doc.shape[0], device=doc.device)
+    allowed = doc[:, None] == doc[None, :]
+    if causal:
+        allowed &= i[None, :] <= i[:, None]
+        if window is not None:
+            allowed &= i[:, None] - i[None, :] < window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _flash(query, key, value, stream: Stream, *, causal, window, scale, dropout) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, d]: flash-attn's varlen layout
+    cu, longest = stream.cu_seqlens, stream.max_len
+    out = flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale,
+                                 causal=causal, window_size=(window - 1, 0) if causal and window else (-1, -1))
+    return out[None]
+
+
+def _flex(query, key, value, stream: Stream, *, causal, window, scale) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key_ = ("flex_block_mask", causal, window, str(query.device))
+    block_mask = stream.derived.get(key_)
+    if block_mask is None:
+        doc = stream.document_ids()
+
+        def same_segment(_b, _h, q_idx, kv_idx):
+            ok = doc[q_idx] == doc[kv_idx]
+            if causal:
+                ok = ok & (kv_idx <= q_idx)
+                if window is not None:
+                    ok = ok & (q_idx - kv_idx < window)
+            return ok
+
+        n = stream.total
+        block_mask = create_block_mask(same_segment, None, None, n, n, device=query.device, _compile=query.is_cuda)
+        stream.derived[key_] = block_mask
+    out = _flex_attention(query.is_cuda)(query, key, value, block_mask=block_mask, scale=scale,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _flex_attention(compiled: bool):
+    """FlexAttention compiled (CUDA: its fused Triton kernel; a second sequence length makes
+    torch.compile mark the length dynamic instead of recompiling for every micro-batch), or
+    as is (CPU: torch's unfused reference, forward only, keeping the score matrix; tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
