@@ -74,6 +74,7 @@ def check_train(rc: RunConfig) -> None:
     from mmpipe.runtime.metrics import check_loggers
     from mmpipe.runtime.preflight import check_backend, check_data, checkpoint_dir
 
+    rc = train_layout(rc, say=False)  # parallel.pp / dp = auto: the layout every check below needs
     memory = check_model(rc)  # a planner-only preset, a model this machine cannot hold: before anything runs
     if memory and os.environ.get("RANK", "0") == "0":
         print(f"mmpipe: {memory}", flush=True)
@@ -96,10 +97,32 @@ def quiet_env(rc: RunConfig) -> dict[str, str]:
     return {"MMPIPE_DEBUG": "0", "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
+def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
+    """parallel.pp / parallel.dp = auto decided before launch: the planner ranks the layouts of
+    parallel.devices on the run's first two steps of data.path (metadata only, no media read)."""
+    if not rc.parallel.auto:
+        return rc
+    from dataclasses import replace
+
+    from mmpipe.config import resolve_layout
+    from mmpipe.model.geometry import features
+
+    if rc.data.sources is not None:
+        raise ValueError("parallel.pp / parallel.dp = auto plans on data.path's first steps; with a mixture "
+                         "(data.sources) set both, e.g. after `mmpipe plan data=shards parallel.devices=N` on one source")
+    metas = shard_meta(replace(rc, plan=replace(rc.plan, steps=2)))
+    out = resolve_layout(rc, [features(rc.model, meta) for _, meta in metas])
+    if say and os.environ.get("RANK", "0") == "0":  # under an external launcher every rank decides the same
+        print(f"mmpipe train: parallel.devices={rc.parallel.devices}: the planner chose pp={out.parallel.pp} x "
+          f"dp={out.parallel.dp} (parallel.pp / parallel.dp were auto)", flush=True)
+    return out
+
+
 def run_train(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
     from mmpipe.runtime.preflight import write_run_config
 
+    rc = train_layout(rc)
     if under_external_launcher():
         from mmpipe.runtime.launch import accelerator_env
         from mmpipe.runtime.worker import run_rank

@@ -10,9 +10,10 @@ import difflib
 import os
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.group import model_from_group
@@ -239,7 +240,7 @@ class DataConfig:
                            max_audio_seconds=float(self.max_audio_seconds))
 
     def __post_init__(self) -> None:
-        self.limits  # validates the three limits, naming the key
+        _ = self.limits  # validates the three limits, naming the key
         check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
                       epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
         if self.sources is not None:
@@ -537,7 +538,7 @@ def check_run(rc: RunConfig) -> None:
             f"plan.stages gives {len(rc.plan.stages)} stages but parallel.pp={pp}; "
             f"give one [first,last] pair per stage or set parallel.pp={len(rc.plan.stages)}"
         )
-    rc.stage_bounds  # validates names and tiling
+    _ = rc.stage_bounds  # validates names and tiling
     hardware_spec(rc)
 
 
@@ -570,7 +571,8 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
     choice = choose_layout(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
                            devices=p.devices, global_batch=rc.train.global_batch,
                            micro_batches=rc.train.micro_batches, sample=sample, pp=p.fixed("pp"),
-                           dp=p.fixed("dp"), memory_headroom=rc.plan.memory_headroom)
+                           dp=p.fixed("dp"), memory_headroom=rc.plan.memory_headroom,
+                           precision=training_precision(rc))
     best = choice.best
     if not best.fits:
         raise ValueError(f"parallel.devices={p.devices}: no pp x dp layout fits in memory ("

@@ -16,15 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, open_image, read_audio, resample
+from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, decode_waveform, open_image, say
 from mmpipe.data.skips import UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError
 from mmpipe.model.geometry import SampleMeta, audio_frames, audio_samples
 from mmpipe.model.spec import ModelSpec
-
-
-def _phrase(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}"[:300] if text else type(err).__name__
 
 
 def hf_image(data: bytes, spec: ModelSpec, limits: MediaLimits = DEFAULT_LIMITS):
@@ -41,11 +36,11 @@ def hf_image(data: bytes, spec: ModelSpec, limits: MediaLimits = DEFAULT_LIMITS)
             img.load()
             rgb = img.convert("RGB")
     except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's problem
-        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_phrase(err)})") from None
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({say(err)})") from None
     try:
         return preprocess_image(spec, rgb)
     except ValueError as err:
-        raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({_phrase(err)})") from None
+        raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({say(err)})") from None
 
 
 def hf_audio(data: bytes, spec: ModelSpec, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMITS,
@@ -60,13 +55,7 @@ def hf_audio(data: bytes, spec: ModelSpec, ext: str = "wav", limits: MediaLimits
     from mmpipe.model.hf.media import preprocess_audio
 
     a = spec.audio
-    x, rate, head = read_audio(data, ext, limits)
-    if seconds is not None and audio_frames(a, seconds) != audio_frames(a, head.seconds):
-        raise SampleError(UNDECODABLE_AUDIO, f"the clip lasts {head.seconds:.3f} s, {seconds:.3f} s were planned")
-    try:
-        x = resample(x, rate, a.sample_rate)
-    except (ValueError, MemoryError, OverflowError) as err:  # e.g. an absurd rate in the header
-        raise SampleError(UNDECODABLE_AUDIO, f"a clip at {rate} Hz cannot be resampled ({_phrase(err)})") from None
+    x, head = decode_waveform(data, a, ext, limits, seconds=seconds)
     n = audio_samples(a, head.seconds)
     x = x[:n] if len(x) >= n else np.pad(x, (0, n - len(x)))
     return preprocess_audio(spec, x, a.sample_rate)

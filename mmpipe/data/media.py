@@ -109,7 +109,7 @@ def open_image(data: bytes, limits: MediaLimits,
         raise SampleError(MEDIA_TOO_LARGE, f"image refused as a decompression bomb ({err}); "
                                            f"data.max_image_pixels={limits.max_image_pixels:,}") from None
     except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's problem
-        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_say(err)})") from None
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({say(err)})") from None
     w, h = img.size
     if w <= 0 or h <= 0:
         img.close()
@@ -132,7 +132,7 @@ def probe_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[int,
         w, h = img.size
         img.verify()  # PNG: chunk CRCs; cheap, no pixel decoding
     except Exception as err:  # noqa: BLE001
-        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_say(err)})") from None
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({say(err)})") from None
     finally:
         img.close()
     return h, w
@@ -158,7 +158,7 @@ def decode_image(data: bytes, v: VisionSpec, limits: MediaLimits = DEFAULT_LIMIT
     except SampleError:
         raise
     except Exception as err:  # noqa: BLE001
-        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({_say(err)})") from None
+        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({say(err)})") from None
     return DecodedImage(pixels=pixels, size=(h, w))
 
 
@@ -218,7 +218,7 @@ def read_header(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIM
     except SampleError:
         raise
     except Exception as err:  # noqa: BLE001 - libsndfile's errors, and anything else it raises
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})"
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({say(err)})"
                           ) from None
 
 
@@ -241,7 +241,7 @@ def read_audio(data: bytes, ext: str = "wav", limits: MediaLimits = DEFAULT_LIMI
     except SampleError:
         raise
     except Exception as err:  # noqa: BLE001
-        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({_say(err)})"
+        raise SampleError(UNDECODABLE_AUDIO, f"{len(data)} bytes are not a readable .{ext} clip ({say(err)})"
                           ) from None
     if len(x) < want:
         raise SampleError(UNDECODABLE_AUDIO, f"the header promises {head.frames} samples but the data ends after "
@@ -322,14 +322,21 @@ def decode_audio(data: bytes, a: AudioSpec, ext: str = "wav", limits: MediaLimit
     Raises:
         SampleError: `undecodable audio`, or `media too large`.
     """
-    x, rate, head = read_audio(data, ext, limits, max_seconds=a.max_seconds)
+    x, head = decode_waveform(data, a, ext, limits, seconds=seconds, max_seconds=a.max_seconds)
+    return DecodedAudio(features=log_mel(x, a, head.seconds), seconds=head.seconds)
+
+
+def decode_waveform(data: bytes, a: AudioSpec, ext: str, limits: MediaLimits, *, seconds: float | None,
+                    max_seconds: float | None = None) -> tuple[np.ndarray, AudioHeader]:
+    """A clip's mono waveform at a.sample_rate and its header; refused (undecodable audio) when
+    its length is not the planned `seconds` or its rate cannot be resampled."""
+    x, rate, head = read_audio(data, ext, limits, max_seconds=max_seconds)
     if seconds is not None and audio_frames(a, seconds) != audio_frames(a, head.seconds):
         raise SampleError(UNDECODABLE_AUDIO, f"the clip lasts {head.seconds:.3f} s, {seconds:.3f} s were planned")
     try:
-        x = resample(x, rate, a.sample_rate)
+        return resample(x, rate, a.sample_rate), head
     except (ValueError, MemoryError, OverflowError) as err:  # e.g. an absurd rate in the header
-        raise SampleError(UNDECODABLE_AUDIO, f"a clip at {rate} Hz cannot be resampled ({_say(err)})") from None
-    return DecodedAudio(features=log_mel(x, a, head.seconds), seconds=head.seconds)
+        raise SampleError(UNDECODABLE_AUDIO, f"a clip at {rate} Hz cannot be resampled ({say(err)})") from None
 
 
 def _check_ext(ext: str) -> None:
@@ -337,7 +344,7 @@ def _check_ext(ext: str) -> None:
         raise SampleError(UNDECODABLE_AUDIO, f".{ext} clips are not read; use {', '.join(AUDIO_EXTS)}")
 
 
-def _say(err: BaseException) -> str:
+def say(err: BaseException) -> str:
     """An exception as a short phrase: its message, or its type when it has none."""
     text = " ".join(str(err).split())
     return f"{type(err).__name__}: {text}"[:300] if text else type(err).__name__

@@ -15,10 +15,10 @@ read to the host once per stage, never per layer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -61,10 +61,13 @@ def segments(seg: Segments) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | None = None, sliding_window: int | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+def segment_attention(  # module, kwargs: transformers' AttentionInterface signature
+        module: torch.nn.Module,  # noqa: ARG001
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+        is_causal: bool | None = None, sliding_window: int | None = None,
+        **kwargs,  # noqa: ARG001
+) -> tuple[torch.Tensor, None]:
     """query [B, H, T, d], key/value [B, Hkv, T, d] -> ([B, T, H, d], None).
 
     `sliding_window` (Mistral, Qwen2 sliding layers) limits a causal query to the last

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch.nn import functional as F

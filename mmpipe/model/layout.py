@@ -17,8 +17,9 @@ keeps that storage from being reused for another micro-batch while the entry liv
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

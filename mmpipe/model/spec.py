@@ -7,8 +7,9 @@ weights, and the runtime builds the tiny CPU model from the same spec. The layer
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 COMPONENTS = ("vision", "audio", "llm")
 

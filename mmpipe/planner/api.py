@@ -43,8 +43,8 @@ train.zero_stage, train.optimizer; default the spec's bf16, ZeRO-1, AdamW) and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
@@ -60,7 +60,7 @@ from mmpipe.planner.cost import (
     validate_trainable,
 )
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
-from mmpipe.planner.layout import Layout, LayoutChoice, search_layouts
+from mmpipe.planner.layout import Layout, LayoutChoice, costs_by_dp, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import SampleTable, sample_table
@@ -250,11 +250,7 @@ def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequen
     k = max(1, min(probe_steps, len(sample) // global_batch))
     table = sample_table(list(sample[:k * global_batch]))
     steps = [list(range(i * global_batch, (i + 1) * global_batch)) for i in range(k)]
-    costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
-                                 precision=precision, memory_headroom=memory_headroom)
-             for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
-    if not costs:
-        raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a "
-                         f"divisor or auto")
+    costs = costs_by_dp(model=model, hardware=hardware, trainable=trainable, devices=devices, dp=dp,
+                        precision=precision, memory_headroom=memory_headroom)
     return search_layouts(costs=costs, table=table, steps=steps, devices=devices,
                           global_batch=global_batch, micro_batches=micro_batches, pp=pp, dp=dp)

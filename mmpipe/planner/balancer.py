@@ -37,7 +37,7 @@ that scores the baselines (`makespan` is the exact makespan of `simulate` for 1F
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -10,8 +10,9 @@ each position's key).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, tune_baseline
 from mmpipe.planner.cost import DEFAULT_HEADROOM, DEFAULT_PRECISION, build_cost_model, lower_bound_s
 from mmpipe.planner.hardware import HardwareSpec
-from mmpipe.planner.layout import equal_bubble, search_layouts
+from mmpipe.planner.layout import costs_by_dp, equal_bubble, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages, stages_from_names
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.report import (
@@ -95,12 +96,8 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
     choice = None
     if auto:
         assert devices is not None
-        costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
-                                     precision=precision, memory_headroom=memory_headroom)
-                 for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
-        if not costs:
-            raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a "
-                             f"divisor or auto")
+        costs = costs_by_dp(model=model, hardware=hardware, trainable=trainable, devices=devices, dp=dp,
+                            precision=precision, memory_headroom=memory_headroom)
         choice = search_layouts(costs=costs, table=table, steps=probe, devices=devices,
                                 global_batch=global_batch, micro_batches=micro_batches, pp=pp,
                                 dp=dp, labels=labels)

@@ -23,8 +23,9 @@ step, gradient reduction, engine bookkeeping). The planner's lower bound uses
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 GB = 1e9
 """Bytes in a gigabyte as the presets count them (decimal, like vendors do)."""

@@ -26,13 +26,13 @@ sample micro-batches run far below peak. Such layouts are chosen only when no ot
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from mmpipe.planner.balancer import balance_step, check_alone, check_static
-from mmpipe.planner.cost import CostModel, lower_bound_s
+from mmpipe.planner.cost import CostModel, TrainingPrecision, build_cost_model, lower_bound_s
 from mmpipe.planner.packing import deal
 from mmpipe.planner.partition import StagePlan, balanced_partition, data_aware_stages, layer_loads, parameters_partition
 from mmpipe.planner.replica import ReplicaPlanner
@@ -94,6 +94,18 @@ class LayoutChoice:
     @property
     def best(self) -> Layout:
         return self.layouts[0]
+
+
+def costs_by_dp(*, model, hardware, trainable: Sequence[str], devices: int, dp: int | None,
+                precision: TrainingPrecision, memory_headroom: float) -> dict[int, CostModel]:
+    """A cost model for each data-parallel degree a layout of `devices` may take (each divisor,
+    or the user's fixed dp): ZeRO-1 shards optimizer states over dp, so memory depends on it."""
+    costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
+                                 precision=precision, memory_headroom=memory_headroom)
+             for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
+    if not costs:
+        raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a divisor or auto")
+    return costs
 
 
 def equal_bubble(pp: int, m: int) -> float:

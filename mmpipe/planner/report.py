@@ -3,7 +3,7 @@ schedule comparison, and a matplotlib timeline of one step (Agg backend, no disp
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -8,8 +8,8 @@ their samples' figures; padded ones pay every sequence at the longest one's leng
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -23,9 +23,9 @@ cap, which reproduces the published memory figures; for what-if comparisons only
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ thousands of micro-batches are one matrix product.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

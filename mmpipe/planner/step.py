@@ -9,8 +9,8 @@ is scored by this one function, so comparisons are like for like.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -57,7 +57,8 @@ def run_bench(rc: RunConfig, overrides: list[str]) -> list[PolicyFigures]:
                 raise RuntimeError(f"bench run {policy} (round {rnd}) took over {RUN_TIMEOUT_S} s; "
                                    f"see {run_dir} and lower bench.steps") from None
             if proc.returncode != 0:
-                raise RuntimeError(f"bench run {policy} (round {rnd}) failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+                raise RuntimeError(f"bench run {policy} (round {rnd}) failed:\n"
+                                   f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
             metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
             runs[policy].append(metrics)
             print(f"round {rnd} {policy:<14} {time.perf_counter() - t0:6.1f}s", flush=True)

@@ -10,8 +10,9 @@ steps_per_print, ...) passes through to DeepSpeed untouched.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mmpipe.config import RunConfig

@@ -390,7 +390,7 @@ def _catch(signals: tuple[int, ...], got: list[int]) -> dict[int, object]:
     if threading.current_thread() is not threading.main_thread():
         return {}
 
-    def note(signum, frame) -> None:
+    def note(signum, _frame) -> None:
         got.append(signum)
 
     return {s: signal.signal(s, note) for s in signals}

@@ -11,9 +11,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,15 +22,32 @@ from mmpipe.config import RunConfig, resolve_path
 from mmpipe.model.spec import layer_names
 from mmpipe.planner.api import StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
-from mmpipe.runtime.checkpoint import (Checkpointer, Found, RunStopped, StepVerdict, agree_after_step, find_checkpoint,
-                                       refuse_other_history, truncate_records)
+from mmpipe.runtime.checkpoint import (
+    Checkpointer,
+    Found,
+    RunStopped,
+    StepVerdict,
+    agree_after_step,
+    find_checkpoint,
+    refuse_other_history,
+    truncate_records,
+)
+from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.launch import resolve_backend, threads_per_rank
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
-from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
-from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module, deepspeed_grad_norm,
-                                     describe_training, fix_buffer_reuse, fix_zero_unused_grads, loss_scale,
-                                     lr_lambda, make_optimizer)
+from mmpipe.runtime.pipeline import (
+    GlobalGradClip,
+    PipelineSpec,
+    build_pipeline_module,
+    deepspeed_grad_norm,
+    describe_training,
+    fix_buffer_reuse,
+    fix_zero_unused_grads,
+    loss_scale,
+    lr_lambda,
+    make_optimizer,
+)
 from mmpipe.runtime.stages import choose_stages, format_stage_table
 from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage
 
@@ -70,6 +87,25 @@ def _quiet_deepspeed() -> None:
         pass
 
 
+@contextlib.contextmanager
+def _held_prints() -> Iterator[None]:
+    """DeepSpeed prints its set-up (SEED_LAYERS=..., Using topology: ...) with print() on every
+    rank, which no logger level silences: hold it back, unless MMPIPE_DEBUG=1, and show it only
+    if the set-up fails."""
+    if os.environ.get("MMPIPE_DEBUG") == "1":
+        yield
+        return
+    import io
+
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+
+
 def _init_distributed(rc: RunConfig) -> RunConfig:
     """Join the process group and check it matches the config; agree on one run directory."""
     import deepspeed
@@ -80,7 +116,8 @@ def _init_distributed(rc: RunConfig) -> RunConfig:
     backend = os.environ.get("MMPIPE_BACKEND") or resolve_backend(rc.launcher.backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    with _held_prints():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
     world, pp, dp = dist.get_world_size(), rc.parallel.pp, rc.parallel.dp
     if world != pp * dp:
         raise ValueError(f"parallel.pp * parallel.dp = {pp} * {dp} = {pp * dp} does not equal the {world} processes "
@@ -127,14 +164,16 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     torch.manual_seed(rc.train.seed)
     require_tested_deepspeed()
     t = rc.train
-    module = build_pipeline_module(pspec)
+    with _held_prints():
+        module = build_pipeline_module(pspec)
     optimizer = make_optimizer(module.parameters(), lr=t.lr, weight_decay=t.weight_decay, kind=t.optimizer,
                                cuda=get_accelerator().device_name() == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.steps))
     user = load_user_config(rc.deepspeed.config) if rc.deepspeed.config else None
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(rc, user=user))
+    with _held_prints():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config(rc, user=user))
     fix_buffer_reuse(engine)
     fix_zero_unused_grads(engine)
     clip = None

@@ -35,10 +35,10 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 USER_ERRORS = (ValueError, FileNotFoundError)
 """Exceptions reported as one line (as the CLI reports config errors); SampleError is a ValueError."""
@@ -76,7 +76,7 @@ class StopSignal:
         for s in SIGNALS:
             signal.signal(s, self._handle)
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, _frame) -> None:
         first = self.requested is None
         if first:
             self.requested = signum
@@ -84,7 +84,7 @@ class StopSignal:
             raise StopRequested(signum)
 
     @contextmanager
-    def deferred(self) -> Iterator["StopSignal"]:
+    def deferred(self) -> Iterator[StopSignal]:
         """Within the block a first signal only sets `requested`; check it where stopping is safe."""
         before, self.defer = self.defer, True
         try:

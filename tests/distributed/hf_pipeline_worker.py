@@ -12,10 +12,14 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT)]  # this checkout's mmpipe and its tests package (the shared case)
+from mmpipe.runtime.pipeline import (  # noqa: E402
+    GlobalGradClip,
+    PipelineSpec,
+    build_pipeline_module,
+    fix_buffer_reuse,
+    make_optimizer,
+)
 from tests.unit.model import hf_pipeline_case as case  # noqa: E402
-
-from mmpipe.runtime.pipeline import (GlobalGradClip, PipelineSpec, build_pipeline_module,  # noqa: E402
-                                     fix_buffer_reuse, make_optimizer)
 
 
 def _fp32_config(micro_batches: int) -> dict:

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.unit.model import hf_pipeline_case as case  # noqa: E402
-
 from mmpipe.model.hf.build import build_layers  # noqa: E402
 from mmpipe.model.layers import run_layers, token_loss  # noqa: E402
 from mmpipe.model.spec import layer_names  # noqa: E402
 from mmpipe.runtime.launch import launch  # noqa: E402
+from tests.unit.model import hf_pipeline_case as case  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 WORKER = str(Path(__file__).with_name("hf_pipeline_worker.py"))

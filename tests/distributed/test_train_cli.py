@@ -90,7 +90,8 @@ def test_mixture_reports_what_it_drew(run_mmpipe):
 
 @pytest.mark.parametrize("memory_gb, policy, says", [
     # a single sample cannot fit on stage 0 under any micro-batching
-    ("0.02", "data-aware", r"sample \d+ needs [\d.e-]+ GB of activations on stage 0 \(vision\.embed\.\.llm\.block\.2\)"),
+    ("0.02", "data-aware",
+     r"sample \d+ needs [\d.e-]+ GB of activations on stage 0 \(vision\.embed\.\.llm\.block\.2\)"),
     # even one padded sample per micro-batch, four in flight, overflows the baseline's stage 0
     # (a run of a baseline plans the fastest micro-batch count that fits; data-aware fits here)
     ("0.025", "ds-default", r"stage 0 \(vision\.embed\.\.llm\.block\.2\) needs [\d.e-]+ GB under the cost model, "

@@ -78,7 +78,8 @@ def test_process_count_must_match_pp_times_dp(capsys):
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=40"], "parallel.pp=40 exceeds the 15 layers of model tiny"),
-    (["train.global_batch=15", "parallel.dp=2", "parallel.pp=1"], "train.global_batch=15 is not divisible by parallel.dp=2"),
+    (["train.global_batch=15", "parallel.dp=2", "parallel.pp=1"],
+     "train.global_batch=15 is not divisible by parallel.dp=2"),
     (["train.micro_batches=20"], "train.micro_batches=20 exceeds the 16 samples"),
     (["plan.policy=fastest"], "plan.policy='fastest' is unknown"),
     (["train.trainable=[visoin]"], "train.trainable entry 'visoin' is unknown"),

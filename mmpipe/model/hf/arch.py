@@ -16,8 +16,9 @@ run is refused here, before any process starts, by a one-line ValueError.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 

@@ -11,8 +11,8 @@ Tied embeddings: `tied_embedding(spec)` says how the runtime shares the one weig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

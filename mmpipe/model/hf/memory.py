@@ -9,8 +9,8 @@ part (`planner/cost.py`); add its figure for the whole picture.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from mmpipe.model.hf.build import tied_embedding
 from mmpipe.model.hf.skeleton import owned_keys, skeleton

@@ -4,7 +4,8 @@ checkpoints (`model=compose`). Errors name each key as the user types it."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.compose import spec_from_compose

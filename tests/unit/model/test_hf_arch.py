@@ -8,11 +8,11 @@ import yaml
 
 from mmpipe.config import PACKAGE_ROOT
 from mmpipe.model.geometry import SampleMeta, features
+from mmpipe.model.group import model_from_group
 from mmpipe.model.hf.arch import spec_from_config
 from mmpipe.model.hf.build import build_layer
 from mmpipe.model.hf.memory import check_memory, estimate_memory, layer_params
 from mmpipe.model.hf.settings import spec_from_settings
-from mmpipe.model.group import model_from_group
 from mmpipe.model.spec import layer_names
 
 # The Hub configs of the three 7B checkpoints (config.json and preprocessor figures), as the
@@ -80,7 +80,8 @@ def test_7b_presets_build_from_their_configs_alone():
     audio = spec_from_config(QWEN2_AUDIO_7B, name="qwen2-audio-7b", feature_extractor=WHISPER_FE)
     preset = _preset("qwen2-audio-7b")
     _same_figures(audio.audio, preset.audio, ("blocks", "hidden", "mlp", "heads", "mel_bins", "sample_rate",
-                                              "frames_per_s", "conv_stride", "pool", "pool_ceil", "max_seconds", "proj"))
+                                              "frames_per_s", "conv_stride", "pool", "pool_ceil", "max_seconds",
+                                              "proj"))
     _same_figures(audio.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
     assert features(audio, SampleMeta(text_tokens=3, audio_seconds=(10.0,))).audio_tokens == (250,)
     # a layer of a 7B model is built alone, without weights

@@ -50,7 +50,8 @@ def _llava_processor(folder):
     vocab = {f"w{i}": i for i in range(280)} | {"<image>": H.IMAGE, "<pad>": 0}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>",
+                                  extra_special_tokens={"image_token": "<image>"})
     spec = spec_from_folder(folder)
     return spec, LlavaProcessor(image_processor=image_processor(spec.hf), tokenizer=tok, patch_size=spec.vision.patch,
                                 vision_feature_select_strategy=spec.vision.select,

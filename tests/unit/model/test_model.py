@@ -33,7 +33,8 @@ class FakeSample:
             ids += [IMG] * n
             labels += [-100] * n
         for s in clips:
-            self.audio.append(rng.standard_normal((spec.audio.mel_bins, audio_frames(spec.audio, s))).astype(np.float32))
+            mel = rng.standard_normal((spec.audio.mel_bins, audio_frames(spec.audio, s)))
+            self.audio.append(mel.astype(np.float32))
             n = audio_tokens(spec.audio, s)
             ids += [AUD] * n
             labels += [-100] * n
