@@ -21,8 +21,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from mmpipe.commands import COMMANDS, Command, Invocation, export_command, usage
-from mmpipe.config import PACKAGE_ROOT, RunConfig, run_config_from_dict, shell_word
+from mmpipe.config import RunConfig, run_config_from_dict
 from mmpipe.overrides import check_overrides, explain
+from mmpipe.paths import PACKAGE_ROOT, shell_word
 
 CONF_DIR = PACKAGE_ROOT / "conf"
 """The shipped configs (groups model, data, hardware, recipes)."""

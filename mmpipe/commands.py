@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path, shell_word, tokenizer_source
+from mmpipe.config import RunConfig, tokenizer_source
+from mmpipe.paths import PACKAGE_ROOT, resolve_path, shell_word
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +110,8 @@ def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
 
     if rc.data.sources is not None:
         raise ValueError("parallel.pp / parallel.dp = auto plans on data.path's first steps; with a mixture "
-                         "(data.sources) set both, e.g. after `mmpipe plan data=shards parallel.devices=N` on one source")
+                         "(data.sources) set both, e.g. as `mmpipe plan data=shards parallel.devices=N` chooses "
+                         "them on one source")
     metas = shard_meta(replace(rc, plan=replace(rc.plan, steps=2)))
     out = resolve_layout(rc, [features(rc.model, meta) for _, meta in metas])
     if say and os.environ.get("RANK", "0") == "0":  # under an external launcher every rank decides the same
@@ -124,7 +126,7 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
 
     rc = train_layout(rc)
     if under_external_launcher():
-        from mmpipe.runtime.launch import accelerator_env
+        from mmpipe.runtime.host import accelerator_env
         from mmpipe.runtime.worker import run_rank
 
         for key, value in accelerator_env(rc.launcher.backend).items():

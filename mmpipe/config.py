@@ -7,25 +7,16 @@ is launched, and every message names the key as the user types it, the bad value
 from __future__ import annotations
 
 import difflib
-import os
-import re
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.group import model_from_group
-from mmpipe.model.kernels import KERNELS
+from mmpipe.model.kernel_choice import KERNELS
 from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names
+from mmpipe.paths import model_folder, resolve_path, shell_word
 from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # planner-owned
-
-PACKAGE_ROOT = Path(__file__).resolve().parent
-"""The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
-configs (conf/, with conf/recipes/) and sample data (data/shards/, data/tokenizer.json,
-data/workloads/), so relative paths such as data/shards/... resolve here when the current
-directory has no such file (`resolve_path`)."""
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Values of train.precision."""
@@ -651,46 +642,6 @@ def stages_to_bounds(stages: tuple[tuple[str, str], ...], layers: list[str]) -> 
             f"end the last stage at {layers[-1]}"
         )
     return bounds
-
-
-def resolve_path(p: str) -> str:
-    """A relative path is taken from the current directory when it is there, else from the
-    mmpipe package (its shipped configs and sample data: `data/shards/...`,
-    `data/tokenizer.json`, `data/workloads/...`); a brace list counts as there when its first
-    file is. Absolute paths and `pipe:` commands pass unchanged."""
-    if not p or os.path.isabs(p) or p.startswith("pipe:"):
-        return p
-    first = re.sub(r"\{([^{},.]*)(?:\.\.[^{}]*|,[^{}]*)\}", r"\1", p)
-    if not Path(first).exists() and (PACKAGE_ROOT / first).exists():
-        return str(PACKAGE_ROOT / p)
-    return p
-
-
-_SHELL_SAFE = re.compile(r"[\w./:@%+=,-]*")
-_HYDRA_SAFE = re.compile(r"[\w./:@%+-]*")
-
-
-def shell_word(text: str) -> str:
-    """`text` as one word a POSIX shell passes through unchanged (hints are pasted into shells:
-    brackets glob, braces expand, spaces split)."""
-    if _SHELL_SAFE.fullmatch(text):
-        return text
-    if not any(c in text for c in "\"$`!\\"):
-        return f'"{text}"'
-    return shlex.quote(text)
-
-
-def override_hint(key: str, value: str) -> str:
-    """`key=value` for a string value as a user types it: quoted for Hydra's override grammar
-    where it has brackets, braces, commas, spaces or quotes, then for the shell."""
-    if not _HYDRA_SAFE.fullmatch(value):
-        value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return shell_word(f"{key}={value}")
-
-
-def model_folder(p: str) -> str:
-    """A model folder as given, made absolute (the workers and `mmpipe export` read it from run.yaml)."""
-    return str(Path(resolve_path(p)).expanduser().absolute())
 
 
 DEFAULT_TOKENIZER = "data/tokenizer.json"

@@ -14,7 +14,7 @@ import re
 
 import yaml
 
-from mmpipe.config import override_hint, shell_word
+from mmpipe.paths import override_hint, shell_word
 from mmpipe.schema import describe_type, key_docs, key_type
 
 
@@ -155,7 +155,7 @@ def _default_text(key: str) -> str:
 def _model_keys(overrides: list[str]) -> list[str]:
     """The keys of the model group the overrides choose (model=hf, model=compose, a preset; else
     the default), dotted: the schema types `model` loosely, so its keys come from the group file."""
-    from mmpipe.config import PACKAGE_ROOT
+    from mmpipe.paths import PACKAGE_ROOT
 
     name = next((o.partition("=")[2] for o in overrides if o.lstrip("+").partition("=")[0] == "model"), "tiny")
     path = PACKAGE_ROOT / "conf" / "model" / f"{name}.yaml"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mmpipe.config import override_hint
+from mmpipe.paths import override_hint
 from mmpipe.data.chat import templater_for
 from mmpipe.data.convert import convert
 from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits

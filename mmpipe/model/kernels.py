@@ -38,10 +38,8 @@ from contextlib import contextmanager
 import torch
 from torch.nn import functional as F
 
+from mmpipe.model.kernel_choice import KERNELS
 from mmpipe.model.layout import Stream
-
-KERNELS = ("auto", "flash", "flex", "sdpa", "eager")
-"""Values of train.attention."""
 
 HALF = (torch.bfloat16, torch.float16)
 

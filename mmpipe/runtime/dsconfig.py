@@ -56,7 +56,7 @@ OWNED: dict[str, str] = {
 
 def load_user_config(path: str) -> dict[str, Any]:
     """Read and check a user's DeepSpeed JSON; one-line errors name deepspeed.config."""
-    from mmpipe.config import resolve_path
+    from mmpipe.paths import resolve_path
 
     file = Path(resolve_path(path))
     if not file.is_file():

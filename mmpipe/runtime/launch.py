@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO
 
 import mmpipe
+from mmpipe.runtime.host import accelerator_env, threads_per_rank
 from mmpipe.runtime.worker import EXIT_PEER_LOST, EXIT_USER_ERROR
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -59,43 +60,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# oneDNN (bf16/fp16 matmuls, convolutions on CPU) keeps a compiled kernel per input shape in
-# two caches (its primitive cache and torch's ideep LRU cache) of 1024 entries each, ~1 MB an
-# entry. Packed micro-batches bring new shapes every step, so a bf16 run on CPU grew by ~150 MB
-# per step. 64 entries keep the reuse within a micro-batch (the same shapes in every layer and
-# in backward): in a bf16 fwd+bwd loop over varying lengths the CPU time equalled the default's
-# and the resident size levelled off, where with no cache at all each call recompiled (2.6x
-# slower). The user's own settings of these variables win.
-CPU_KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
-
-
-def threads_per_rank(local_ranks: int) -> int:
-    """Torch threads for each of `local_ranks` processes on this machine: the cores shared out,
-    so that several ranks do not oversubscribe them (at least one)."""
-    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
-
-
-def resolve_backend(backend: str) -> str:
-    """launcher.backend with auto decided: nccl where torch sees a GPU, else gloo."""
-    import torch
-
-    if backend != "auto":
-        return backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def accelerator_env(backend: str) -> dict[str, str]:
-    """DS_ACCELERATOR, the process-group backend and the CPU kernel-cache limits for this machine."""
-    import torch
-
-    gpu = torch.cuda.is_available()
-    env = {"MMPIPE_BACKEND": resolve_backend(backend)}
-    if not gpu:
-        env["DS_ACCELERATOR"] = "cpu"
-        env.update({k: v for k, v in CPU_KERNEL_CACHES.items() if k not in os.environ})
-    return env
-
-
 # The worker's entry, run with `python -c`. `python -m mmpipe.runtime.worker` would put the
 # current directory first on sys.path, so a `mmpipe/` folder there (a checkout, an old copy)
 # would be imported instead of the launcher's package. `python -P` (3.11+) drops the directory
@@ -103,6 +67,9 @@ def accelerator_env(backend: str) -> dict[str, str]:
 # (`python -m mmpipe` from a source tree). This drops the directory and, when a plain import
 # would not find the launcher's package, puts the launcher's package root first: the workers
 # run the code the launcher runs, on every Python mmpipe supports.
+# When the rank is done (its files closed, its atexit handlers run, its output flushed) it
+# leaves with os._exit: the interpreter's own teardown then spent 2.4 s per rank in native
+# destructors (no Python frame left; measured on the 2-core machine) for nothing.
 _BOOT = """\
 import importlib.util, os, sys
 if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] in ("", os.getcwd()):
@@ -112,7 +79,12 @@ spec = importlib.util.find_spec("mmpipe")
 if spec is None or os.path.realpath(os.path.dirname(os.path.dirname(spec.origin))) != os.path.realpath(root):
     sys.path.insert(0, root)
 from mmpipe.runtime.worker import main
-sys.exit(main(sys.argv[1:]))
+code = main(sys.argv[1:])
+import atexit
+atexit._run_exitfuncs()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
 """
 
 

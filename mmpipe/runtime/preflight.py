@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
+from mmpipe.config import RunConfig
+from mmpipe.paths import PACKAGE_ROOT, resolve_path
 
 
 def check_data(rc: RunConfig) -> None:

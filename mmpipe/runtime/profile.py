@@ -27,13 +27,14 @@ import numpy as np
 import torch
 import yaml
 
-from mmpipe.config import RunConfig, hardware_spec, shell_word
+from mmpipe.config import RunConfig, hardware_spec
 from mmpipe.model.geometry import audio_frames, audio_positions, audio_tokens, image_grid, image_tokens
 from mmpipe.model.layers import build_layers, token_loss
 from mmpipe.model.spec import ModelSpec, layer_names
+from mmpipe.paths import shell_word
 from mmpipe.planner.api import HardwareSpec, build_cost_model, hardware_to_dict
 from mmpipe.runtime.batch import collate
-from mmpipe.runtime.launch import threads_per_rank
+from mmpipe.runtime.host import threads_per_rank
 
 IMAGE_TOKEN, AUDIO_TOKEN = 5, 6
 

@@ -3,11 +3,12 @@ on it, and the stage choice, which plans on its first steps)."""
 
 from __future__ import annotations
 
-from mmpipe.config import PACKAGE_ROOT, RunConfig, resolve_path
+from mmpipe.config import RunConfig
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
 from mmpipe.data.reader import SampleStream
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.tokenizer import Tokenizer
+from mmpipe.paths import PACKAGE_ROOT, resolve_path
 
 
 def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: SkipCounter):

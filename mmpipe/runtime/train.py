@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmpipe.config import RunConfig, resolve_path
+from mmpipe.config import RunConfig
 from mmpipe.model.spec import layer_names
+from mmpipe.paths import resolve_path
 from mmpipe.planner.api import StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (
@@ -34,7 +35,7 @@ from mmpipe.runtime.checkpoint import (
 )
 from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
 from mmpipe.runtime.feed import StepFeeder
-from mmpipe.runtime.launch import resolve_backend, threads_per_rank
+from mmpipe.runtime.host import resolve_backend, threads_per_rank
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (
     GlobalGradClip,

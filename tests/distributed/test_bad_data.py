@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.synth import write_shard
+from mmpipe.paths import PACKAGE_ROOT
 
 pytestmark = pytest.mark.distributed
 

@@ -14,21 +14,22 @@ import pytest
 import torch
 
 from mmpipe.cli import load
-from mmpipe.config import PACKAGE_ROOT, resolve_path, tokenizer_source
+from mmpipe.config import tokenizer_source
 from mmpipe.data.reader import iter_meta, iter_samples
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.model.layers import build_layers, run_layers, token_loss
 from mmpipe.model.spec import layer_names
+from mmpipe.paths import PACKAGE_ROOT, resolve_path
 from mmpipe.runtime.batch import collate
 
 pytestmark = pytest.mark.distributed
 
 CASES = {
-    # name: overrides (data-aware chooses its own micro-batch count; ds-default keeps train.micro_batches)
-    "pp2": ["parallel.pp=2", "parallel.dp=1", "train.global_batch=10", "train.micro_batches=3"],
+    # name: overrides (data-aware chooses its own micro-batch count; ds-default keeps train.micro_batches).
+    # One case per property: padded micro-batches and a middle stage; several replicas with the
+    # planner dealing the step to them; ZeRO-1 with each replica reading its own shards.
     "pp3": ["parallel.pp=3", "parallel.dp=1", "train.global_batch=9", "train.micro_batches=4",
             "plan.policy=ds-default"],  # padded micro-batches, a fixed count, a middle stage
-    "pp2xdp2": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3"],
     "pp2xdp2-across": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3",
                        "plan.across_replicas=true"],  # the planner deals the step to the replicas
     # ZeRO-1: optimizer state sharded over the replicas, DeepSpeed's ZeRO optimizer clips. Three

@@ -41,37 +41,6 @@ def test_default_run_learns_and_reports(run_mmpipe):
     assert later[len(later) // 2] < 0.5, later  # median of out-of-sample re-fitted predictions
 
 
-def test_stage_override_moves_layers(run_mmpipe):
-    stages = "plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]"
-    run = run_mmpipe("train", stages, "train.steps=2")
-    assert run.code == 0, run.out[-3000:]
-    assert "stages from override" in run.out
-    names = layer_names(load([], job="test").model)
-    split = names.index("llm.embed")
-    held = {d["stage"]: d["layers"] for d in run.stage_files()}
-    assert held == {0: names[:split], 1: names[split:]}
-    # The printed table says the same as what each rank holds.
-    assert re.search(r"0\s+vision\.embed \.\. audio\.proj\s+8\s", run.out)
-    assert re.search(r"1\s+llm\.embed \.\. llm\.head\s+7\s", run.out)
-
-
-def test_two_stages_by_two_replicas_split_the_data(run_mmpipe):
-    run = run_mmpipe("train", "parallel.dp=2", "train.steps=3", "train.record_samples=true")
-    assert run.code == 0, run.out[-3000:]
-    files = run.stage_files()
-    assert sorted((d["stage"], d["dp_rank"]) for d in files) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    by_replica = {}
-    for d in files:
-        fed = run.samples(d["rank"])
-        keys = [k for step in fed for mb in step["micro_batches"] for k in mb]
-        by_replica.setdefault(d["dp_rank"], []).append(keys)
-    for replica, (a, b) in by_replica.items():
-        assert a == b, f"first and last stage of replica {replica} fed different samples"
-    assert not set(by_replica[0][0]) & set(by_replica[1][0])
-    assert len(by_replica[0][0]) == len(by_replica[1][0]) == 3 * 8
-    assert all(r["samples"] == 16 for r in run.metrics())
-
-
 def test_config_error_launches_nothing(run_mmpipe):
     run = run_mmpipe("train", "parallel.dp=2", "launcher.nproc=2")
     assert run.code == 2
@@ -88,20 +57,15 @@ def test_mixture_reports_what_it_drew(run_mmpipe):
     assert int(counts["synth-a"]) > 2 * int(counts["synth-b"])  # weights 3:1
 
 
-@pytest.mark.parametrize("memory_gb, policy, says", [
-    # a single sample cannot fit on stage 0 under any micro-batching
-    ("0.02", "data-aware",
-     r"sample \d+ needs [\d.e-]+ GB of activations on stage 0 \(vision\.embed\.\.llm\.block\.2\)"),
-    # even one padded sample per micro-batch, four in flight, overflows the baseline's stage 0
-    # (a run of a baseline plans the fastest micro-batch count that fits; data-aware fits here)
-    ("0.025", "ds-default", r"stage 0 \(vision\.embed\.\.llm\.block\.2\) needs [\d.e-]+ GB under the cost model, "
-                           r"[\d.e-]+ GB more than the [\d.e-]+ GB usable"),
-])
-def test_an_override_over_memory_trains_with_a_warning(memory_gb, policy, says, run_mmpipe):
-    run = run_mmpipe("train", "train.steps=1", f"hardware.memory_gb={memory_gb}", f"plan.policy={policy}",
+def test_an_override_over_memory_trains_with_a_warning(run_mmpipe):
+    """A stage override that the cost model says cannot hold one sample's activations is trained
+    anyway, with a warning naming the sample, the stage and the figures (the warnings' texts for
+    each policy: tests/unit/runtime/test_stages.py)."""
+    run = run_mmpipe("train", "train.steps=1", "hardware.memory_gb=0.025",
                      "plan.stages=[[vision.embed,llm.block.2],[llm.block.3,llm.head]]")
     assert run.code == 0, run.out[-3000:]
-    assert re.search(r"warning: plan\.stages: .*" + says, run.out), run.out[-2000:]
+    assert re.search(r"warning: plan\.stages: sample \d+ needs [\d.e-]+ GB of activations on stage 0 "
+                     r"\(vision\.embed\.\.llm\.block\.2\) even alone", run.out), run.out[-2000:]
     assert "done: 1 steps" in run.out
 
 
@@ -137,25 +101,32 @@ def test_bench_compares_policies_on_the_same_data(run_mmpipe):
 
 
 def test_same_seed_same_loss_curve(run_mmpipe):
-    runs = [run_mmpipe("train", "train.steps=4", name=f"run{i}") for i in range(2)]
+    runs = [run_mmpipe("train", "train.steps=3", name=f"run{i}") for i in range(2)]
     assert all(r.code == 0 for r in runs), runs[0].out[-3000:]
     curves = [[(m["loss"], m["grad_norm"], m["micro_batches"]) for m in r.metrics()] for r in runs]
     assert curves[0] == curves[1]
-    other = run_mmpipe("train", "train.steps=4", "train.seed=1", name="seed1")
-    assert [m["loss"] for m in other.metrics()] != [c[0] for c in curves[0]]
+    assert len({c[0] for c in curves[0]}) == 3  # the loss moved: the curve is not trivially equal
 
 
-def test_frozen_stage_trains_nothing_and_the_rest_learns(run_mmpipe):
-    run = run_mmpipe("train", "train.steps=3", "train.trainable=[llm]", "train.save_final=true",
-                     "plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]")
+def test_stage_override_moves_layers_and_a_frozen_stage_trains_nothing(run_mmpipe):
+    stages = "plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]"
+    run = run_mmpipe("train", "train.steps=3", "train.trainable=[llm]", "train.save_final=true", stages)
     assert run.code == 0, run.out[-3000:]
+    assert "stages from override" in run.out
     from mmpipe.config import tokenizer_source
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.model.layers import build_layer
 
     rc = load(["train.trainable=[llm]"], job="test")
-    tok = load_tokenizer(tokenizer_source(rc)[0])
     names = layer_names(rc.model)
+    split = names.index("llm.embed")
+    held = {d["stage"]: d["layers"] for d in run.stage_files()}
+    assert held == {0: names[:split], 1: names[split:]}
+    # The printed table says the same as what each rank holds.
+    assert re.search(r"0\s+vision\.embed \.\. audio\.proj\s+8\s", run.out)
+    assert re.search(r"1\s+llm\.embed \.\. llm\.head\s+7\s", run.out)
+    # The frozen stage's weights are its initial ones; the trainable stage's moved.
+    tok = load_tokenizer(tokenizer_source(rc)[0])
     ckpt = run.run_dir / "checkpoints" / "step3"
     for i in (names.index("vision.block.0"), names.index("llm.block.0")):
         saved = torch.load(ckpt / f"layer_{i:02d}-model_states.pt", map_location="cpu", weights_only=True)

@@ -8,8 +8,8 @@ from functools import partial
 
 import pytest
 
-from mmpipe.config import PACKAGE_ROOT
 from mmpipe.data.reader import iter_meta
+from mmpipe.paths import PACKAGE_ROOT
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ import yaml
 
 import mmpipe.runtime.launch
 from mmpipe.cli import load, main
-from mmpipe.config import PACKAGE_ROOT
+from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.report import find_runs
 
 

@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from mmpipe.config import PACKAGE_ROOT
+from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.data.synth import SynthConfig, generate
 from mmpipe.data.tokenizer import Tokenizer, load_tokenizer
 from mmpipe.model.spec import ModelSpec, spec_from_dict

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mmpipe.config import PACKAGE_ROOT
+from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
 
 from .helpers import all_keys

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from mmpipe.config import PACKAGE_ROOT
+from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.data.reader import iter_meta
 from mmpipe.data.synth import SynthConfig, generate
 from mmpipe.data.synth_tasks import COLOURS, PLAIN_BACKGROUNDS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmpipe.config import PACKAGE_ROOT
+from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.data.tokenizer import SPECIAL_TOKENS, build_tokenizer, check_vocab, load_tokenizer
 
 CORPUS = ["What shape is in the image?", "a red triangle on a white background",

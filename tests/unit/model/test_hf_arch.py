@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from mmpipe.config import PACKAGE_ROOT
 from mmpipe.model.geometry import SampleMeta, features
 from mmpipe.model.group import model_from_group
 from mmpipe.model.hf.arch import spec_from_config
@@ -14,6 +13,7 @@ from mmpipe.model.hf.build import build_layer
 from mmpipe.model.hf.memory import check_memory, estimate_memory, layer_params
 from mmpipe.model.hf.settings import spec_from_settings
 from mmpipe.model.spec import layer_names
+from mmpipe.paths import PACKAGE_ROOT
 
 # The Hub configs of the three 7B checkpoints (config.json and preprocessor figures), as the
 # presets state them.

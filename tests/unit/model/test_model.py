@@ -7,12 +7,12 @@ import pytest
 import torch
 import yaml
 
-from mmpipe.config import PACKAGE_ROOT
 from mmpipe.model import carrier as C
 from mmpipe.model.geometry import audio_frames, audio_tokens, image_tokens, resize_image
 from mmpipe.model.group import model_from_group
 from mmpipe.model.layers import build_layer, build_layers, run_layers, token_loss
 from mmpipe.model.spec import is_trainable, layer_names, spec_from_dict
+from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.runtime.batch import collate
 
 IMG, AUD = 5, 6

@@ -117,8 +117,8 @@ def test_plan_from_shards_is_the_plan_of_their_metadata_as_a_trace(tmp_path):
     """`mmpipe plan data=shards` reads each sample's metadata (no media) in stream order: the
     same plan as a trace of those lines."""
     from mmpipe.cli import main
-    from mmpipe.config import PACKAGE_ROOT
     from mmpipe.data.reader import iter_meta
+    from mmpipe.paths import PACKAGE_ROOT
 
     shards = str(PACKAGE_ROOT / "data" / "shards" / "train-{000000..000007}.tar")
     keys, metas = zip(*itertools.islice(iter_meta(path=shards, epochs=1), 32))

@@ -1,0 +1,59 @@
+"""The stage chooser's memory check of a user's override, priced as the run trains (fp32 here,
+AdamW, the default headroom): the warning says which limit the override breaks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mmpipe.cli import load
+from mmpipe.config import tokenizer_source
+from mmpipe.data.tokenizer import load_tokenizer
+from mmpipe.runtime.stages import choose_stages
+
+OVERRIDE = "plan.stages=[[vision.embed,llm.block.2],[llm.block.3,llm.head]]"
+
+
+def _warnings(*overrides: str) -> tuple[str, ...]:
+    rc = load(["train.steps=1", OVERRIDE, *overrides], job="test")
+    chosen = choose_stages(rc, load_tokenizer(tokenizer_source(rc)[0]))
+    assert chosen.source == "override"
+    return chosen.warnings
+
+
+@pytest.mark.parametrize("overrides, says", [
+    # the weights, gradients and AdamW moments of stage 0 alone overflow 0.92 x 0.02 GB
+    (["hardware.memory_gb=0.02"], r"stage 0 \(vision\.embed\.\.llm\.block\.2\) needs [\d.]+ GB for weights, "
+                                  r"gradients and optimizer states alone, more than the [\d.]+ GB usable after "
+                                  r"plan\.memory_headroom=0\.08 \(hardware\.memory_gb=0\.02\)"),
+    # they fit, but one sample's activations do not: no micro-batching can help
+    (["hardware.memory_gb=0.025"], r"sample \d+ needs [\d.e-]+ GB of activations on stage 0 "
+                                   r"\(vision\.embed\.\.llm\.block\.2\) even alone"),
+    # a baseline keeps its padded micro-batches: the stage overflows by a figure
+    (["hardware.memory_gb=0.025", "plan.policy=ds-default"],
+     r"stage 0 \(vision\.embed\.\.llm\.block\.2\) needs [\d.e-]+ GB under the cost model, [\d.e-]+ GB more than"),
+])
+def test_an_override_over_memory_is_named(overrides, says):
+    found = _warnings(*overrides)
+    assert any(re.search(r"^plan\.stages: " + says, w) for w in found), found
+
+
+def test_an_override_that_fits_gets_no_warning():
+    assert _warnings("hardware.memory_gb=0.05") == ()
+
+
+def _static_gb(*overrides: str) -> float:
+    found = [w for w in _warnings("hardware.memory_gb=0.01", *overrides) if "alone" in w]
+    return float(re.search(r"needs ([\d.]+) GB for weights", found[0]).group(1))
+
+
+def test_memory_is_priced_in_the_runs_precision():
+    """The runtime passes the run's precision, ZeRO stage and optimizer to the planner. Per
+    trainable parameter on 2 replicas (docs/planner.md): fp32 + AdamW 16 bytes; fp32 under ZeRO-1
+    8 + 8/2 = 12; bf16 under ZeRO-1 4 + 12/2 = 10; fp32 + SGD 8."""
+    two = ("parallel.dp=2", "train.global_batch=16")
+    fp32 = _static_gb(*two)
+    assert _static_gb(*two, "train.zero_stage=1") == pytest.approx(fp32 * 12 / 16, rel=0.03)
+    assert _static_gb(*two, "train.precision=bf16") == pytest.approx(fp32 * 10 / 16, rel=0.03)
+    assert _static_gb(*two, "train.optimizer=sgd") == pytest.approx(fp32 * 8 / 16, rel=0.03)
