@@ -119,7 +119,9 @@ class TrainConfig:
     log_every: int = 1
     """Metrics line every N steps."""
     record_samples: bool = False
-    """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl)."""
+    """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl),
+    and at the end each rank's parameter digest (stage_rank*.json: param_sha256), so that runs can
+    be checked: the replicas of a stage must end with the same weights."""
     loggers: tuple[str, ...] = ("jsonl",)
     """Where per-step metrics go: jsonl (metrics.jsonl, always written) | tensorboard (event files in
     RUN_DIR/tensorboard; pip install 'mmpipe[tensorboard]') | wandb (offline unless WANDB_MODE=online;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -256,6 +257,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
                 bar.close()  # before any error line, which would land on the bar's line
         result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
                                                              shared=rc.plan.across_replicas)
+        if rc.train.record_samples:  # what each replica ended with: every replica of a stage must agree
+            _add_to_stage_file(run_dir, rank, param_sha256=_parameter_digest(pipe.engine.module))
         if rank == 0:
             _summary(rc, result, run_dir)
         dist.barrier()
@@ -400,6 +403,22 @@ def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module
     if load is not None:
         record["load"] = {k: v for k, v in load.items() if k not in ("rank", "stage")}
     (run_dir / f"stage_rank{rank}.json").write_text(json.dumps(record))
+
+
+def _add_to_stage_file(run_dir: Path, rank: int, **fields) -> None:
+    path = run_dir / f"stage_rank{rank}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _parameter_digest(module) -> str:
+    """sha256 of this rank's parameters (names, dtypes and bytes, in order): equal on two
+    ranks exactly when they hold the same weights."""
+    digest = hashlib.sha256()
+    for name, p in module.named_parameters():
+        t = p.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:

@@ -1,6 +1,9 @@
 """Checkpoints under faults, as a user meets them: stopped runs, damaged files, non-finite steps.
 
 The stop-and-resume cases run benchmarks/fault_injection.py's trials (two of its twenty-plus).
+They also hold "same seed, same run": the steps a stopped run trains before it is stopped are a
+fresh run of the reference's config, and their losses, learning rates, gradient norms and
+recorded micro-batches must equal the reference's exactly.
 """
 
 from __future__ import annotations

@@ -117,6 +117,11 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
         if "plan.policy=ds-default" in overrides:
             assert len(mbs) == micro
         keys_by_replica.append([k for mb in mbs for k in mb])
+    # Every replica of a stage ends with the same weights (replica 0's are compared below).
+    digests = {}
+    for d in run.stage_files():
+        digests.setdefault(d["stage"], set()).add(d["param_sha256"])
+    assert all(len(v) == 1 for v in digests.values()) and len(digests) == pp, digests
     all_keys = [k for ks in keys_by_replica for k in ks]
     assert len(set(all_keys)) == len(all_keys)  # no sample in two replicas
     if across:  # one step covers the first global_batch samples of the whole stream
