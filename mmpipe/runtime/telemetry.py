@@ -77,6 +77,13 @@ class StageTimer:
         return done
 
 
+def resident_bytes() -> float | None:
+    """This process's resident set now (VmRSS), or None where /proc is not there."""
+    status = Path("/proc/self/status")
+    m = re.search(r"VmRSS:\s+(\d+) kB", status.read_text()) if status.is_file() else None
+    return float(m.group(1)) * 1024 if m else None
+
+
 class PeakMemory:
     """This process's peak memory during one step, in bytes.
 

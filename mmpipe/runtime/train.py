@@ -51,7 +51,7 @@ from mmpipe.runtime.pipeline import (
     make_optimizer,
 )
 from mmpipe.runtime.stages import choose_stages, format_stage_table
-from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage
+from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage, resident_bytes
 
 log = logging.getLogger("mmpipe")
 
@@ -213,7 +213,10 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     tok = load_templater(rc)
     stages = choose_stages(rc, tok)
     found = _find_checkpoint(rc, stages.plan)  # a damaged checkpoint is refused before the model is built
+    before_model = resident_bytes()
     pipe = _build(rc, tok, stages.plan)
+    if before_model is not None:  # on CPU the measured peak includes this; the prediction does not
+        _add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
     ckpt = _checkpointer(rc, pipe, stages.plan)
     start, reader_state = ckpt.resume(found) if found else (0, None)
 
