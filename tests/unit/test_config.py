@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,13 @@ def test_every_recipe_composes_and_validates(trace, request):
         assert head[0] == "# @package _global_", f"{path.name} must be a global package"
         launch = next((l for l in head if l.startswith("# mmpipe ")), None)
         assert launch, f"{path.name} must give its launch command"
+        # pasted into a shell and read by Hydra's grammar, a shard list stays one value, braces and all
+        for word in shlex.split(launch[2:])[2:]:
+            if word.startswith("data.path="):
+                from hydra.core.override_parser.overrides_parser import OverridesParser
+
+                parsed = OverridesParser.create().parse_overrides([word])[0]
+                assert "{" not in word or "{" in parsed.value(), f"{path.name}: {word} loses its braces"
         extra = ["data.path=" + trace] if "data: trace" in text or "- override /data: trace" in text else []
         folders = re.findall(r"(model\.(?:\w+\.)?path)=\S+", launch)
         if folders:
