@@ -182,9 +182,8 @@ def trial(run_dir: Path, ref: Path, *, steps: int, how: str, save_s: float, run_
     if how == "TERM":
         proc.send_signal(signal.SIGTERM)
         code, out = finish(proc)
-        log = run_dir / "logs" / "rank0.log"  # after a signal the launcher stops echoing rank 0
-        said = log.read_text() if log.is_file() else ""
-        line = next((l for l in said.splitlines() if l.startswith("stopped on SIGTERM after step")), "")
+        # what the user sees: the launcher echoes rank 0 while the ranks save and stop
+        line = next((l for l in out.splitlines() if l.startswith("stopped on SIGTERM after step")), "")
         if line and code != 128 + signal.SIGTERM or not line and code != 0:
             t.diffs.append(f"the SIGTERM run exited {code}: {out[-600:]}")
         t.notes.append(line or "finished before the signal was seen")

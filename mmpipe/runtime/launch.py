@@ -270,12 +270,14 @@ def _supervise(ranks: list[_Rank], got: list[int], *, timeout_s: float | None, g
         if failed and all(e.code == EXIT_PEER_LOST for e in failed):
             failed += _wait_for_cause(running)
             running = [r for r in running if r.proc.returncode is None]
-        if failed or got:
+        if failed:
             for r in ranks:
                 if r.proc.returncode is not None:
                     r.finish()  # drained: all a failed rank 0 said is on the console
             for r in ranks:  # what the stopped ranks say on their way out stays in their logs
                 r.echo = None
+        # On a stop signal rank 0 keeps echoing: with train.save_on_signal its line about the
+        # step it saved is what the user waits for.
         if failed:
             first = _culprit(failed)
             _stop(running, grace_s)
