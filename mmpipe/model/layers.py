@@ -109,12 +109,7 @@ class VisionBlock(PipeLayer):
         self.block = SiglipEncoderLayer(siglip_config(v))
 
     def step(self, slots: list[torch.Tensor]) -> None:
-        h = C.from_wire(slots[C.IMAGE], self.dtype)
-        if h.shape[1] == 0:
-            slots[C.IMAGE] = h
-            return
-        with segments(Segments(stream=layout.read(slots[C.LAYOUT]).image, causal=False)):
-            slots[C.IMAGE] = self.block(h, None)
+        encoder_block_step(self.block, slots, C.IMAGE, "image", self.dtype)
 
 
 class VisionProj(PipeLayer):
@@ -192,12 +187,7 @@ class AudioBlock(PipeLayer):
         self.block = WhisperEncoderLayer(whisper_config(a))
 
     def step(self, slots: list[torch.Tensor]) -> None:
-        h = C.from_wire(slots[C.AUDIO], self.dtype)
-        if h.shape[1] == 0:
-            slots[C.AUDIO] = h
-            return
-        with segments(Segments(stream=layout.read(slots[C.LAYOUT]).audio, causal=False)):
-            slots[C.AUDIO] = self.block(h, None)
+        encoder_block_step(self.block, slots, C.AUDIO, "audio", self.dtype)
 
 
 class AudioProj(PipeLayer):
@@ -261,6 +251,19 @@ class LLMEmbed(PipeLayer):
         slots[C.IMAGE_GRID] = C.empty(ids)
         slots[C.AUDIO_FRAMES] = C.empty(ids)
         slots[C.HIDDEN] = h
+
+
+def encoder_block_step(block: nn.Module, slots: list[torch.Tensor], slot: int, stream: str,
+                       dtype: torch.dtype) -> None:
+    """One encoder block over a micro-batch's packed images (`slot` C.IMAGE, `stream` "image")
+    or clips (C.AUDIO, "audio"): [1, positions, D], attention inside each image or clip (the
+    carried layout). A micro-batch without any passes through."""
+    h = C.from_wire(slots[slot], dtype)
+    if h.shape[1] == 0:
+        slots[slot] = h
+        return
+    with segments(Segments(stream=getattr(layout.read(slots[C.LAYOUT]), stream), causal=False)):
+        slots[slot] = block(h, None)
 
 
 def llm_segments(slots: list[torch.Tensor], dtype: torch.dtype) -> Segments:

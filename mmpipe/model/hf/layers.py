@@ -21,7 +21,7 @@ from transformers.vision_utils import get_vision_position_ids
 from mmpipe.model import carrier as C
 from mmpipe.model import layout
 from mmpipe.model.attention import VARLEN_NAME, Segments, segments
-from mmpipe.model.layers import LLMEmbed, PipeLayer, llm_segments
+from mmpipe.model.layers import LLMEmbed, PipeLayer, encoder_block_step, llm_segments
 
 
 class HFLayer(PipeLayer):
@@ -166,12 +166,7 @@ class AudioEmbed(HFLayer):
 
 class AudioBlock(HFLayer):
     def step(self, slots: list[torch.Tensor]) -> None:
-        h = C.from_wire(slots[C.AUDIO], self.dtype)
-        if h.shape[1] == 0:
-            slots[C.AUDIO] = h
-            return
-        with segments(Segments(stream=layout.read(slots[C.LAYOUT]).audio, causal=False)):
-            slots[C.AUDIO] = self.block(h, None)
+        encoder_block_step(self.block, slots, C.AUDIO, "audio", self.dtype)
 
 
 class AudioProj(HFLayer):
