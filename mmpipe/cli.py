@@ -105,14 +105,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def load(overrides: list[str], *, job: str = "mmpipe") -> RunConfig:
     """The RunConfig `mmpipe <command> OVERRIDES` would run with (Hydra's compose API; for tests
-    and notebooks). Raises what the command line reports."""
+    and notebooks; `hydra.searchpath=[DIR]` stands for `--config-dir DIR`). Raises what the
+    command line reports."""
     from hydra import compose, initialize
     from hydra.core.global_hydra import GlobalHydra
 
     register()
     GlobalHydra.instance().clear()
     with initialize(config_path=None, version_base="1.3", job_name=job):
-        cfg = compose(config_name=PRIMARY, overrides=list(overrides), return_hydra_config=True)
+        cfg = compose(config_name=PRIMARY, overrides=[_packaged_last(o) for o in overrides], return_hydra_config=True)
     return run_config(cfg, run_dir=str(cfg.hydra.run.dir))
 
 

@@ -10,7 +10,8 @@ runtime reports (simulated step time, micro-batches, measured step time); the ca
 by least squares over a sliding window of past steps, and predicts the next step from that
 fit before it runs (so the reported error is out of sample). `calibrated_hardware` turns a
 fit into the hardware's own constants, so that the planner's choices (micro-batch counts
-above all) use what the runtime really costs.
+above all) use what the runtime really costs; `mmpipe train` writes them out at its end
+(runtime/hardware_file.py) for the next run and `mmpipe plan`.
 """
 
 from __future__ import annotations
@@ -36,12 +37,31 @@ class StepCalibration:
     """(simulated, micro_batches, measured) of past steps."""
     coef: tuple[float, float, float] = (1.0, 0.0, 0.0)
     """(scale, per_micro_batch_s, per_step_s) of the current fit."""
+    observed: int = 0
+    """Steps observed in all."""
+    errors: deque = field(default_factory=deque)
+    """measured / predicted - 1 of the last `window` steps a fit predicted before they ran."""
+
+    @property
+    def fitted(self) -> bool:
+        """Whether `coef` is a fit (enough steps observed), not the raw simulation."""
+        return self.observed >= self.min_steps
+
+    @property
+    def median_error(self) -> float | None:
+        """Median |measured / predicted - 1| over `errors` (None before any fitted prediction)."""
+        return float(np.median(np.abs(np.array(self.errors)))) if self.errors else None
 
     def predict(self, simulated: float, micro_batches: int) -> float:
         a, b, c = self.coef
         return a * simulated + b * micro_batches + c
 
     def observe(self, simulated: float, micro_batches: int, measured: float) -> None:
+        if self.fitted and (predicted := self.predict(simulated, micro_batches)) > 0:
+            self.errors.append(measured / predicted - 1.0)
+            while len(self.errors) > self.window:
+                self.errors.popleft()
+        self.observed += 1
         self.history.append((simulated, float(micro_batches), measured))
         while len(self.history) > self.window:
             self.history.popleft()

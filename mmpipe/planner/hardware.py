@@ -8,7 +8,8 @@ precision, ZeRO stage and optimizer: `planner.precision`). Presets live in
 `conf/hardware/*.yaml`; a measured machine is the same dataclass with `kind_efficiency` /
 `kind_overhead_s` filled in by `mmpipe profile`, and `micro_batch_overhead_s` /
 `step_overhead_s` by a measured run (`calibrate.calibrated_hardware` turns the online re-fit
-of `runtime/train.py` into them).
+of `runtime/train.py` into them; the run writes the result as
+RUN_DIR/conf/hardware/calibrated-<name>.yaml).
 
 Efficiency curve: a layer kind running on a micro-batch whose stream holds `T` tokens reaches
 

@@ -25,15 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from mmpipe.config import RunConfig, hardware_spec
 from mmpipe.model.geometry import audio_frames, audio_positions, audio_tokens, image_grid, image_tokens
 from mmpipe.model.layers import build_layers, token_loss
 from mmpipe.model.spec import ModelSpec, layer_names
-from mmpipe.paths import shell_word
-from mmpipe.planner.api import HardwareSpec, build_cost_model, hardware_to_dict
+from mmpipe.planner.api import HardwareSpec, build_cost_model
 from mmpipe.runtime.batch import collate
+from mmpipe.runtime.hardware_file import hardware_file, use_line, write_hardware_file
 from mmpipe.runtime.host import threads_per_rank
 
 IMAGE_TOKEN, AUDIO_TOKEN = 5, 6
@@ -277,20 +276,14 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     latency, bandwidth = measure_link()
     name = f"measured-{rc.model.name}"
     hw = replace(fit.hardware, name=name, link_latency_s=latency, link_gbps=bandwidth)
-    # A config folder of its own in the run directory: the shipped conf/ is never overwritten.
-    path = Path(out) if out else Path(rc.run_dir) / "conf" / "hardware" / f"{name}.yaml"
-    use = f"mmpipe train {shell_word(f'--config-dir={path.parent.parent}')} hardware={path.stem}"
-    if path.parent.name != "hardware":
-        use = f"put it in DIR/hardware/, then mmpipe train --config-dir=DIR hardware={path.stem}"
-    doc = hardware_to_dict(hw)
-    doc["measured_for"] = rc.model.name
-    header = (f"# Measured by `mmpipe profile model={rc.model.name}` on {platform.node() or 'this machine'} "
-              f"({os.cpu_count()} cores, {threads} thread(s) per rank), {time.strftime('%Y-%m-%d')}.\n"
-              f"# Use: {use}   (valid for model {rc.model.name} only)\n"
-              f"# Fit: median error {fit.median_error:.1%} per layer; measured backward/forward by kind: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(fit.backward_ratio.items())) + "\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(_plain(doc), sort_keys=False))
+    path = Path(out) if out else hardware_file(rc.run_dir, name)
+    use = use_line(path)
+    write_hardware_file(path, hw, model=rc.model.name, header=(
+        f"Measured by `mmpipe profile model={rc.model.name}` on {platform.node() or 'this machine'} "
+        f"({os.cpu_count()} cores, {threads} thread(s) per rank), {time.strftime('%Y-%m-%d')}.\n"
+        f"Use: {use}   (valid for model {rc.model.name} only)\n"
+        f"Fit: median error {fit.median_error:.1%} per layer; measured backward/forward by kind: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in sorted(fit.backward_ratio.items()))))
     print(f"{'kind':<14}{'efficiency':>11}{'overhead':>11}{'bwd/fwd':>9}")
     for k in sorted(hw.kind_efficiency):
         print(f"{k:<14}{hw.kind_efficiency[k]:>11.3f}{hw.kind_overhead_s[k] * 1e6:>9.0f}us"
@@ -299,13 +292,3 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
           f"+ {bandwidth:.2f} GB/s; fit median error {fit.median_error:.1%}")
     print(f"wrote {path}\n  use: {use}")
     return path
-
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    return x

@@ -36,6 +36,7 @@ from mmpipe.runtime.checkpoint import (
 )
 from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
 from mmpipe.runtime.feed import StepFeeder
+from mmpipe.runtime.hardware_file import write_calibrated
 from mmpipe.runtime.host import resolve_backend, threads_per_rank
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (
@@ -76,6 +77,8 @@ class RunResult:
     """Steps whose update was skipped for a non-finite loss or gradient norm (train.on_nonfinite=skip)."""
     stopped: str = ""
     """Why and where the run stopped before train.steps (a signal), with its checkpoint."""
+    calibration: StepCalibration | None = None
+    """Rank 0: the step-time re-fit after the last step (what `write_calibrated` writes out)."""
 
 
 def _quiet_deepspeed() -> None:
@@ -264,6 +267,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
             _add_to_stage_file(run_dir, rank, param_sha256=_parameter_digest(pipe.engine.module))
         if rank == 0:
             _summary(rc, result, run_dir)
+            print(write_calibrated(rc, result.calibration), flush=True)
         dist.barrier()
     return result
 
@@ -271,10 +275,10 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
 def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, ckpt: Checkpointer,
                stop) -> RunResult:
     engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
-    result = RunResult()
+    calibration = StepCalibration()
+    result = RunResult(calibration=calibration if rank == 0 else None)
     timer = StageTimer(engine)
     memory = PeakMemory(engine.device)
-    calibration = StepCalibration()
     world = dist.get_world_size()
     dev = engine.device  # collectives run on the backend's device (CUDA under NCCL)
     stage_of_rank = _stage_of_every_rank(engine.stage_id, world, dev)

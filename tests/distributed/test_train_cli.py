@@ -10,7 +10,9 @@ import torch
 import yaml
 
 from mmpipe.cli import load
+from mmpipe.config import hardware_spec
 from mmpipe.model.spec import layer_names
+from mmpipe.planner.api import calibrated_hardware
 
 pytestmark = pytest.mark.distributed
 
@@ -39,6 +41,16 @@ def test_default_run_learns_and_reports(run_mmpipe):
         assert r["plan_s"] >= 0 and r["feed_s"] > 0 and r["overhead_s"] >= 0
     later = sorted(abs(r["prediction_error"]) for r in m[10:])
     assert later[len(later) // 2] < 0.5, later  # median of out-of-sample re-fitted predictions
+    # What the re-fit learned is written for the next run: the cpu preset with the last fit's constants.
+    conf = run.run_dir / "conf"
+    path = conf / "hardware" / "calibrated-cpu.yaml"
+    assert f"calibrated hardware: {path} (a=" in run.out
+    assert yaml.safe_load(path.read_text())["measured_for"] == "tiny"
+    want = calibrated_hardware(hardware_spec(load([], job="test")), m[-1]["calibration"])
+    got = hardware_spec(load([f"hydra.searchpath=[file://{conf}]", "hardware=calibrated-cpu"], job="test"))
+    assert got.name == "calibrated-cpu"
+    for key in ("micro_batch_overhead_s", "step_overhead_s", "peak_flops", "op_overhead_s"):
+        assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-12), key
 
 
 def test_config_error_launches_nothing(run_mmpipe):
