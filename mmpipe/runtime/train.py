@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
 import math
 import os
@@ -51,6 +49,8 @@ from mmpipe.runtime.pipeline import (
     lr_lambda,
     make_optimizer,
 )
+from mmpipe.runtime.quiet import held_prints, quiet_deepspeed
+from mmpipe.runtime.stage_record import add_to_stage_file, parameter_digest, write_stage_file
 from mmpipe.runtime.stages import choose_stages, format_stage_table
 from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage, resident_bytes
 
@@ -81,36 +81,6 @@ class RunResult:
     """Rank 0: the step-time re-fit after the last step (what `write_calibrated` writes out)."""
 
 
-def _quiet_deepspeed() -> None:
-    for name in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel(logging.WARNING)
-    except ImportError:  # pragma: no cover
-        pass
-
-
-@contextlib.contextmanager
-def _held_prints() -> Iterator[None]:
-    """DeepSpeed prints its set-up (SEED_LAYERS=..., Using topology: ...) with print() on every
-    rank, which no logger level silences: hold it back, unless MMPIPE_DEBUG=1, and show it only
-    if the set-up fails."""
-    if os.environ.get("MMPIPE_DEBUG") == "1":
-        yield
-        return
-    import io
-
-    held = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(held):
-            yield
-    except BaseException:
-        sys.stderr.write(held.getvalue())
-        raise
-
-
 def _init_distributed(rc: RunConfig) -> RunConfig:
     """Join the process group and check it matches the config; agree on one run directory."""
     import deepspeed
@@ -121,7 +91,7 @@ def _init_distributed(rc: RunConfig) -> RunConfig:
     backend = os.environ.get("MMPIPE_BACKEND") or resolve_backend(rc.launcher.backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    with _held_prints():
+    with held_prints():
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     world, pp, dp = dist.get_world_size(), rc.parallel.pp, rc.parallel.dp
     if world != pp * dp:
@@ -169,14 +139,14 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     torch.manual_seed(rc.train.seed)
     require_tested_deepspeed()
     t = rc.train
-    with _held_prints():
+    with held_prints():
         module = build_pipeline_module(pspec)
     optimizer = make_optimizer(module.parameters(), lr=t.lr, weight_decay=t.weight_decay, kind=t.optimizer,
                                cuda=get_accelerator().device_name() == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.steps))
     user = load_user_config(rc.deepspeed.config) if rc.deepspeed.config else None
-    with _held_prints():
+    with held_prints():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=deepspeed_config(rc, user=user))
     fix_buffer_reuse(engine)
@@ -191,7 +161,7 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
 
         a, b = stage_plan.stages[engine.stage_id]
         load = {"rank": dist.get_rank(), "stage": engine.stage_id, **load_report(layer_names(rc.model)[a:b])}
-    _write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module,
+    write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module,
                       load=load)
     describe = describe_training(t, rc.parallel.dp, engine, optimizer, mmpipe_clips=clip is not None)
     return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, describe=describe, first=engine.is_first_stage(),
@@ -207,7 +177,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     """Train on this rank; every rank of the job calls this with the same config. `stop` is the
     process's stop event (mmpipe.runtime.worker.STOP): with train.save_on_signal, a stop signal
     during training saves a checkpoint first (then StopRequested ends the rank)."""
-    _quiet_deepspeed()
+    quiet_deepspeed()
     rc = _init_distributed(rc)
     rank, run_dir = dist.get_rank(), Path(rc.run_dir)
 
@@ -219,7 +189,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     before_model = resident_bytes()
     pipe = _build(rc, tok, stages.plan)
     if before_model is not None:  # on CPU the measured peak includes this; the prediction does not
-        _add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
+        add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
     ckpt = _checkpointer(rc, pipe, stages.plan)
     start, reader_state = ckpt.resume(found) if found else (0, None)
 
@@ -264,7 +234,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
         result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
                                                              shared=rc.plan.across_replicas)
         if rc.train.record_samples:  # what each replica ended with: every replica of a stage must agree
-            _add_to_stage_file(run_dir, rank, param_sha256=_parameter_digest(pipe.engine.module))
+            add_to_stage_file(run_dir, rank, param_sha256=parameter_digest(pipe.engine.module))
         if rank == 0:
             _summary(rc, result, run_dir)
             print(write_calibrated(rc, result.calibration), flush=True)
@@ -401,31 +371,6 @@ def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
         raise RuntimeError(f"first and last stage planned different steps ({count} vs {mine} micro-batches)")
     if count != engine.micro_batches:
         engine.set_train_batch_size(count * dp)
-
-
-def _write_stage_file(run_dir: Path, rank: int, stage: int, dp_rank: int, module, *, load: dict | None = None) -> None:
-    layers = [getattr(f, "name", "") for f in module.forward_funcs]
-    params = sum(p.numel() for p in module.parameters())
-    record = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "layers": layers, "params": params}
-    if load is not None:
-        record["load"] = {k: v for k, v in load.items() if k not in ("rank", "stage")}
-    (run_dir / f"stage_rank{rank}.json").write_text(json.dumps(record))
-
-
-def _add_to_stage_file(run_dir: Path, rank: int, **fields) -> None:
-    path = run_dir / f"stage_rank{rank}.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
-
-
-def _parameter_digest(module) -> str:
-    """sha256 of this rank's parameters (names, dtypes and bytes, in order): equal on two
-    ranks exactly when they hold the same weights."""
-    digest = hashlib.sha256()
-    for name, p in module.named_parameters():
-        t = p.detach().cpu().contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
 
 
 def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
