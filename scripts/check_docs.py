@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -48,6 +49,7 @@ RUN_TAGS = ("bash", "console")
 TIMEOUT_S = 600
 TAIL_LINES = 15
 SKIP_MARK = "pip install"
+"""A bash block with this in a command sets up an environment: skipped, not run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,7 +116,8 @@ def bash_commands(body: list[str], rel: str, first_line: int) -> list[Command]:
         pending = []
     if pending:
         found.append((pending_line, " ".join(p.strip() for p in pending)))
-    skip = "set-up (pip install): checked by .ci/run" if any(SKIP_MARK in t for _, t in found) else ""
+    setup = any(SKIP_MARK in t for _, t in found)
+    skip = "set-up (pip install): run by .ci/run and tests/distributed/test_install.py" if setup else ""
     return [Command(file=rel, line=n, text=t, expected=(), console=False, skip=skip) for n, t in found]
 
 
@@ -181,16 +184,16 @@ def check_imports(clone: Path, env: dict[str, str]) -> None:
     for the `mmpipe` console script, whose sys.path[0] is its bin folder.
     """
     probe = "import mmpipe, pathlib; print(pathlib.Path(mmpipe.__file__).resolve().parent.parent)"
-    interpreters = ["python"]
+    interpreters = [["python"]]
     script = shutil.which("mmpipe", path=env["PATH"])
     if script:
         shebang = Path(script).read_text(encoding="utf-8", errors="replace").splitlines()[0]
-        interpreters.append(shebang[2:].strip() if shebang.startswith("#!") else "python")
+        interpreters.append(shlex.split(shebang[2:]) if shebang.startswith("#!") else ["python"])
     for python in interpreters:
-        got = subprocess.run([python, "-c", probe], cwd="/", env=env, capture_output=True, text=True)
+        got = subprocess.run([*python, "-c", probe], cwd="/", env=env, capture_output=True, text=True)
         if got.returncode != 0 or Path(got.stdout.strip()) != clone.resolve():
-            sys.exit(f"check_docs: {python} imports mmpipe from {got.stdout.strip() or got.stderr.strip()}, "
-                     f"not the clone {clone}")
+            sys.exit(f"check_docs: {' '.join(python)} imports mmpipe from "
+                     f"{got.stdout.strip() or got.stderr.strip()}, not the clone {clone}")
 
 
 def run_command(cmd: Command, clone: Path, env: dict[str, str]) -> tuple[bool, float, str]:
@@ -207,6 +210,9 @@ def run_command(cmd: Command, clone: Path, env: dict[str, str]) -> tuple[bool, f
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         status = f"timed out after {TIMEOUT_S} s"
+    except BaseException:  # Ctrl-C: the command's own session does not get it, so stop it here
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     seconds = time.monotonic() - start
     tail = "\n".join("    | " + line for line in output.splitlines()[-TAIL_LINES:])
     if cmd.expected:
