@@ -22,7 +22,7 @@ Commands run with `bash -c` in the current Python environment, with PYTHONPATH=<
 and MMPIPE_CHECK_DOCS=1, 600 s each. Run outputs (Hydra's outputs/<date>/<time>, runs/...)
 land in the clone, which is deleted at the end unless --keep.
 
-Usage (from the repository root; the whole set takes about 20 minutes on 2 CPU cores):
+Usage (from the repository root; the whole set takes 8 to 10 minutes on 2 CPU cores):
 
     python scripts/check_docs.py [CHECKOUT] [--only README.md] [--list] [--keep]
 
