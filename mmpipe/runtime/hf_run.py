@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mmpipe.config import RunConfig, tokenizer_source
+from mmpipe.config import RunConfig, tokenizer_source, training_precision
 
 GIB = 2**30
 
@@ -117,17 +117,22 @@ def check_memory_fits(rc: RunConfig) -> str:
     from mmpipe.model.hf import check_memory, estimate_memory
 
     spec, pp, dp = rc.model, rc.parallel.pp, rc.parallel.dp
+    tp = training_precision(rc)  # the bytes the planner prices, as the run will hold them
+    shards = dp if tp.zero_stage == 1 else 1
+    sizes = dict(weight_bytes=tp.element_bytes, grad_bytes=tp.element_bytes,
+                 optimizer_bytes=tp.optimizer_bytes() / shards)
     stages = rc.stage_bounds
     if stages is None:
         singles = estimate_memory(spec, stages=[(i, i + 1) for i in range(len(rc.layers))],
-                                  trainable=rc.train.trainable)
+                                  trainable=rc.train.trainable, **sizes)
         stages = balanced_stages([s.bytes for s in singles], pp)
-    est = estimate_memory(spec, stages=stages, trainable=rc.train.trainable)
+    est = estimate_memory(spec, stages=stages, trainable=rc.train.trainable, **sizes)
     budget, what = device_memory(rc)
     per_stage = " + ".join(_size(e.bytes) for e in est)
     params = sum(e.params for e in est)
     train = sum(e.trainable for e in est)
-    how = (f"fp32 weights, and fp32 gradients and two AdamW moments for what trains: {params:,} parameters held, "
+    how = (f"{tp.describe()}: {tp.element_bytes} bytes per weight, {tp.param_bytes(trainable=True, dp=dp):g} per "
+           f"trained parameter with its gradient and optimizer state; {params:,} parameters held, "
            f"{train:,} training")
     if what != "RAM":
         check_memory(est, budget_bytes=budget, what="per GPU")

@@ -268,8 +268,9 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
         scale = engine.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
         it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
         if step == start + 1 and rank == 0:
-            print(f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
-                  f"{int(counts[1])} samples (first step)", flush=True)
+            said = (f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
+                    f"{int(counts[1])} samples (first step)")
+            bar.note(said) if bar is not None else print(said, flush=True)
         lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
         fp16_scale = loss_scale(engine)  # the scale this step's backward runs with (fp16)
         memory.start()

@@ -1,9 +1,10 @@
 """Static memory of a run, per pipeline stage, before anything is launched.
 
 Parameter counts are exact: they are the element counts of each layer's tensors in the
-meta-device model (no memory used). Bytes per parameter default to mmpipe's runtime (fp32
-weights, fp32 gradients and two fp32 AdamW moments for what trains; DeepSpeed ZeRO stage 0,
-so replicas do not shard them). Activations depend on the micro-batches and are the planner's
+meta-device model (no memory used). Bytes per parameter default to an fp32 run with AdamW
+under ZeRO-0 (fp32 weights, fp32 gradients, two fp32 moments); the runtime passes the run's
+own (`planner.precision.TrainingPrecision`: precision, ZeRO sharding over the replicas,
+optimizer). Activations depend on the micro-batches and are the planner's
 part (`planner/cost.py`); add its figure for the whole picture.
 """
 
@@ -46,7 +47,7 @@ def layer_params(spec: ModelSpec) -> dict[str, int]:
 
 
 def estimate_memory(spec: ModelSpec, *, stages: Sequence[tuple[int, int]], trainable: Sequence[str] = ("all",),
-                    weight_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> list[StageMemory]:
+                    weight_bytes: float = 4, grad_bytes: float = 4, optimizer_bytes: float = 8) -> list[StageMemory]:
     """Static memory of each stage ([start, end) layer ranges, as plan.stages)."""
     names = layer_names(spec)
     counts = layer_params(spec)
@@ -61,8 +62,8 @@ def estimate_memory(spec: ModelSpec, *, stages: Sequence[tuple[int, int]], train
             if is_trainable("llm.head", tuple(trainable)):
                 train -= counts["llm.head"]
         total = params * weight_bytes + train * (grad_bytes + optimizer_bytes)
-        out.append(StageMemory(stage=i, layers=tuple(layers), params=params, trainable=train, bytes=total,
-                               largest_layer_bytes=max((counts[n] for n in layers), default=0) * weight_bytes))
+        out.append(StageMemory(stage=i, layers=tuple(layers), params=params, trainable=train, bytes=int(total),
+                               largest_layer_bytes=int(max((counts[n] for n in layers), default=0) * weight_bytes)))
     return out
 
 
