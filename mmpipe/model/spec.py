@@ -2,7 +2,7 @@
 
 Pure values only: the planner reads these specs to cost a 7B preset without building
 weights, and the runtime builds the tiny CPU model from the same spec. The layer grammar is
-`<component>.<kind>[.<index>]` (see shared/spec/PLANNING.md section 3).
+`<component>.<kind>[.<index>]` (docs/spec.md section 3).
 """
 
 from __future__ import annotations
