@@ -17,6 +17,7 @@ from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.data.synth import SynthConfig, generate
 from mmpipe.data.tokenizer import Tokenizer, load_tokenizer
 from mmpipe.model.spec import ModelSpec, spec_from_dict
+from tests.unit.model.hf_checkpoints import LLAVA_TEMPLATE  # one copy of LLaVA-1.5's template
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,6 @@ HF_CORPUS = ["What shape is in the image?", "a red triangle", "What do you hear?
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
 
-LLAVA_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{{ ' ' }}"
-    "{% elif m['role'] == 'user' %}USER: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
-    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{{ ' ' }}"
-    "{% else %}ASSISTANT: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 # The generation prompt ends in a space that the answer's first word absorbs when tokenized.
 LLAVA_SPACE_TEMPLATE = LLAVA_TEMPLATE.replace("{% if add_generation_prompt %}ASSISTANT:{% endif %}",
                                               "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
