@@ -116,7 +116,7 @@ def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
     out = resolve_layout(rc, [features(rc.model, meta) for _, meta in metas])
     if say and os.environ.get("RANK", "0") == "0":  # under an external launcher every rank decides the same
         print(f"mmpipe train: parallel.devices={rc.parallel.devices}: the planner chose pp={out.parallel.pp} x "
-          f"dp={out.parallel.dp} (parallel.pp / parallel.dp were auto)", flush=True)
+              f"dp={out.parallel.dp} (parallel.pp / parallel.dp were auto)", flush=True)
     return out
 
 

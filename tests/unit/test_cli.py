@@ -158,3 +158,31 @@ def test_report_draws_several_runs_into_one_png(in_tmp, capsys):
     assert main(["report", "nowhere", "hydra.run.dir=out2"]) == 2
     assert "report.runs: nowhere is not a directory" in capsys.readouterr().err
     assert not (in_tmp / "out2").exists()  # checked before the run directory is made
+
+
+def test_train_with_auto_layout_launches_the_planners_choice(in_tmp, capsys, monkeypatch):
+    """`mmpipe train parallel.devices=N parallel.pp=auto parallel.dp=auto`: the layout is chosen
+    from the data before launch, and the launcher gets the chosen pp x dp (not N guessed)."""
+    launched = {}
+
+    def fake_launch(argv, *, nproc, **_):
+        launched["nproc"] = nproc
+        launched["run"] = yaml.safe_load(Path(argv[-1]).read_text())
+        return 0
+
+    monkeypatch.setattr(mmpipe.runtime.launch, "launch", fake_launch)
+    assert main(["train", "parallel.devices=2", "parallel.pp=auto", "parallel.dp=auto",
+                 "hydra.run.dir=run"]) == 0
+    out = capsys.readouterr().out
+    p = launched["run"]["parallel"]
+    assert launched["nproc"] == p["pp"] * p["dp"] == 2
+    assert f"the planner chose pp={p['pp']} x dp={p['dp']} (parallel.pp / parallel.dp were auto)" in out
+    assert f"launching 2 processes (pp={p['pp']} x dp={p['dp']})" in out
+
+
+def test_auto_layout_with_a_mixture_is_a_one_line_error(in_tmp, capsys):
+    assert main(["train", "data=mixture", "parallel.devices=2", "parallel.pp=auto", "parallel.dp=auto",
+                 "hydra.run.dir=run"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp / parallel.dp = auto plans on data.path's first steps; with a mixture (data.sources)" in err
+    assert not Path("run").exists()
