@@ -57,3 +57,19 @@ def test_memory_is_priced_in_the_runs_precision():
     assert _static_gb(*two, "train.zero_stage=1") == pytest.approx(fp32 * 12 / 16, rel=0.03)
     assert _static_gb(*two, "train.precision=bf16") == pytest.approx(fp32 * 10 / 16, rel=0.03)
     assert _static_gb(*two, "train.optimizer=sgd") == pytest.approx(fp32 * 8 / 16, rel=0.03)
+
+
+def test_the_feeder_plans_every_step_in_the_runs_precision_and_headroom():
+    """The per-step planner (the feeder's) prices memory as the stage chooser does."""
+    from mmpipe.config import training_precision
+    from mmpipe.runtime.feed import StepFeeder
+
+    rc = load(["train.steps=1", "train.precision=bf16", "plan.memory_headroom=0.2"], job="test")
+    tok = load_tokenizer(tokenizer_source(rc)[0])
+    feeder = StepFeeder(rc, tokenizer=tok, dp_rank=0, stage_plan=choose_stages(rc, tok).plan, media=False, steps=1)
+    try:
+        assert feeder.planner.cost.precision == training_precision(rc)
+        assert feeder.planner.cost.precision.precision == "bf16" and feeder.planner.cost.precision.zero_stage == 1
+        assert feeder.planner.cost.memory_headroom == 0.2
+    finally:
+        feeder.close()
