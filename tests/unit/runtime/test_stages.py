@@ -64,12 +64,14 @@ def test_the_feeder_plans_every_step_in_the_runs_precision_and_headroom():
     from mmpipe.config import training_precision
     from mmpipe.runtime.feed import StepFeeder
 
-    rc = load(["train.steps=1", "train.precision=bf16", "plan.memory_headroom=0.2"], job="test")
+    rc = load(["train.steps=1", "train.optimizer=sgd", "plan.memory_headroom=0.2"], job="test")  # not the defaults
     tok = load_tokenizer(tokenizer_source(rc)[0])
     feeder = StepFeeder(rc, tokenizer=tok, dp_rank=0, stage_plan=choose_stages(rc, tok).plan, media=False, steps=1)
     try:
         assert feeder.planner.cost.precision == training_precision(rc)
-        assert feeder.planner.cost.precision.precision == "bf16" and feeder.planner.cost.precision.zero_stage == 1
+        assert (feeder.planner.cost.precision.precision, feeder.planner.cost.precision.zero_stage,
+                feeder.planner.cost.precision.optimizer) == ("fp32", 0, "sgd")
         assert feeder.planner.cost.memory_headroom == 0.2
+        assert feeder.next_step().micro_batches  # and it plans (its thread is done after the one step)
     finally:
         feeder.close()
