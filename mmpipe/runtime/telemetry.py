@@ -77,11 +77,16 @@ class StageTimer:
         return done
 
 
+def _status_bytes(field: str) -> float | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in bytes, or None where there is none."""
+    status = Path("/proc/self/status")
+    m = re.search(rf"{field}:\s+(\d+) kB", status.read_text()) if status.is_file() else None
+    return float(m.group(1)) * 1024 if m else None
+
+
 def resident_bytes() -> float | None:
     """This process's resident set now (VmRSS), or None where /proc is not there."""
-    status = Path("/proc/self/status")
-    m = re.search(r"VmRSS:\s+(\d+) kB", status.read_text()) if status.is_file() else None
-    return float(m.group(1)) * 1024 if m else None
+    return _status_bytes("VmRSS")
 
 
 class PeakMemory:
@@ -99,7 +104,6 @@ class PeakMemory:
     def __init__(self, device) -> None:
         self.cuda = getattr(device, "type", str(device)) == "cuda"
         self.kind = "cuda_max_allocated" if self.cuda else "peak_rss"
-        self._status = Path("/proc/self/status")
         if not self.cuda and not self._reset_rss():
             self.kind = "lifetime_peak_rss"
 
@@ -114,10 +118,9 @@ class PeakMemory:
         """Peak bytes since start()."""
         if self.cuda:
             return float(torch.cuda.max_memory_allocated())
-        if self._status.is_file():
-            m = re.search(r"VmHWM:\s+(\d+) kB", self._status.read_text())
-            if m:
-                return float(m.group(1)) * 1024
+        high = _status_bytes("VmHWM")
+        if high is not None:
+            return high
         import resource
 
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux
