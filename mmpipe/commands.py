@@ -325,9 +325,14 @@ EXPORT_SUMMARY = "write a trained Hugging Face model back as its transformers cl
 EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR"
 
 
+DEMO_SUMMARY = "write tiny random Hugging Face checkpoints (LLaVA, Qwen2-VL, ...) to try model=hf on a CPU"
+DEMO_USAGE = "usage: mmpipe demo-checkpoints OUT"
+
+
 def usage() -> str:
     """The command list of `mmpipe --help`."""
-    rows = {**{name: c.summary for name, c in COMMANDS.items()}, "export": EXPORT_SUMMARY}
+    rows = {**{name: c.summary for name, c in COMMANDS.items()}, "export": EXPORT_SUMMARY,
+            "demo-checkpoints": DEMO_SUMMARY}
     width = max(map(len, rows))
     return "\n".join(f"  {name:<{width}}  {summary}" for name, summary in rows.items())
 
@@ -358,4 +363,31 @@ def export_command(args: list[str]) -> int:
     print(f"mmpipe export: wrote {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB, {report.shards} "
           f"safetensors file(s); {len(report.copied)} held by no pipeline layer, copied from the source) to "
           f"{report.folder} in {report.seconds:.1f} s")
+    return 0
+
+
+def demo_command(args: list[str]) -> int:
+    """`mmpipe demo-checkpoints OUT`: tiny checkpoint folders written by transformers itself
+    (mmpipe.model.hf.demo), one per supported architecture. Not a Hydra app: one folder argument.
+    Refuses a folder that already holds files (it writes only into an empty or new one)."""
+    import sys
+    from pathlib import Path
+
+    if any(a in ("-h", "--help") for a in args):
+        print(f"{DEMO_USAGE}\n\n{DEMO_SUMMARY}.\nEach subfolder of OUT is a checkpoint (config.json, "
+              f"model.safetensors, tokenizer with a chat template, processor config):\n"
+              f"  mmpipe train model=hf model.path=OUT/llava train.steps=10")
+        return 0
+    if len(args) != 1 or "=" in args[0]:
+        print(f"mmpipe demo-checkpoints: error: give one output folder; {DEMO_USAGE}", file=sys.stderr)
+        return 2
+    out = Path(args[0])
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"mmpipe demo-checkpoints: error: {shell_word(str(out))} already exists and is not an empty folder; "
+              f"give a new folder", file=sys.stderr)
+        return 2
+    from mmpipe.model.hf.demo import write_all
+
+    for name, folder in write_all(out).items():
+        print(f"{name}: {folder}")
     return 0

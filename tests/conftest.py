@@ -16,8 +16,8 @@ if str(ROOT) not in sys.path:  # the tests package (shared cases) imports as tes
 def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Tiny Hugging Face checkpoint folders (model, tokenizer with a chat template, processor
     config) by name: llava, qwen2-vl, qwen2-audio, and compose-vision / compose-llm /
-    compose-projector (tests/unit/model/hf_checkpoints.py)."""
-    from tests.unit.model.hf_checkpoints import write_all
+    compose-projector (mmpipe/model/hf/demo.py)."""
+    from mmpipe.model.hf.demo import write_all
 
     return write_all(tmp_path_factory.mktemp("hf-checkpoints"))
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmpipe.model.hf.demo import model_overrides
 from tests.distributed.hf_reference import Reference, raw_samples
-from tests.unit.model.hf_checkpoints import model_overrides
 
 pytestmark = pytest.mark.distributed
 

@@ -21,7 +21,7 @@ def trace(tmp_path_factory) -> str:
 
 
 def _overrides_for(group: str, name: str, trace: str, folders: dict[str, Path]) -> list[str]:
-    from tests.unit.model.hf_checkpoints import model_overrides
+    from mmpipe.model.hf.demo import model_overrides
 
     extra = {"trace": ["data.path=" + trace]}.get(name, [])
     if group == "model" and name != "tiny":

@@ -17,7 +17,7 @@ from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.data.synth import SynthConfig, generate
 from mmpipe.data.tokenizer import Tokenizer, load_tokenizer
 from mmpipe.model.spec import ModelSpec, spec_from_dict
-from tests.unit.model.hf_checkpoints import LLAVA_TEMPLATE  # one copy of LLaVA-1.5's template
+from mmpipe.model.hf.demo import LLAVA_TEMPLATE  # one copy of LLaVA-1.5's template
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from mmpipe.model.geometry import image_tokens
+from mmpipe.model.hf.demo import perturb
 from mmpipe.model.hf.media import preprocess_audio, preprocess_image
 from mmpipe.model.hf.skeleton import owned_keys
 from mmpipe.model.layers import run_layers, token_loss
@@ -42,15 +43,6 @@ from mmpipe.runtime.batch import collate_hf
 
 VOCAB, IMAGE, AUDIO, VSTART, VEND = 300, 290, 291, 292, 293
 TEXT = (10, 280)
-
-
-def perturb(model: torch.nn.Module, seed: int = 1) -> None:
-    """Move every norm weight and bias (and 1-D parameter) off its initial value."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
 def _llm(kind: str, **extra):

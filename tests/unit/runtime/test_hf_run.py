@@ -17,6 +17,7 @@ from mmpipe.data.records import decode_record
 from mmpipe.data.skips import SkipCounter
 from mmpipe.model.geometry import features
 from mmpipe.model.hf import build_layer, build_layers, save_layer_states
+from mmpipe.model.hf.demo import MODELS, model_overrides
 from mmpipe.model.spec import layer_names
 from mmpipe.runtime import hf_run
 from mmpipe.runtime.batch import collate_hf
@@ -24,7 +25,6 @@ from mmpipe.runtime.checkpoint import commit
 from mmpipe.runtime.hf_run import load_templater
 from mmpipe.runtime.preflight import write_run_config
 from mmpipe.runtime.stream import make_stream
-from tests.unit.model.hf_checkpoints import MODELS, model_overrides
 
 
 def _error(capsys) -> str:

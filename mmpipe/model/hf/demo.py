@@ -1,29 +1,28 @@
-"""Tiny Hugging Face checkpoint folders as a user has them: the model (saved by transformers'
-save_pretrained, every norm weight and bias moved off its initial value), a tokenizer trained
-here on the shipped shards' conversations with a chat template in its family's format (our own
-wording), and the processor config, all in one folder. Nothing is downloaded.
+"""Tiny Hugging Face checkpoint folders as a user has them (`mmpipe demo-checkpoints OUT`): the
+model (random weights, saved by transformers' save_pretrained, every norm weight and bias moved
+off its initial value so a tensor that is not loaded shows), a tokenizer trained here on the
+shipped shards' conversations with a chat template in its family's format (our own wording), and
+the processor config, all in one folder. Nothing is downloaded.
 
     folders = write_all(tmp)   # {"llava", "qwen2-vl", "qwen2-audio", "compose-vision", "compose-llm",
                                #  "compose-projector"}
 
-Shared by the runtime unit tests and tests/distributed/test_hf_train.py, and usable by hand:
+The test suite trains and compares these; a user tries the real-model path on CPU with them:
 
-    python -m tests.unit.model.hf_checkpoints /tmp/ckpt     # then: mmpipe train model=hf model.path=/tmp/ckpt/llava
+    mmpipe demo-checkpoints /tmp/ckpt     # then: mmpipe train model=hf model.path=/tmp/ckpt/llava
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import tarfile
 from pathlib import Path
 
 import torch
 
-from .hf_cases import perturb
+from mmpipe.paths import PACKAGE_ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
-SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
+SHARDS = PACKAGE_ROOT / "data" / "shards"  # the shipped shards (package data)
 
 LLAVA_TEMPLATE = (  # LLaVA-1.5's conversation format: "USER: <image>\n... ASSISTANT: answer</s>"
     "{% for m in messages %}"
@@ -56,6 +55,16 @@ TEXT_TEMPLATE = (  # a text LLM's ChatML: string content only
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
+
+
+def perturb(model: torch.nn.Module, seed: int = 1) -> None:
+    """Move every norm weight and bias (every 1-D parameter) off its initial value, so a tensor
+    that is not loaded, or loaded into the wrong place, changes the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
 def corpus() -> list[str]:
@@ -229,8 +238,3 @@ def model_overrides(name: str, folders: dict[str, Path]) -> list[str]:
         return ["model=compose", f"model.vision.path={folders['compose-vision']}",
                 f"model.llm.path={folders['compose-llm']}", f"model.projector.path={folders['compose-projector']}"]
     return ["model=hf", f"model.path={folders[name]}"]
-
-
-if __name__ == "__main__":
-    for name, folder in write_all(Path(sys.argv[1])).items():
-        print(f"{name}: {folder}")
