@@ -381,13 +381,15 @@ def demo_command(args: list[str]) -> int:
     if len(args) != 1 or "=" in args[0]:
         print(f"mmpipe demo-checkpoints: error: give one output folder; {DEMO_USAGE}", file=sys.stderr)
         return 2
-    out = Path(args[0])
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"mmpipe demo-checkpoints: error: {shell_word(str(out))} already exists and is not an empty folder; "
-              f"give a new folder", file=sys.stderr)
-        return 2
-    from mmpipe.model.hf.demo import write_all
+    from mmpipe.model.hf.demo import MARKER, write_all
 
+    out = Path(args[0])
+    # a folder this command wrote before (its marker file) is written again; anything else that
+    # holds files is the user's
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
+        print(f"mmpipe demo-checkpoints: error: {shell_word(str(out))} already exists and holds files mmpipe did "
+              f"not write; give a new or empty folder", file=sys.stderr)
+        return 2
     for name, folder in write_all(out).items():
         print(f"{name}: {folder}")
     return 0

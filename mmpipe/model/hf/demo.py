@@ -221,11 +221,17 @@ def write_composition(root: Path, texts: list[str]) -> dict[str, Path]:
     return {"compose-vision": vision, "compose-llm": llm, "compose-projector": projector}
 
 
+MARKER = "mmpipe-demo-checkpoints.json"
+"""Written at the top of the folder write_all fills: `mmpipe demo-checkpoints` may write there again."""
+
+
 def write_all(root: Path) -> dict[str, Path]:
     root.mkdir(parents=True, exist_ok=True)
     texts = corpus()
-    return {"llava": write_llava(root, texts), "qwen2-vl": write_qwen2_vl(root, texts),
-            "qwen2-audio": write_qwen2_audio(root, texts), **write_composition(root, texts)}
+    folders = {"llava": write_llava(root, texts), "qwen2-vl": write_qwen2_vl(root, texts),
+               "qwen2-audio": write_qwen2_audio(root, texts), **write_composition(root, texts)}
+    (root / MARKER).write_text(json.dumps({name: folder.name for name, folder in folders.items()}, indent=1) + "\n")
+    return folders
 
 
 MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose")
