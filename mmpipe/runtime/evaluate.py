@@ -100,6 +100,13 @@ def check_eval_data(rc: RunConfig) -> int:
     return skips.total
 
 
+def eval_due(step: int, *, every: int, steps: int) -> bool:
+    """Whether a run evaluates after `step`: every `every` steps counted from the run's first
+    step (so a resumed run evaluates where an uninterrupted one does), and after its last step
+    (`steps`); never when `every` is 0."""
+    return bool(every) and (step % every == 0 or step == steps)
+
+
 class Evaluator:
     """One rank's side of scoring the held-out set; `run` is collective over every rank."""
 
@@ -127,9 +134,8 @@ class Evaluator:
         self.runs = 0
 
     def due(self, step: int) -> bool:
-        """Whether the run evaluates after `step`: every `train.eval_every` steps counted from
-        the start of the run (a resumed run keeps the cadence), and after the last step."""
-        return bool(self.every) and (step % self.every == 0 or step == self.steps)
+        """Whether the run evaluates after `step` (`eval_due`)."""
+        return eval_due(step, every=self.every, steps=self.steps)
 
     def describe(self) -> str:
         """The start-up line."""
