@@ -308,7 +308,8 @@ class _Loop:
         self.timer = StageTimer(engine)
         self.memory = PeakMemory(engine.device)
         self.stage_of_rank = _stage_of_every_rank(engine.stage_id, dist.get_world_size(), engine.device)
-        self.calibration = self.result.calibration or StepCalibration()
+        # rank 0's is the result's (written out at the end); the other ranks fit nothing
+        self.calibration = self.result.calibration if self.result.calibration is not None else StepCalibration()
 
 
 @dataclass(frozen=True, slots=True)
