@@ -237,21 +237,27 @@ def eval_job(run_dir: str, *, checkpoint: str | None, data_path: str | None, sam
     else:
         named = Path(checkpoint) if Path(checkpoint).is_dir() else run / "checkpoints" / checkpoint
         if not (named / MARKER).is_file():
-            have = sorted(p.parent.name for p in (run / "checkpoints").glob(f"step*/{MARKER}")) or ["none"]
+            have = sorted((p.parent.name for p in (run / "checkpoints").glob(f"step*/{MARKER}")),
+                          key=lambda name: int(name[4:]) if name[4:].isdigit() else -1) or ["none"]
             raise ValueError(f"checkpoint={checkpoint}: {named} is not a committed checkpoint of {run_dir} "
                              f"(committed: {', '.join(have)})")
         folder = named
-    record = json.loads((folder / MARKER).read_text())
-    names = rc.layers
-    stages = tuple((names[a], names[b - 1]) for a, b in record["topology"]["stages"])
+    try:
+        record = json.loads((folder / MARKER).read_text())
+        step, names = int(record["step"]), rc.layers
+        stages = tuple((names[a], names[b - 1]) for a, b in record["topology"]["stages"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise ValueError(f"the commit record {folder / MARKER} is unreadable ({type(err).__name__}: {err}); the "
+                         f"checkpoint is damaged") from None
     path = data_path or rc.data.eval_path
     if not path:
         raise ValueError(f"give data.path=SHARDS, the held-out shards to score ({run_dir} set no data.eval_path)")
     t = rc.train
     job = replace(rc, run_dir=job_dir,
                   data=replace(rc.data, path=path, eval_path=path, sources=None),
-                  train=replace(t, eval_samples=samples or t.eval_samples, eval_every=0, resume=None, save_every=0,
-                                save_final=False, record_samples=False, loggers=("jsonl",)),
+                  train=replace(t, eval_samples=t.eval_samples if samples is None else samples, eval_every=0,
+                                resume=None, save_every=0, save_final=False, record_samples=False,
+                                loggers=("jsonl",)),
                   plan=replace(rc.plan, stages=stages, across_replicas=True))
     check_run(job)
-    return EvalJob(rc=job, checkpoint=folder, step=int(record["step"]))
+    return EvalJob(rc=job, checkpoint=folder, step=step)

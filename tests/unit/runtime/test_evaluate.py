@@ -148,9 +148,14 @@ def test_mmpipe_eval_mistakes_are_one_line_before_launch(tmp_path, capsys, no_la
     assert (f"checkpoint=step5: {run / 'checkpoints' / 'step5'} is not a committed checkpoint of {run} (committed: "
             f"step2, step4)") in error(str(run), "checkpoint=step5", f"data.path={HELD_OUT}")
     assert "steps=3: not an eval argument" in error(str(run), "steps=3")
+    assert "train.eval_samples=0 must be a positive integer" in error(str(run), f"data.path={HELD_OUT}",
+                                                                     "train.eval_samples=0")
     assert "train.eval_samples=251: data.eval_path=data/shards/train-000007.tar holds 250 usable samples" in error(
         str(run), f"data.path={HELD_OUT}", "train.eval_samples=251")
     assert "give one run directory" in error()
+    (run / "checkpoints" / "step4" / "committed.json").write_text("{")
+    assert f"the commit record {run / 'checkpoints' / 'step4' / 'committed.json'} is unreadable" in error(
+        str(run), f"data.path={HELD_OUT}")
 
 
 def test_help_lists_the_validation_keys_and_the_eval_command(capsys):
