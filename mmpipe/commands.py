@@ -295,6 +295,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
                       "mmpipe train " + shell_word("plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]"),
                       "mmpipe train \"data.path='data/llava/train-{000000..000041}.tar'\"   # braces: quote twice",
                       "mmpipe train " + shell_word("train.loggers=[jsonl,tensorboard]") + " train.save_final=true",
+                      "mmpipe train data.eval_path=data/shards/train-000007.tar train.eval_every=10   # held-out loss",
                       "mmpipe train --cfg job                         # print the composed config, run nothing")),
     Command(name="plan", summary="plan a workload trace (stages, micro-batches) and compare with baselines",
             run=run_plan, check=check_plan,
