@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmpipe.config import RunConfig, tokenizer_source
+from mmpipe.config import RunConfig, eval_interval, tokenizer_source
 from mmpipe.paths import PACKAGE_ROOT, resolve_path, shell_word
 
 
@@ -69,25 +69,43 @@ def checkpoint_policy(rc: RunConfig) -> str:
 
 
 def check_train(rc: RunConfig) -> None:
-    from mmpipe.model.kernels import check as check_kernel
-    from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
-    from mmpipe.runtime.hf_run import check_model
     from mmpipe.runtime.metrics import check_loggers
-    from mmpipe.runtime.preflight import check_backend, check_data, checkpoint_dir
+    from mmpipe.runtime.preflight import check_data, checkpoint_dir
 
     rc = train_layout(rc, say=False)  # parallel.pp / dp = auto: the layout every check below needs
-    memory = check_model(rc)  # a planner-only preset, a model this machine cannot hold: before anything runs
-    if memory and os.environ.get("RANK", "0") == "0":
-        print(f"mmpipe: {memory}", flush=True)
+    _check_model(rc)
     check_loggers(rc.train.loggers)
     check_data(rc)
+    if eval_interval(rc):
+        from mmpipe.runtime.evaluate import check_eval_data
+
+        check_eval_data(rc)
+    _check_pipeline(rc)
+    if rc.train.resume:
+        checkpoint_dir(rc.train.resume)
+
+
+def _check_model(rc: RunConfig) -> None:
+    """A planner-only preset, a model this machine cannot hold: before anything runs."""
+    from mmpipe.runtime.hf_run import check_model
+
+    memory = check_model(rc)
+    if memory and os.environ.get("RANK", "0") == "0":
+        print(f"mmpipe: {memory}", flush=True)
+
+
+def _check_pipeline(rc: RunConfig) -> None:
+    """What the ranks' DeepSpeed pipeline needs: the tested release, the user's DeepSpeed JSON,
+    the backend's devices, the attention kernel."""
+    from mmpipe.model.kernels import check as check_kernel
+    from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
+    from mmpipe.runtime.preflight import check_backend
+
     require_tested_deepspeed()
     if rc.deepspeed.config is not None:
         load_user_config(rc.deepspeed.config)  # missing file, bad JSON, a key mmpipe owns: one line now
     check_backend(rc.launcher.backend)
     check_kernel(rc.train.attention, precision=rc.train.precision)
-    if rc.train.resume:
-        checkpoint_dir(rc.train.resume)
 
 
 def quiet_env(rc: RunConfig) -> dict[str, str]:
@@ -277,6 +295,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
                       "mmpipe train " + shell_word("plan.stages=[[vision.embed,audio.proj],[llm.embed,llm.head]]"),
                       "mmpipe train \"data.path='data/llava/train-{000000..000041}.tar'\"   # braces: quote twice",
                       "mmpipe train " + shell_word("train.loggers=[jsonl,tensorboard]") + " train.save_final=true",
+                      "mmpipe train data.eval_path=data/shards/train-000007.tar train.eval_every=10   # held-out loss",
                       "mmpipe train --cfg job                         # print the composed config, run nothing")),
     Command(name="plan", summary="plan a workload trace (stages, micro-batches) and compare with baselines",
             run=run_plan, check=check_plan,
@@ -325,13 +344,18 @@ EXPORT_SUMMARY = "write a trained Hugging Face model back as its transformers cl
 EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR"
 
 
+EVAL_SUMMARY = "score a run's committed checkpoint on held-out shards through its pipeline (the held-out loss)"
+EVAL_USAGE = "usage: mmpipe eval RUN_DIR [checkpoint=stepN] [data.path=SHARDS] [train.eval_samples=N] [out=FILE.json]"
+EVAL_KEYS = ("checkpoint", "data.path", "train.eval_samples", "out")
+
+
 DEMO_SUMMARY = "write tiny random Hugging Face checkpoints (LLaVA, Qwen2-VL, ...) to try model=hf on a CPU"
 DEMO_USAGE = "usage: mmpipe demo-checkpoints OUT"
 
 
 def usage() -> str:
     """The command list of `mmpipe --help`."""
-    rows = {**{name: c.summary for name, c in COMMANDS.items()}, "export": EXPORT_SUMMARY,
+    rows = {**{name: c.summary for name, c in COMMANDS.items()}, "eval": EVAL_SUMMARY, "export": EXPORT_SUMMARY,
             "demo-checkpoints": DEMO_SUMMARY}
     width = max(map(len, rows))
     return "\n".join(f"  {name:<{width}}  {summary}" for name, summary in rows.items())
@@ -364,6 +388,78 @@ def export_command(args: list[str]) -> int:
           f"safetensors file(s); {len(report.copied)} held by no pipeline layer, copied from the source) to "
           f"{report.folder} in {report.seconds:.1f} s")
     return 0
+
+
+def eval_command(args: list[str]) -> int:
+    """`mmpipe eval RUN_DIR [checkpoint=stepN] [data.path=SHARDS] [train.eval_samples=N] [out=FILE.json]`.
+    Not a Hydra app: its arguments name a finished run (run.yaml holds the model, precision and
+    parallel layout; the checkpoint its stages), not a configuration to compose. The ranks run in
+    a temporary folder: nothing is written into the run directory."""
+    import json
+    import sys
+    import tempfile
+
+    from mmpipe.runtime.evaluate import check_eval_data, eval_job
+
+    if any(a in ("-h", "--help") for a in args):
+        print(f"{EVAL_USAGE}\n\n{EVAL_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN; the first\n"
+              f"train.eval_samples samples (default: the run's) of data.path (default: the run's data.eval_path), in\n"
+              f"stream order, scored as a run scores its eval_loss (the mean cross-entropy per label token),\n"
+              f"in parallel.pp x parallel.dp local processes as the run trained. out=FILE.json: the figures too.")
+        return 0
+    runs = [a for a in args if "=" not in a]
+    keys = dict(a.split("=", 1) for a in args if "=" in a)
+    with tempfile.TemporaryDirectory(prefix="mmpipe-eval-") as tmp:
+        try:
+            unknown = sorted(set(keys) - set(EVAL_KEYS))
+            if unknown:
+                raise ValueError(f"{unknown[0]}={keys[unknown[0]]}: not an eval argument; {EVAL_USAGE}")
+            if len(runs) != 1:
+                raise ValueError(f"give one run directory; {EVAL_USAGE}")
+            samples = keys.get("train.eval_samples")
+            if samples is not None and not samples.isdigit():
+                raise ValueError(f"train.eval_samples={samples} must be a positive integer")
+            job = eval_job(runs[0], checkpoint=keys.get("checkpoint"), data_path=keys.get("data.path"),
+                           samples=int(samples) if samples else None, job_dir=tmp)
+            _check_model(job.rc)
+            check_eval_data(job.rc)
+            _check_pipeline(job.rc)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"mmpipe eval: error: {' '.join(str(err).split())}", file=sys.stderr)
+            return 2
+        code, result = _launch_eval(job)
+    if result is None:
+        return code or 1
+    rc = job.rc
+    print(f"mmpipe eval: checkpoint {job.checkpoint} (step {job.step}): eval_loss {result['eval_loss']:.6f} over "
+          f"{result['eval_samples']} samples of {rc.data.eval_path} ({result['eval_tokens']} LLM tokens, "
+          f"{result['eval_label_tokens']} label tokens), in {result['eval_s']:.1f} s", flush=True)
+    if keys.get("out"):
+        figures = {"checkpoint": str(job.checkpoint), "data_path": rc.data.eval_path, **result}
+        Path(keys["out"]).write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"mmpipe eval: wrote {keys['out']}")
+    return 0
+
+
+def _launch_eval(job) -> tuple[int, dict | None]:
+    """Score an EvalJob in parallel.pp x parallel.dp local processes (the launcher and worker `mmpipe
+    train` uses). Returns the launcher's exit status and rank 0's figures (None on failure)."""
+    import json
+
+    from mmpipe.runtime.evaluate import result_path
+    from mmpipe.runtime.launch import launch, worker_command
+    from mmpipe.runtime.preflight import write_run_config
+
+    rc = job.rc
+    nproc = rc.parallel.pp * rc.parallel.dp
+    print(f"mmpipe eval: scoring checkpoint {job.checkpoint} on the first {rc.train.eval_samples} samples of "
+          f"{rc.data.eval_path}: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp})", flush=True)
+    path = write_run_config(rc)
+    code = launch(worker_command(str(path), str(job.checkpoint)), nproc=nproc, backend=rc.launcher.backend,
+                  master_port=rc.launcher.master_port, log_dir=Path(rc.run_dir) / "logs", grace_s=rc.launcher.grace_s,
+                  name="mmpipe eval", extra_env=quiet_env(rc))
+    out = result_path(rc.run_dir)
+    return code, json.loads(out.read_text()) if code == 0 and out.is_file() else None
 
 
 def demo_command(args: list[str]) -> int:

@@ -122,6 +122,12 @@ class TrainConfig:
     """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl),
     and at the end each rank's parameter digest (stage_rank*.json: param_sha256), so that runs can
     be checked: the replicas of a stage must end with the same weights."""
+    eval_every: int | None = None
+    """Score data.eval_path every N steps and after the last step, logged as eval_loss; null: ten
+    times over the run (every ceil(train.steps / 10) steps) when data.eval_path is set; 0: never."""
+    eval_samples: int = 64
+    """Held-out samples each evaluation scores: the first N of data.eval_path in stream order (never
+    shuffled), the same every time, so evaluations compare."""
     loggers: tuple[str, ...] = ("jsonl",)
     """Where per-step metrics go: jsonl (metrics.jsonl, always written) | tensorboard (event files in
     RUN_DIR/tensorboard; pip install 'mmpipe[tensorboard]') | wandb (offline unless WANDB_MODE=online;
@@ -135,7 +141,7 @@ class TrainConfig:
         return 0 if self.precision == "fp32" else 1
 
     def __post_init__(self) -> None:
-        for key in ("steps", "global_batch", "micro_batches", "log_every"):
+        for key in ("steps", "global_batch", "micro_batches", "log_every", "eval_samples"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"train.{key}={v!r} must be a positive integer")
@@ -143,6 +149,8 @@ class TrainConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train.{key}={v!r} must be a non-negative integer")
+        if self.eval_every is not None and (not isinstance(self.eval_every, int) or self.eval_every < 0):
+            raise ValueError(f"train.eval_every={self.eval_every!r} must be a non-negative integer (0: never) or null")
         if not self.lr >= 0:
             raise ValueError(f"train.lr={self.lr!r} must be >= 0 (0 keeps the weights as loaded)")
         if self.grad_clip < 0:
@@ -199,6 +207,9 @@ class DataConfig:
     """shards (webdataset tar shards) | trace (a JSONL workload trace, for planning)."""
     path: str = ""
     """Shard brace list or trace file."""
+    eval_path: str | None = None
+    """Held-out shards (the grammar of data.path) whose loss is reported as eval_loss while
+    training (train.eval_every, train.eval_samples) and scored by `mmpipe eval`; null: none."""
     tokenizer: str | None = None
     """mmpipe's tokenizer JSON (made by mmpipe.data.synth) or a Hugging Face checkpoint folder (its
     tokenizer and chat template); None: the model's own (`tokenizer_source`)."""
@@ -244,6 +255,9 @@ class DataConfig:
             raise ValueError(f"data.kind={self.kind!r} is unknown; use shards or trace")
         if not self.path or self.path == "???":
             raise ValueError("data.path is not set; give data.path=FILE (a shard brace list or trace)")
+        if self.eval_path is not None and not self.eval_path.strip():
+            raise ValueError("data.eval_path='' names no shards; give held-out shards (a brace list, like data.path) "
+                             "or null for no evaluation")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -532,7 +546,32 @@ def check_run(rc: RunConfig) -> None:
             f"give one [first,last] pair per stage or set parallel.pp={len(rc.plan.stages)}"
         )
     _ = rc.stage_bounds  # validates names and tiling
+    _check_eval(rc)
     hardware_spec(rc)
+
+
+def _check_eval(rc: RunConfig) -> None:
+    """Validation needs held-out data, and enough of it for every replica to score a share."""
+    t, dp = rc.train, rc.parallel.dp
+    if t.eval_every and not rc.data.eval_path:
+        raise ValueError(f"train.eval_every={t.eval_every} needs held-out data: set data.eval_path=SHARDS (a shard "
+                         f"brace list, like data.path), or train.eval_every=0")
+    if rc.data.eval_path and isinstance(dp, int) and t.eval_samples < dp:
+        raise ValueError(f"train.eval_samples={t.eval_samples} is fewer than the parallel.dp={dp} replicas, which "
+                         f"each score a share; use train.eval_samples={dp} or more")
+
+
+EVALS_PER_RUN = 10
+"""Evaluations over a run when data.eval_path is set and train.eval_every is null."""
+
+
+def eval_interval(rc: RunConfig) -> int:
+    """Steps between evaluations (train.eval_every, resolved; each run also evaluates after its
+    last step); 0: the run does not evaluate."""
+    if not rc.data.eval_path:
+        return 0
+    every = rc.train.eval_every
+    return -(-rc.train.steps // EVALS_PER_RUN) if every is None else every
 
 
 def _check_auto(rc: RunConfig) -> None:
@@ -546,6 +585,7 @@ def _check_auto(rc: RunConfig) -> None:
                          f"parallel.pp={len(rc.plan.stages)} instead of auto")
     if rc.plan.stages is not None:
         stages_to_bounds(rc.plan.stages, rc.layers)  # validates names and tiling
+    _check_eval(rc)
     hardware_spec(rc)
 
 

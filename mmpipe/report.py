@@ -1,8 +1,9 @@
 """`mmpipe report RUN_DIR [RUN_DIR ...]`: the figures of one or several runs in one PNG.
 
 Reads each run's metrics.jsonl (a sweep or bench directory stands for the runs inside it) and
-draws four panels side by side: loss, samples/s and measured bubble per step, and the
-planner's predicted step time against the measured one (the engine's train_batch time, which
+draws four panels side by side: loss (with the held-out `eval_loss`, dashed, where the run
+evaluated), samples/s and measured bubble per step, and the planner's predicted step time
+against the measured one (the engine's train_batch time, which
 `predicted_step_time` predicts). Runs are named by the overrides that set them apart
 (`.hydra/overrides.yaml`), so a sweep over policies reads as a legend of policies.
 """
@@ -79,9 +80,12 @@ def summary(run: RunMetrics) -> str:
     _, sps = _series(run, "samples_per_s")
     _, bubble = _series(run, "bubble")
     _, err = _series(run, "prediction_error")
+    _, held_out = _series(run, "eval_loss")
     parts = [f"{run.label}: {len(run.steps)} steps"]
     if loss:
         parts.append(f"loss {loss[0]:.3f} -> {loss[-1]:.3f}")
+    if held_out:
+        parts.append(f"eval_loss {held_out[0]:.3f} -> {held_out[-1]:.3f} ({len(held_out)} evaluations)")
     if sps:
         parts.append(f"{statistics.median(sps):.1f} samples/s")
     if bubble:
@@ -107,12 +111,16 @@ def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path,
         for ax, key, scale in ((ax_loss, "loss", 1.0), (ax_sps, "samples_per_s", 1.0), (ax_bubble, "bubble", 100.0)):
             x, y = _series(run, key)
             ax.plot(x, [v * scale for v in y], color=colour, label=run.label, lw=1.4)
+        x, y = _series(run, "eval_loss")
+        if x:
+            ax_loss.plot(x, y, color=colour, label=f"{run.label} eval_loss".strip(), lw=1.4, ls="--", marker="o", ms=3)
         pts = [(r["predicted_step_time"], r["engine_time"]) for r in run.steps
                if isinstance(r.get("predicted_step_time"), (int, float)) and r["predicted_step_time"] > 0
                and isinstance(r.get("engine_time"), (int, float))]
         if pts:
             ax_pred.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, color=colour, label=run.label, alpha=0.8)
-    for ax, title, ylabel in ((ax_loss, "loss", "loss"), (ax_sps, "throughput", "samples/s"),
+    for ax, title, ylabel in ((ax_loss, "loss (dashed: held-out eval_loss)", "loss"),
+                              (ax_sps, "throughput", "samples/s"),
                               (ax_bubble, "measured bubble", "idle share of the stages (%)")):
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -215,7 +215,7 @@ def llama_config(l: LLMSpec) -> LlamaConfig:
     cfg = LlamaConfig(
         vocab_size=l.vocab, hidden_size=l.hidden, intermediate_size=l.mlp,
         num_hidden_layers=l.blocks, num_attention_heads=l.heads, num_key_value_heads=l.kv_heads,
-        max_position_embeddings=l.max_seq_len, rms_norm_eps=1e-6, attention_dropout=0.0,
+        max_position_embeddings=l.max_seq_len, rms_norm_eps=1e-6, attention_dropout=l.attention_dropout,
     )
     cfg._attn_implementation = _ATTN
     return cfg

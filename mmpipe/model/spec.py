@@ -140,9 +140,14 @@ class LLMSpec:
     tie_embeddings: bool = False
     """The LM head is the input embedding (one weight; DeepSpeed's TiedLayerSpec keeps the
     copies equal when llm.embed and llm.head sit on different stages)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention weights while training (transformers' LlamaConfig.attention_dropout)
+    of mmpipe's own decoder; off in evaluation. A Hugging Face checkpoint's comes from its config.json."""
 
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"model.llm.attention_dropout={self.attention_dropout!r} must be in [0, 1)")
         if self.hidden % self.heads:
             raise ValueError(
                 f"model.llm.hidden={self.hidden} is not divisible by model.llm.heads={self.heads}"

@@ -293,15 +293,18 @@ def _required(topology: dict) -> list[str]:
             + [f"data_state_dp{d}.json" for d in range(topology["dp"])])
 
 
-def find_checkpoint(target: Path, *, given: str, run_dir: Path, topology: dict, steps: int) -> Found:
+def find_checkpoint(target: Path, *, given: str, run_dir: Path, topology: dict, steps: int,
+                    key: str | None = None) -> Found:
     """The newest committed checkpoint at `target` (a step folder, a checkpoints folder or a
-    run directory; `given` as the user typed it), checked file by file; collective.
+    run directory; `given` as the user typed it), checked file by file; collective. Errors
+    start with `key` (default `train.resume=<given>`).
 
     Rank 0 chooses and prints the warnings; every rank hashes a share of the files; every
     rank raises the same CheckpointError when something is wrong, naming every damaged file.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    choice: list = [_choose(target, f"train.resume={given}", run_dir, topology, steps) if rank == 0 else None]
+    key = key or f"train.resume={given}"
+    choice: list = [_choose(target, key, run_dir, topology, steps) if rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], str):
         raise CheckpointError(choice[0])
@@ -537,6 +540,23 @@ class Checkpointer:
         if folder.parent.resolve() == self.root.resolve():
             self._resumed_from = folder
         return step, reader_state
+
+    def load_weights(self, found: Found) -> None:
+        """Load only the model weights of a checked checkpoint (`mmpipe eval`): no optimizer
+        state, learning-rate schedule, random state or reader position; collective."""
+        problem = None
+        try:
+            _, client = self.engine.load_checkpoint(str(found.folder.parent), tag=found.folder.name,
+                                                    load_module_only=True, load_optimizer_states=False,
+                                                    load_lr_scheduler_states=False)
+            if client is None or client.get("step") != found.step:
+                problem = f"checkpoint {found.folder}: DeepSpeed found no model states for step {found.step}"
+        except CheckpointError as err:
+            problem = str(err)
+        except Exception as err:  # noqa: BLE001 - verified files that still do not load: say which checkpoint
+            first = (str(err).strip().splitlines() or [""])[0]
+            problem = f"cannot load checkpoint {found.folder}: {type(err).__name__}: {first}"
+        _agree(problem)
 
     def _announce(self, found: Found, lr: float) -> None:
         positions = []

@@ -55,10 +55,12 @@ class StepFeeder:
     def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer | Templater, dp_rank: int, stage_plan: StagePlan,
                  over_memory: bool = False, media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
-                 steps: int | None = None, first_step: int = 0):
+                 steps: int | None = None, first_step: int = 0, skips: SkipCounter | None = None):
         self.rc = rc
         self.tokenizer = tokenizer
-        self.skips = SkipCounter.for_run(rc.run_dir, dp_rank=dp_rank) if media else SkipCounter()  # first stage logs
+        if skips is None:  # the first stage logs the run's drops
+            skips = SkipCounter.for_run(rc.run_dir, dp_rank=dp_rank) if media else SkipCounter()
+        self.skips = skips
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp

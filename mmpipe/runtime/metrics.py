@@ -4,7 +4,8 @@
 (`mmpipe report`, `mmpipe bench`); TensorBoard event files (RUN_DIR/tensorboard, through
 torch.utils.tensorboard) and a wandb run (offline unless WANDB_MODE says otherwise) get the
 same per-step figures: the numbers of each record, lists as one series per entry
-(`stage_busy_s/0`, `stage_busy_s/1`, ...). Both are optional packages, checked before launch.
+(`stage_busy_s/0`, `stage_busy_s/1`, ...), `eval_loss` on the steps that evaluated. Both are
+optional packages, checked before launch.
 """
 
 from __future__ import annotations
@@ -88,14 +89,17 @@ class MetricsWriter:
 
 
 class ProgressBar:
-    """A tqdm bar with loss and throughput."""
+    """A tqdm bar with loss, the latest held-out loss and throughput."""
 
     def __init__(self, total: int):
         self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
 
-    def update(self, *, loss: float, samples_per_s: float, tokens_per_s: float) -> None:
-        self._bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{samples_per_s:.1f}",
-                              tokens_s=f"{tokens_per_s:.0f}", refresh=False)
+    def update(self, *, loss: float, samples_per_s: float, tokens_per_s: float, eval_loss: float | None = None) -> None:
+        shown = {"loss": f"{loss:.3f}"}
+        if eval_loss is not None:
+            shown["eval_loss"] = f"{eval_loss:.3f}"
+        shown.update(samples_s=f"{samples_per_s:.1f}", tokens_s=f"{tokens_per_s:.0f}")
+        self._bar.set_postfix(ordered_dict=shown, refresh=False)  # in this order (keywords are sorted)
         self._bar.update(1)
 
     def note(self, message: str) -> None:

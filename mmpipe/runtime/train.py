@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmpipe.config import RunConfig
+from mmpipe.config import RunConfig, eval_interval
 from mmpipe.model.spec import layer_names
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import StagePlan, StepCalibration
@@ -33,7 +33,8 @@ from mmpipe.runtime.checkpoint import (
     truncate_records,
 )
 from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
-from mmpipe.runtime.feed import StepFeeder
+from mmpipe.runtime.evaluate import EvalResult, Evaluator, result_path
+from mmpipe.runtime.feed import PlannedStep, StepFeeder
 from mmpipe.runtime.hardware_file import write_calibrated
 from mmpipe.runtime.host import resolve_backend, threads_per_rank
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
@@ -79,6 +80,10 @@ class RunResult:
     """Why and where the run stopped before train.steps (a signal), with its checkpoint."""
     calibration: StepCalibration | None = None
     """Rank 0: the step-time re-fit after the last step (what `write_calibrated` writes out)."""
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    """(step, eval_loss) of every evaluation of the held-out set."""
+    eval_seconds: float = 0.0
+    """Wall time of those evaluations (part of `seconds`)."""
 
 
 def _init_distributed(rc: RunConfig) -> RunConfig:
@@ -208,6 +213,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     loads: list = [None] * dist.get_world_size() if pipe.load is not None else []
     if loads:
         dist.all_gather_object(loads, pipe.load)
+    evaluator = _evaluator(rc, pipe, tok, stages) if eval_interval(rc) else None
     bar = None
     if rank == 0:
         print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
@@ -218,12 +224,16 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
             from mmpipe.runtime.hf_run import format_load_line
 
             print(format_load_line(loads), flush=True)
+        if evaluator is not None:
+            print(evaluator.describe(), flush=True)
         bar = ProgressBar(rc.train.steps - start)
     # With train.save_on_signal a stop signal only marks stop.requested until this block ends;
     # the ranks agree on it after a step and save, and the block's end raises StopRequested.
     with stop.deferred() if stop is not None and rc.train.save_on_signal else contextlib.nullcontext():
         try:
-            result = _run_steps(rc, pipe, feeder, writer, bar, start, ckpt, stop)
+            result = _run_steps(_Loop(rc=rc, pipe=pipe, feeder=feeder, writer=writer, bar=bar, ckpt=ckpt, stop=stop,
+                                      evaluator=evaluator, start=start,
+                                      result=RunResult(calibration=StepCalibration() if rank == 0 else None)))
         finally:
             if feeder is not None:
                 feeder.close()
@@ -242,88 +252,232 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     return result
 
 
-def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, ckpt: Checkpointer,
-               stop) -> RunResult:
-    engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
-    calibration = StepCalibration()
-    result = RunResult(calibration=calibration if rank == 0 else None)
-    timer = StageTimer(engine)
-    memory = PeakMemory(engine.device)
-    world = dist.get_world_size()
-    dev = engine.device  # collectives run on the backend's device (CUDA under NCCL)
-    stage_of_rank = _stage_of_every_rank(engine.stage_id, world, dev)
-    t_start = time.perf_counter()
-    last_state: dict | None = None
-    for step in range(start + 1, rc.train.steps + 1):
-        t0 = time.perf_counter()
-        planned = feeder.next_step() if feeder else None
-        mbs: list[MicroBatch] = planned.micro_batches if planned else []
-        _agree_on_micro_batches(engine, len(mbs), rc.parallel.dp)
-        counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
-                               sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
-        predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64, device=dev)
-        if pipe.first or pipe.last:
-            dist.all_reduce(counts, group=pipe.dp_group)  # whole-step figures, all replicas
-            dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=pipe.dp_group)  # slowest replica
-        scale = engine.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
-        it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
-        if step == start + 1 and rank == 0:
-            said = (f"tokens per step: {int(counts[2])} LLM tokens, {int(counts[0])} label tokens, "
-                    f"{int(counts[1])} samples (first step)")
-            bar.note(said) if bar is not None else print(said, flush=True)
-        lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
-        fp16_scale = loss_scale(engine)  # the scale this step's backward runs with (fp16)
-        memory.start()
-        t1 = time.perf_counter()
-        loss = float(engine.train_batch(data_iter=it))
-        t2 = time.perf_counter()
-        last_state = planned.reader_state if planned else None
-        grad_norm = pipe.clip.last_norm if pipe.clip else deepspeed_grad_norm(engine)
-        nonfinite = _nonfinite(loss, pipe, rc.train.precision)
-        stages = per_stage(gather_stage_times(timer.take(), world=world, device=dev, peak_mem=memory.peak()).cpu(),
-                           stage_of_rank, rc.parallel.pp)
-        dt = time.perf_counter() - t0
-        result.losses.append(loss)
-        result.samples += int(counts[1])
-        result.tokens += int(counts[2])
-        if rank == 0:
-            busy = [st["fwd"] + st["bwd"] for st in stages]
-            raw = float(predicted)
-            pred = calibration.predict(raw, len(mbs))  # fitted on earlier steps only
-            calibration.observe(raw, len(mbs), t2 - t1)
-            rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
-                   "tokens_per_s": counts[2].item() / dt, "step_time": dt,
-                   "lr": lr, "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-                   "samples": int(counts[1]),
-                   "tokens": int(counts[2]), "label_tokens": int(counts[0]), "micro_batches": len(mbs),
-                   "engine_time": t2 - t1, "stage_busy_s": busy,
-                   "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
-                   "bubble": 1.0 - sum(busy) / (len(busy) * (t2 - t1)),
-                   "predicted_step_time": pred, "simulated_step_time": raw,
-                   "calibration": list(calibration.coef), "predicted_busy_s": list(planned.predicted_busy),
-                   "prediction_error": (t2 - t1) / pred - 1.0 if pred > 0 else None,
-                   "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds,
-                   "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": memory.kind,
-                   "predicted_peak_mem_gb": [b / 1e9 for b in planned.predicted_peak_bytes], "nonfinite": nonfinite}
-            if rc.train.precision == "fp16":
-                rec["loss_scale"] = fp16_scale  # a step that overflowed was skipped: grad_norm null
-            if step % rc.train.log_every == 0 or step == rc.train.steps or nonfinite:
-                writer.write(rec)
-            bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
-        requested = stop.requested if stop is not None and stop.defer else None
-        verdict = agree_after_step(nonfinite=nonfinite, stop=requested is not None, device=dev)
-        _on_nonfinite(rc, verdict, step, loss, grad_norm, ckpt, result, bar)
-        stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
-        every = rc.train.save_every and step % rc.train.save_every == 0
-        if stopping or every or (rc.train.save_final and step == rc.train.steps):
-            folder = ckpt.save(step, last_state)
-        if stopping:
-            why = signal.Signals(requested).name if requested else "another rank's stop signal"
-            result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
-                              f"train.resume={run_dir}")
-            break
-    result.seconds = time.perf_counter() - t_start
+def score_checkpoint(rc: RunConfig, folder: Path) -> EvalResult:
+    """`mmpipe eval` on this rank: the run's pipeline (rc's stages are the checkpoint's), the
+    model weights of the committed checkpoint `folder` (checked file by file), then one
+    evaluation of data.eval_path. Every rank of the job calls this; rank 0 writes the result
+    (runtime/evaluate.result_path) into rc.run_dir, the job's own folder."""
+    import json
+
+    quiet_deepspeed()
+    rc = _init_distributed(rc)
+    from mmpipe.runtime.hf_run import load_templater
+
+    tok = load_templater(rc)
+    stages = choose_stages(rc, tok)
+    found = find_checkpoint(folder, given=str(folder), run_dir=Path(rc.run_dir), topology=_topology(rc, stages.plan),
+                            steps=sys.maxsize, key=f"mmpipe eval {folder}")
+    pipe = _build(rc, tok, stages.plan)
+    _checkpointer(rc, pipe, stages.plan).load_weights(found)
+    result = _evaluator(rc, pipe, tok, stages, journal=False).run()
+    if dist.get_rank() == 0:
+        result_path(rc.run_dir).write_text(json.dumps({"step": found.step, **result.record()}))
+    dist.barrier()
     return result
+
+
+@dataclass(kw_only=True, slots=True)
+class _Loop:
+    """One rank's training loop: the run's parts, and what it measures from step to step."""
+
+    rc: RunConfig
+    pipe: _Pipeline
+    feeder: StepFeeder | None
+    """The replica's data (first and last stage; None on a middle stage)."""
+    writer: MetricsWriter | None
+    """Rank 0's metrics.jsonl (and the other loggers)."""
+    bar: ProgressBar | None
+    """Rank 0's progress bar."""
+    ckpt: Checkpointer
+    stop: object
+    """The process's stop signal (worker.STOP), or None."""
+    evaluator: Evaluator | None
+    """The held-out loss (data.eval_path), or None."""
+    start: int
+    """The step the run starts after (a resumed checkpoint's, else 0)."""
+    result: RunResult
+    timer: StageTimer = field(init=False)
+    memory: PeakMemory = field(init=False)
+    stage_of_rank: list[int] = field(init=False)
+    calibration: StepCalibration = field(init=False)
+    last_state: dict | None = None
+    """The reader's position after the last step trained (saved with a checkpoint)."""
+
+    def __post_init__(self) -> None:
+        engine = self.pipe.engine
+        self.timer = StageTimer(engine)
+        self.memory = PeakMemory(engine.device)
+        self.stage_of_rank = _stage_of_every_rank(engine.stage_id, dist.get_world_size(), engine.device)
+        # rank 0's is the result's (written out at the end); the other ranks fit nothing
+        self.calibration = self.result.calibration if self.result.calibration is not None else StepCalibration()
+
+
+@dataclass(frozen=True, slots=True)
+class _Fed:
+    """A step's micro-batches on this rank, with the whole step's figures (every replica)."""
+
+    planned: PlannedStep | None
+    micro_batches: list[MicroBatch]
+    label_tokens: int
+    samples: int
+    tokens: int
+    predicted_s: float
+    """The slowest replica's simulated step time."""
+    started: float
+    """perf_counter() when the step began."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Trained:
+    """What one optimizer step did, measured on this rank."""
+
+    loss: float
+    grad_norm: float
+    """Global, before clipping."""
+    nonfinite: bool
+    lr: float
+    """The rate the step trained with."""
+    loss_scale: float | None
+    """fp16: the scale the step's backward ran with."""
+    engine_s: float
+    """engine.train_batch's time."""
+    step_s: float
+    """The whole step's time, feeding and telemetry included."""
+    stages: list[dict]
+    """Every stage's busy, communication and optimizer seconds and peak memory."""
+
+
+def _run_steps(loop: _Loop) -> RunResult:
+    """The loop of named steps: feed, train, evaluate when due, log, then agree and checkpoint."""
+    t_start = time.perf_counter()
+    for step in range(loop.start + 1, loop.rc.train.steps + 1):
+        fed = _feed(loop, step)
+        trained = _train_step(loop, fed)
+        evaluated = _evaluate(loop, step)
+        _log(loop, step, fed, trained, evaluated)
+        if _after_step(loop, step, trained):
+            break
+    loop.result.seconds = time.perf_counter() - t_start
+    return loop.result
+
+
+def _feed(loop: _Loop, step: int) -> _Fed:
+    """The step's planned micro-batches; the pipeline agrees on their count, the replicas on
+    the step's totals (the loss is the mean over all its label tokens)."""
+    t0 = time.perf_counter()
+    pipe, dev = loop.pipe, loop.pipe.engine.device  # collectives run on the backend's device (CUDA under NCCL)
+    planned = loop.feeder.next_step() if loop.feeder else None
+    mbs: list[MicroBatch] = planned.micro_batches if planned else []
+    _agree_on_micro_batches(pipe.engine, len(mbs), loop.rc.parallel.dp)
+    counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
+                           sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
+    predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64, device=dev)
+    if pipe.first or pipe.last:
+        dist.all_reduce(counts, group=pipe.dp_group)  # whole-step figures, all replicas
+        dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=pipe.dp_group)  # slowest replica
+    fed = _Fed(planned=planned, micro_batches=mbs, label_tokens=int(counts[0]), samples=int(counts[1]),
+               tokens=int(counts[2]), predicted_s=float(predicted), started=t0)
+    if step == loop.start + 1 and dist.get_rank() == 0:
+        said = (f"tokens per step: {fed.tokens} LLM tokens, {fed.label_tokens} label tokens, "
+                f"{fed.samples} samples (first step)")
+        loop.bar.note(said) if loop.bar is not None else print(said, flush=True)
+    return fed
+
+
+def _train_step(loop: _Loop, fed: _Fed) -> _Trained:
+    """One optimizer step through DeepSpeed's 1F1B schedule, and its telemetry."""
+    rc, pipe, engine = loop.rc, loop.pipe, loop.pipe.engine
+    scale = engine.micro_batches * rc.parallel.dp / max(1.0, float(fed.label_tokens))
+    it: Iterator | None = iter([m.for_engine(scale) for m in fed.micro_batches]) if fed.micro_batches else None
+    lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
+    fp16_scale = loss_scale(engine)  # the scale this step's backward runs with (fp16)
+    loop.memory.start()
+    t1 = time.perf_counter()
+    loss = float(engine.train_batch(data_iter=it))
+    engine_s = time.perf_counter() - t1
+    loop.last_state = fed.planned.reader_state if fed.planned else None
+    grad_norm = pipe.clip.last_norm if pipe.clip else deepspeed_grad_norm(engine)
+    nonfinite = _nonfinite(loss, pipe, rc.train.precision)
+    times = gather_stage_times(loop.timer.take(), world=dist.get_world_size(), device=engine.device,
+                               peak_mem=loop.memory.peak())
+    stages = per_stage(times.cpu(), loop.stage_of_rank, rc.parallel.pp)
+    result = loop.result
+    result.losses.append(loss)
+    result.samples += fed.samples
+    result.tokens += fed.tokens
+    return _Trained(loss=loss, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr, loss_scale=fp16_scale,
+                    engine_s=engine_s, step_s=time.perf_counter() - fed.started, stages=stages)
+
+
+def _evaluate(loop: _Loop, step: int) -> EvalResult | None:
+    """The held-out loss after this step, when due (every rank together)."""
+    if loop.evaluator is None or not loop.evaluator.due(step):
+        return None
+    evaluated = loop.evaluator.run()
+    loop.timer.take()  # the evaluation's instructions are no part of the next step's telemetry
+    loop.result.evals.append((step, evaluated.loss))
+    loop.result.eval_seconds += evaluated.seconds
+    return evaluated
+
+
+def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalResult | None) -> None:
+    """Rank 0: the step's metrics line (every train.log_every steps, the last, a non-finite one and
+    one with an evaluation) and the progress bar."""
+    if dist.get_rank() != 0:
+        return
+    rc = loop.rc
+    rec = _metrics_record(loop, step, fed, trained)
+    if evaluated is not None:
+        rec.update(evaluated.record())
+    if step % rc.train.log_every == 0 or step == rc.train.steps or trained.nonfinite or evaluated is not None:
+        loop.writer.write(rec)
+    last_eval = loop.result.evals[-1][1] if loop.result.evals else None
+    loop.bar.update(loss=trained.loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"],
+                    eval_loss=last_eval)
+
+
+def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dict:
+    """The step's metrics.jsonl line; the calibrated prediction is made before this step is observed."""
+    mbs, stages, dt, engine_s = len(fed.micro_batches), trained.stages, trained.step_s, trained.engine_s
+    busy = [st["fwd"] + st["bwd"] for st in stages]
+    raw = fed.predicted_s
+    pred = loop.calibration.predict(raw, mbs)  # fitted on earlier steps only
+    loop.calibration.observe(raw, mbs, engine_s)
+    rec = {"step": step, "loss": round(trained.loss, 6), "samples_per_s": fed.samples / dt,
+           "tokens_per_s": fed.tokens / dt, "step_time": dt, "lr": trained.lr,
+           "grad_norm": trained.grad_norm if math.isfinite(trained.grad_norm) else None,
+           "samples": fed.samples, "tokens": fed.tokens, "label_tokens": fed.label_tokens, "micro_batches": mbs,
+           "engine_time": engine_s, "stage_busy_s": busy,
+           "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
+           "bubble": 1.0 - sum(busy) / (len(busy) * engine_s),
+           "predicted_step_time": pred, "simulated_step_time": raw,
+           "calibration": list(loop.calibration.coef), "predicted_busy_s": list(fed.planned.predicted_busy),
+           "prediction_error": engine_s / pred - 1.0 if pred > 0 else None,
+           "overhead_s": dt - engine_s, "plan_s": fed.planned.plan_seconds, "feed_s": fed.planned.feed_seconds,
+           "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": loop.memory.kind,
+           "predicted_peak_mem_gb": [b / 1e9 for b in fed.planned.predicted_peak_bytes],
+           "nonfinite": trained.nonfinite}
+    if loop.rc.train.precision == "fp16":
+        rec["loss_scale"] = trained.loss_scale  # a step that overflowed was skipped: grad_norm null
+    return rec
+
+
+def _after_step(loop: _Loop, step: int, trained: _Trained) -> bool:
+    """Every rank agrees on a non-finite step and on a stop request, then saves when due.
+    Returns whether the run stops here (a stop signal, after its checkpoint)."""
+    rc, stop = loop.rc, loop.stop
+    requested = stop.requested if stop is not None and stop.defer else None
+    verdict = agree_after_step(nonfinite=trained.nonfinite, stop=requested is not None, device=loop.pipe.engine.device)
+    _on_nonfinite(rc, verdict, step, trained.loss, trained.grad_norm, loop.ckpt, loop.result, loop.bar)
+    stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
+    every = rc.train.save_every and step % rc.train.save_every == 0
+    if stopping or every or (rc.train.save_final and step == rc.train.steps):
+        folder = loop.ckpt.save(step, loop.last_state)
+    if stopping:
+        why = signal.Signals(requested).name if requested else "another rank's stop signal"
+        loop.result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
+                               f"train.resume={Path(rc.run_dir)}")
+    return stopping
 
 
 def _nonfinite(loss: float, pipe: _Pipeline, precision: str) -> bool:
@@ -399,6 +553,11 @@ def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan) -> Chec
                         schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps})
 
 
+def _evaluator(rc: RunConfig, pipe: _Pipeline, tok, stages, *, journal: bool = True) -> Evaluator:
+    return Evaluator(rc, engine=pipe.engine, tokenizer=tok, stage_plan=stages.plan, over_memory=bool(stages.warnings),
+                     dp_rank=pipe.dp_rank, dp_group=pipe.dp_group, journal=journal)
+
+
 def _gather_data_report(feeder, first: bool, dp_group, *, shared: bool = False
                         ) -> tuple[dict[str, int], dict[str, int]]:
     """Skips by reason and mixture counts, summed over the replicas (first stages only); when
@@ -426,10 +585,15 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
     why = ", ".join(f"{v} {k}" for k, v in sorted(r.skipped.items())) or "none"
     head = sum(r.losses[:3]) / len(r.losses[:3])
     tail = sum(r.losses[-3:]) / len(r.losses[-3:])
+    training = r.seconds - r.eval_seconds  # throughput is the training's; evaluations are timed apart
+    evals = ""
+    if r.evals:
+        evals = (f" | eval_loss {r.evals[0][1]:.3f} -> {r.evals[-1][1]:.3f} ({len(r.evals)} evaluations, the last "
+                 f"after step {r.evals[-1][0]}; {r.eval_seconds:.1f}s)")
     print(
         f"done: {len(r.losses)} steps in {r.seconds:.1f}s | loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} "
-        f"(mean of first 3 {head:.3f}, last 3 {tail:.3f}) | {r.samples / r.seconds:.1f} samples/s, "
-        f"{r.tokens / r.seconds:.0f} tokens/s | skipped {skipped} samples ({why}) | "
+        f"(mean of first 3 {head:.3f}, last 3 {tail:.3f}){evals} | {r.samples / training:.1f} samples/s, "
+        f"{r.tokens / training:.0f} tokens/s | skipped {skipped} samples ({why}) | "
         f"metrics {run_dir / 'metrics.jsonl'} | "
         + (f"checkpoint {run_dir / 'checkpoints'}" if rc.train.save_every or rc.train.save_final else "no checkpoint")
         + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),

@@ -110,14 +110,17 @@ STOP = StopSignal()
 """This process's stop signal (signals belong to the process, so there is one)."""
 
 
-def run_rank(rc) -> int:
-    """Train on this rank with the stop signal installed and errors reported as described above.
-    Returns the exit status."""
-    from mmpipe.runtime.train import train
+def run_rank(rc, *, score: Path | None = None) -> int:
+    """Train on this rank (or, with `score`, evaluate that committed checkpoint: `mmpipe eval`)
+    with the stop signal installed and errors reported as described above. Returns the exit status."""
+    from mmpipe.runtime.train import score_checkpoint, train
 
     STOP.install()
     try:
-        train(rc, stop=STOP)
+        if score is not None:
+            score_checkpoint(rc, score)
+        else:
+            train(rc, stop=STOP)
     except StopRequested as stop:
         rank = os.environ.get("RANK", "?")
         print(f"rank {rank}: {stop}", file=sys.stderr, flush=True)
@@ -147,7 +150,8 @@ def report_error(err: BaseException, *, line: str | None = None, status: int = E
 
 
 def main(argv: list[str]) -> int:
-    """`main([RUN_DIR/run.yaml])`: the launched process's entry."""
+    """`main([RUN_DIR/run.yaml])`: the launched process's entry; `main([JOB_DIR/run.yaml,
+    CHECKPOINT])` scores that checkpoint instead (`mmpipe eval`)."""
     import yaml
 
     from mmpipe.config import run_config_from_dict
@@ -157,7 +161,7 @@ def main(argv: list[str]) -> int:
         rc = run_config_from_dict(yaml.safe_load(path.read_text()), run_dir=str(path.parent))
     except USER_ERRORS as err:
         return report_error(err)
-    return run_rank(rc)
+    return run_rank(rc, score=Path(argv[1]) if len(argv) > 1 else None)
 
 
 if __name__ == "__main__":

@@ -135,25 +135,39 @@ def test_plan_outputs_land_in_the_run_dir_with_hydra_files(in_tmp, capsys):
     assert sorted(p.name for p in in_tmp.iterdir()) == ["run", "trace.jsonl"]  # nothing in the cwd
 
 
-def _fake_run(path: Path, policy: str, slow: float) -> None:
+def _fake_run(path: Path, policy: str, slow: float, *, evaluated: bool = False) -> None:
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"plan.policy={policy}", "train.steps=3"]))
     rows = [{"step": s, "loss": 7.0 - s, "samples_per_s": 60.0 / slow, "bubble": 0.2 * slow, "engine_time": 0.2 * slow,
-             "predicted_step_time": 0.19 * slow, "prediction_error": 0.05, "stage_busy_s": [0.1, 0.1]}
+             "predicted_step_time": 0.19 * slow, "prediction_error": 0.05, "stage_busy_s": [0.1, 0.1],
+             **({"eval_loss": 6.5 - s / 4} if evaluated and s > 1 else {})}
             for s in (1, 2, 3)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_report_draws_several_runs_into_one_png(in_tmp, capsys):
-    _fake_run(in_tmp / "sweep" / "0", "data-aware", 1.0)
+def test_report_draws_several_runs_into_one_png(in_tmp, capsys, monkeypatch):
+    import matplotlib.axes
+
+    drawn, plot = {}, matplotlib.axes.Axes.plot
+
+    def record(ax, x, y, *args, **kwargs):
+        drawn[kwargs.get("label")] = (list(x), list(y))
+        return plot(ax, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
+    _fake_run(in_tmp / "sweep" / "0", "data-aware", 1.0, evaluated=True)
     _fake_run(in_tmp / "sweep" / "1", "ds-default", 2.0)
     assert main(["report", "sweep/0", "sweep/1", "hydra.run.dir=out"]) == 0
     out = capsys.readouterr().out
     png = in_tmp / "out" / "report.png"
     assert f"mmpipe report: wrote {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
-    assert "plan.policy=data-aware: 3 steps, loss 6.000 -> 4.000, 60.0 samples/s, bubble 20.0%" in out
+    assert ("plan.policy=data-aware: 3 steps, loss 6.000 -> 4.000, eval_loss 6.000 -> 5.750 (2 evaluations), "
+            "60.0 samples/s, bubble 20.0%") in out
     assert "plan.policy=ds-default: 3 steps, loss 6.000 -> 4.000, 30.0 samples/s, bubble 40.0%" in out
+    # the held-out loss is drawn where the run evaluated; a run that did not has no such line
+    assert drawn["plan.policy=data-aware eval_loss"] == ([2, 3], [6.0, 5.75])
+    assert "plan.policy=ds-default eval_loss" not in drawn
     assert find_runs(["sweep"]) == [Path("sweep/0"), Path("sweep/1")]  # a sweep directory stands for its runs
     assert main(["report", "nowhere", "hydra.run.dir=out2"]) == 2
     assert "report.runs: nowhere is not a directory" in capsys.readouterr().err

@@ -9,10 +9,10 @@ import pytest
 
 import mmpipe.runtime.launch
 from mmpipe.cli import main
-from mmpipe.runtime.metrics import MetricsWriter
+from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 
 RECORDS = [{"step": s, "loss": 7.5 - s, "samples_per_s": 30.0 + s, "bubble": 0.25, "stage_busy_s": [0.1 * s, 0.2],
-            "prediction_error": None, "micro_batches": 4} for s in (1, 2, 3)]
+            "prediction_error": None, "micro_batches": 4, **({"eval_loss": 6.25} if s == 2 else {})} for s in (1, 2, 3)]
 
 
 def test_tensorboard_event_files_hold_the_figures_of_metrics_jsonl(tmp_path):
@@ -31,6 +31,15 @@ def test_tensorboard_event_files_hold_the_figures_of_metrics_jsonl(tmp_path):
     assert [e.value for e in events.Scalars("samples_per_s")] == [31.0, 32.0, 33.0]
     assert [e.value for e in events.Scalars("stage_busy_s/0")] == pytest.approx([0.1, 0.2, 0.3])
     assert "prediction_error" not in events.Tags()["scalars"]  # null is not a figure
+    assert [(e.step, e.value) for e in events.Scalars("eval_loss")] == [(2, 6.25)]  # where the run evaluated
+
+
+def test_the_progress_bar_shows_the_latest_held_out_loss(capsys):
+    bar = ProgressBar(2)
+    bar.update(loss=7.5, samples_per_s=30.0, tokens_per_s=900.0)
+    bar.update(loss=6.5, samples_per_s=31.0, tokens_per_s=910.0, eval_loss=6.25)
+    bar.close()
+    assert "loss=6.500, eval_loss=6.250, samples_s=31.0, tokens_s=910" in capsys.readouterr().err
 
 
 def test_a_logger_whose_package_is_missing_stops_before_launch(tmp_path, monkeypatch, capsys):
