@@ -108,8 +108,8 @@ def make_clip(rng: random.Random) -> Clip:
     background = rng.choice([b for b in PLAIN_BACKGROUNDS if b != colour])
     direction = rng.choice(list(DIRECTIONS))
     fps = rng.choice((4, 6, 8))
-    seconds = rng.choice((1.0, 1.5, 2.0, 2.5, 3.0))
-    n = round(fps * seconds)
+    n = rng.randint(fps, 3 * fps)  # 1 to 3 s; odd counts too (a temporal patch then repeats the last frame)
+    seconds = n / fps
     w, h = 2 * rng.randint(16, 32), 2 * rng.randint(16, 32)
     r = min(w, h) * rng.uniform(0.18, 0.28)
     dx, dy = DIRECTIONS[direction]

@@ -84,8 +84,8 @@ def _header(container, limits: MediaLimits) -> VideoMeta:
         raise SampleError(UNDECODABLE_VIDEO, "the video stream declares no frame rate")
     fps = float(rate)
     frames = int(s.frames or 0)
-    if frames <= 0:  # Matroska / WebM do not record a frame count: duration x rate
-        seconds = _duration(s, container)
+    if frames <= 0 and "matroska" in container.format.name.split(","):
+        seconds = _duration(s, container)  # Matroska / WebM record no frame count: duration x rate
         frames = round(seconds * fps) if seconds > 0 else 0
     if frames <= 0:
         raise SampleError(UNDECODABLE_VIDEO, "the video stream declares no frames")

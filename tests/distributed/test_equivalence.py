@@ -1,7 +1,8 @@
 """One optimizer step through the pipeline equals a single-process full-batch step.
 
 The run goes through the real `mmpipe train` (launcher, DeepSpeed PipelineEngine, webdataset
-shards); the reference recomputes the step in one process on the very samples the pipeline
+shards; the shipped data's first steps mix video clips, images, audio and text, so the tiny
+model's video path is in every case); the reference recomputes the step in one process on the very samples the pipeline
 recorded, with the loss as the mean over all label tokens of the step.
 """
 
@@ -59,9 +60,12 @@ def _reference(overrides: list[str], keys_by_replica: list[list[str]]):
         if len(samples) == len(want):
             break
     ordered = [samples[k] for keys in keys_by_replica for k in keys]
-    layers = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id)
+    assert any(s.videos for s in ordered), "the step holds no video (the shipped data starts with the video mix)"
+    layers = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id,
+                          video_token=tok.video_id)
     params = [p for l in layers for p in l.parameters()]
-    mb = collate(ordered, patch=rc.model.vision.patch, packed=True, pad_id=tok.pad_id)
+    mb = collate(ordered, patch=rc.model.vision.patch, packed=True, pad_id=tok.pad_id,
+                 temporal_patch=rc.model.vision.video.temporal_patch)
     loss = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0 / mb.label_tokens])))
     loss.backward()
     grads = [[p.grad.clone() for p in l.parameters()] for l in layers]
@@ -125,7 +129,7 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
     all_keys = [k for ks in keys_by_replica for k in ks]
     assert len(set(all_keys)) == len(all_keys)  # no sample in two replicas
     if across:  # one step covers the first global_batch samples of the whole stream
-        first = islice(iter_meta(path=resolve_path("data/shards/train-{000000..000007}.tar"), dp_rank=0, dp_size=1,
+        first = islice(iter_meta(path=resolve_path(load(overrides, job="test").data.path), dp_rank=0, dp_size=1,
                                  epochs=1, root=PACKAGE_ROOT), 12)
         assert sorted(all_keys) == sorted(k for k, _ in first)
 
