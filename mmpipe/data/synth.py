@@ -45,9 +45,9 @@ TASKS: tuple[tuple[str, Callable[[random.Random], Draft], float], ...] = (
 DEFAULT_SAMPLES = 2000
 """Samples of the shipped set."""
 
-VIDEO_CYCLE: tuple[str, ...] = ("video", "text", "image", "video", "text", "video", "image")
+VIDEO_CYCLE: tuple[str, ...] = ("video", "text", "image", "video", "audio", "video", "text")
 """Tasks of the video mix, in turn (3 clips in 7 samples). Sample i goes to video shard i % 8,
-and 7 is prime to 8, so every shard, and every run of a few samples in it, mixes the three."""
+and 7 is prime to 8, so every shard, and every run of a few samples in it, mixes them."""
 DEFAULT_VIDEO_SAMPLES = 256
 """Samples of the shipped video mix."""
 
@@ -100,7 +100,7 @@ def make_drafts(n: int, seed: int) -> list[Draft]:
 
 def make_video_drafts(n: int, seed: int) -> list[Draft]:
     """The video mix: VIDEO_CYCLE's tasks in turn, each sample from its own seeded rng."""
-    makers = {"video": video_task, "text": text_task, "image": image_task}
+    makers = {"video": video_task, "text": text_task, "image": image_task, "audio": audio_task}
     return [makers[VIDEO_CYCLE[i % len(VIDEO_CYCLE)]](random.Random(f"video-sample:{seed}:{i}")) for i in range(n)]
 
 

@@ -82,8 +82,8 @@ def test_every_sample_is_consistent_with_its_meta(mini_data, mini_tok) -> None:
             assert 1.0 <= header.seconds <= 3.0 and header.fps in (4, 6, 8) and 32 <= min(header.height, header.width)
             frames = decode_frames(members[f"{i}.mp4"], tuple(range(header.frames)), header)
             assert frames.shape == (header.frames, header.height, header.width, 3)
-    kinds = ["video" if "0.mp4" in samples[f"v{i:06d}"] else "image" if "0.png" in samples[f"v{i:06d}"] else "text"
-             for i in range(14)]
+    kinds = [next((k for k, m in (("video", "0.mp4"), ("image", "0.png"), ("audio", "0.wav")) if m in samples[f"v{i:06d}"]),
+                  "text") for i in range(14)]
     assert kinds == [VIDEO_CYCLE[i % len(VIDEO_CYCLE)] for i in range(14)]
 
 
