@@ -7,9 +7,10 @@
 **Messages.** LLaVA turns become chat messages: `human` -> `user`, `gpt` -> `assistant`, a
 leading `system` -> `system`. When the template reads structured content (probed once), every
 message is a list of items: `{"type": "text", "text": ...}`, and `{"type": "image", "image":
-None}` / `{"type": "audio", "audio": None}` at the position of each `<image>` / `<audio>`
-placeholder, so that the template emits its own markers (LLaVA `<image>\\n`, Qwen2-VL
-`<|vision_start|><|image_pad|><|vision_end|>`, Qwen2-Audio `Audio 1: <|audio_bos|><|AUDIO|>
+None}` / `{"type": "audio", "audio": None}` / `{"type": "video", "video": None}` at the position
+of each `<image>` / `<audio>` / `<video>` placeholder, so that the template emits its own markers
+(LLaVA `<image>\\n`, Qwen2-VL `<|vision_start|><|image_pad|><|vision_end|>` and
+`<|vision_start|><|video_pad|><|vision_end|>`, Qwen2-Audio `Audio 1: <|audio_bos|><|AUDIO|>
 <|audio_eos|>\\n`). A template that reads only string content (a text LLM's), or that emits
 nothing for a medium's items, gets that medium's token written into the text in place instead.
 

@@ -2,9 +2,10 @@
 
 Images go through transformers' image processor of the checkpoint (its preprocessor config),
 audio through its Whisper feature extractor, so the arrays are exactly what the transformers
-model would be given. The processor classes are the PIL / NumPy backends, chosen on purpose:
-they need no torchvision (not installed; transformers' Qwen2-VL *processor* object does, for
-video), and transformers itself prefers the PIL backend where the two backends' outputs differ.
+model would be given. The image processor classes are the PIL / NumPy backends, chosen on
+purpose: transformers itself prefers the PIL backend where the two backends' outputs differ.
+Videos go through the checkpoint's video processor (model/hf/video.py, on torchvision); their
+patches join the images' in the carrier (`carrier_media`) and their tokens get 3-D positions here.
 Placeholder expansion and tokens are the text side's; these functions give each sample's arrays
 and the counts the placeholders must match (equal to `mmpipe.model.geometry` by construction,
 and checked).
