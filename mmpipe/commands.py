@@ -253,7 +253,7 @@ def run_shards(rc: RunConfig, _inv: Invocation) -> int:
     return run_convert(json_path=s.json, out=s.out, tokenizer=tokenizer_source(rc)[0],
                        model=rc.model, image_root=s.image_root, audio_root=s.audio_root, maxcount=s.maxcount,
                        maxsize_mb=s.maxsize_mb, on_error=rc.data.on_error, prefix=s.prefix, limits=rc.data.limits,
-                       allow_outside_roots=s.allow_outside_roots)
+                       allow_outside_roots=s.allow_outside_roots, video_root=s.video_root)
 
 
 def run_profile(rc: RunConfig, _inv: Invocation) -> int:

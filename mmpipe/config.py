@@ -234,6 +234,12 @@ class DataConfig:
     reads no more than this of any media file."""
     max_audio_seconds: float = 600.0
     """A clip whose header gives a longer duration is refused undecoded (`media too large`)."""
+    max_video_frames: int = 36_000
+    """A video whose container header declares more frames is refused undecoded (`media too large`);
+    at most the planned frames are ever decoded (20 minutes at 30 fps)."""
+    max_video_seconds: float = 1200.0
+    """A video whose header gives a longer duration (frames / frame rate) is refused undecoded
+    (`media too large`)."""
 
     @property
     def limits(self):
@@ -241,10 +247,11 @@ class DataConfig:
         from mmpipe.data.media import MediaLimits
 
         return MediaLimits(max_image_pixels=self.max_image_pixels, max_member_bytes=int(self.max_member_mb * 2**20),
-                           max_audio_seconds=float(self.max_audio_seconds))
+                           max_audio_seconds=float(self.max_audio_seconds), max_video_frames=self.max_video_frames,
+                           max_video_seconds=float(self.max_video_seconds))
 
     def __post_init__(self) -> None:
-        _ = self.limits  # validates the three limits, naming the key
+        _ = self.limits  # validates the media limits, naming the key
         check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
                       epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
         if self.sources is not None:
@@ -335,6 +342,8 @@ class ShardsConfig:
     """Folder the JSON's image paths are relative to (default: the JSON's folder)."""
     audio_root: str | None = None
     """Folder the JSON's audio paths are relative to (default: the JSON's folder)."""
+    video_root: str | None = None
+    """Folder the JSON's video paths are relative to (default: the JSON's folder)."""
     maxcount: int = 1000
     """Samples per shard at most."""
     maxsize_mb: float | None = None
@@ -342,7 +351,7 @@ class ShardsConfig:
     prefix: str = "train"
     """Shard file prefix: <prefix>-000000.tar."""
     allow_outside_roots: bool = False
-    """Let media paths lead out of image_root / audio_root (`..`, absolute paths, symlinks);
+    """Let media paths lead out of image_root / audio_root / video_root (`..`, absolute paths, symlinks);
     by default such an entry is skipped as `outside root`."""
 
 

@@ -103,7 +103,7 @@ def bench(*, path: str, tok: Tokenizer, spec: ModelSpec, samples: int, generated
 
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            generate(SynthConfig(out=Path(tmp), samples=generated, shards=16, seed=1))
+            generate(SynthConfig(out=Path(tmp), samples=generated, shards=16, seed=1, video_samples=0))
             gen_s = time.perf_counter() - t0
             gtok = load_tokenizer(Path(tmp) / "tokenizer.json")
             gpath = str(Path(tmp) / "shards" / "train-{000000..000015}.tar")

@@ -7,9 +7,10 @@
 **Messages.** LLaVA turns become chat messages: `human` -> `user`, `gpt` -> `assistant`, a
 leading `system` -> `system`. When the template reads structured content (probed once), every
 message is a list of items: `{"type": "text", "text": ...}`, and `{"type": "image", "image":
-None}` / `{"type": "audio", "audio": None}` at the position of each `<image>` / `<audio>`
-placeholder, so that the template emits its own markers (LLaVA `<image>\\n`, Qwen2-VL
-`<|vision_start|><|image_pad|><|vision_end|>`, Qwen2-Audio `Audio 1: <|audio_bos|><|AUDIO|>
+None}` / `{"type": "audio", "audio": None}` / `{"type": "video", "video": None}` at the position
+of each `<image>` / `<audio>` / `<video>` placeholder, so that the template emits its own markers
+(LLaVA `<image>\\n`, Qwen2-VL `<|vision_start|><|image_pad|><|vision_end|>` and
+`<|vision_start|><|video_pad|><|vision_end|>`, Qwen2-Audio `Audio 1: <|audio_bos|><|AUDIO|>
 <|audio_eos|>\\n`). A template that reads only string content (a text LLM's), or that emits
 nothing for a medium's items, gets that medium's token written into the text in place instead.
 
@@ -59,16 +60,17 @@ from mmpipe.data.skips import BAD_CONVERSATION, EMPTY_ANSWER, NO_ENCODER, PLACEH
 from mmpipe.data.template import (
     GPT, HUMAN, IGNORE, PLACEHOLDER, SYSTEM, Templated, Templater, TinyTemplate, Turn, check_media_counts,
 )
-from mmpipe.data.tokenizer import AUDIO, IMAGE, load_tokenizer
+from mmpipe.data.tokenizer import AUDIO, IMAGE, VIDEO, load_tokenizer
 from mmpipe.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 ROLES = {HUMAN: "user", GPT: "assistant", SYSTEM: "system"}
 """LLaVA turn -> chat message role."""
-KINDS = {IMAGE: "image", AUDIO: "audio"}
+KINDS = {IMAGE: "image", AUDIO: "audio", VIDEO: "video"}
 """LLaVA placeholder -> content item type."""
-CONFIG_IDS = {"image": ("image_token_id", "image_token_index"), "audio": ("audio_token_id", "audio_token_index")}
+CONFIG_IDS = {"image": ("image_token_id", "image_token_index"), "audio": ("audio_token_id", "audio_token_index"),
+              "video": ("video_token_id", "video_token_index")}
 """Checkpoint config attributes that give a medium's token id, in order of preference."""
 RULES_VERSION = "chat-1"
 """Part of the fingerprint: bump when the message or whitespace rules change the counts."""
@@ -180,12 +182,17 @@ class ChatTemplate:
             raise no_template_error(folder, key)
         config = _model_config(spec, folder, where)
         ids: dict[str, int] = {}
+        video = spec.vision.video if spec.vision is not None else None
         for kind, names in CONFIG_IDS.items():
+            if kind == "video" and video is None:
+                continue  # a model that takes no video needs no video token (Qwen2-VL configs always name one)
             tid = next((config[n] for n in names if isinstance(config.get(n), int)), None)
             if tid is None and getattr(tok, f"{kind}_token", None):
                 tid = tok.convert_tokens_to_ids(getattr(tok, f"{kind}_token"))
             if tid is not None:
                 ids[kind] = _check_token(tok, int(tid), kind, where)
+        # (a model that takes video with a tokenizer without a video token skips video samples as
+        # `no encoder`, mmpipe's tiny model with a text LLM's tokenizer for one)
         for kind, enc in (("image", spec.vision), ("audio", spec.audio)):
             if enc is not None and kind not in ids:
                 raise ValueError(
@@ -244,7 +251,7 @@ class ChatTemplate:
                  Turn(role=HUMAN, text=_PROBE_Q), Turn(role=GPT, text=_PROBE_A)]
         try:
             t = self.template(turns, image_tokens=[2] * ("image" in self.media),
-                              audio_tokens=[2] * ("audio" in self.media))
+                              audio_tokens=[2] * ("audio" in self.media), video_tokens=[2] * ("video" in self.media))
         except SampleError as err:
             raise ValueError(f"{where}: the chat template cannot follow mmpipe's label convention on a two-round "
                              f"probe conversation: {err.detail}") from None
@@ -280,6 +287,10 @@ class ChatTemplate:
         return self.media["audio"].id if "audio" in self.media else None
 
     @property
+    def video_id(self) -> int | None:
+        return self.media["video"].id if "video" in self.media else None
+
+    @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
@@ -295,9 +306,9 @@ class ChatTemplate:
         return out
 
     def template(self, turns: Sequence[Turn], *, image_tokens: Sequence[int] = (),
-                 audio_tokens: Sequence[int] = ()) -> Templated:
+                 audio_tokens: Sequence[int] = (), video_tokens: Sequence[int] = ()) -> Templated:
         """input_ids and labels by the label convention; media tokens expanded to the counts."""
-        check_media_counts(turns, image_tokens, audio_tokens)
+        check_media_counts(turns, image_tokens, audio_tokens, video_tokens)
         msgs = self.messages(turns)
         answers = [j for j, t in enumerate(turns) if t.role == GPT]
         inner = [j for j in answers if j + 1 < len(msgs)]  # answers whose render is not the whole one
@@ -333,7 +344,8 @@ class ChatTemplate:
                                                 f"for this answer")
             for i in span:
                 labels[len(lead) + i] = full_ids[i]
-        return self._expand(list(lead) + full_ids, labels, {"image": image_tokens, "audio": audio_tokens})
+        return self._expand(list(lead) + full_ids, labels,
+                            {"image": image_tokens, "audio": audio_tokens, "video": video_tokens})
 
     def text_tokens(self, turns: Sequence[Turn]) -> int:
         """template(...).text_tokens from one render (no labels, no prefix checks)."""

@@ -21,7 +21,7 @@ from mmpipe.model.spec import ModelSpec
 def run_convert(*, json_path: str, out: str, tokenizer: str, model: ModelSpec, image_root: str | None,
                 audio_root: str | None, maxcount: int, maxsize_mb: float | None, on_error: str,
                 prefix: str = "train", progress: bool | None = None, limits: MediaLimits = DEFAULT_LIMITS,
-                allow_outside_roots: bool = False) -> int:
+                allow_outside_roots: bool = False, video_root: str | None = None) -> int:
     """Convert a LLaVA-style JSON into shards; prints the report. Returns the exit status
     (0; 1 when on_error=raise stopped at a bad sample or nothing was written). `tokenizer`: mmpipe's
     tokenizer.json, or a Hugging Face checkpoint folder (its chat template counts the text)."""
@@ -31,7 +31,7 @@ def run_convert(*, json_path: str, out: str, tokenizer: str, model: ModelSpec, i
         report = convert(json_path=json_path, out=out, tokenizer=tok, spec=model, image_root=image_root,
                          audio_root=audio_root, maxcount=maxcount, maxsize_mb=maxsize_mb, on_error=on_error,
                          prefix=prefix, progress=sys.stderr.isatty() if progress is None else progress,
-                         limits=limits, allow_outside_roots=allow_outside_roots)
+                         limits=limits, allow_outside_roots=allow_outside_roots, video_root=video_root)
     except SampleError as err:
         print(f"mmpipe shards: error: {err} (data.on_error=raise; use skip to leave such samples out)",
               file=sys.stderr)

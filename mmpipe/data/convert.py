@@ -1,24 +1,28 @@
 """Convert a LLaVA-style JSON dataset into webdataset shards the reader reads.
 
     mmpipe shards shards.json=llava.json shards.out=data/llava/ shards.image_root=DIR [shards.audio_root=DIR]
-        [shards.maxcount=1000] [shards.maxsize_mb=512] [shards.allow_outside_roots=true] [data.on_error=raise]
+        [shards.video_root=DIR] [shards.maxcount=1000] [shards.maxsize_mb=512] [shards.allow_outside_roots=true]
+        [data.on_error=raise]
 
 Input: a JSON list of entries in one of the shapes LLaVA, LLaVA-OneVision and ShareGPT-style
 sets use (docs/data.md lists them):
-- media: `"image"` (a path or a list of paths), `"images"`, `"audio"` / `"audios"`;
+- media: `"image"` (a path or a list of paths), `"images"`, `"audio"` / `"audios"`, `"video"` /
+  `"videos"` (LLaVA-Video: a container file, `<video>` in the text);
 - the conversation: `"conversations": [{"from": "human" | "user" | "gpt" | "assistant",
   "value": "<image>\n..."}]`, or `"messages": [{"role": "user" | "assistant", "content": str
-  or [{"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"}, ...]}]` (an image or
-  audio part is a placeholder; with a "path" it also names the file).
-Media paths are relative to image_root / audio_root, else to the JSON file's folder, and must
+  or [{"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"}, {"type": "video"}, ...]}]`
+  (a media part is a placeholder; with a "path" it also names the file).
+Media paths are relative to image_root / audio_root / video_root, else to the JSON file's folder, and must
 stay inside them: `..`, absolute paths and symlinks that lead out, and anything that is not a
 regular file (a device such as /dev/zero, a FIFO) are refused as `unsafe path` unless
 `allow_outside_roots` (then only non-regular files are refused). No more than
 `limits.max_member_bytes` are read of any file (`media too large`).
 
 Output in OUT/: `train-000000.tar ...` (KEY.json with the conversation and `meta`, KEY.0.png /
-.jpg, KEY.0.wav / .flac / .ogg) and `index.json` (samples per shard, totals by modality, what
-was skipped). `meta.text_tokens` is counted with the given templater and `meta.tokenizer` names
+.jpg, KEY.0.wav / .flac / .ogg, KEY.0.mp4 / .mkv / .avi) and `index.json` (samples per shard,
+totals by modality, what was skipped). A video is stored as its container bytes; its `meta`
+entry (frames, frame rate, size, audio track) is read from the container header with PyAV, no
+frame decoded. `meta.text_tokens` is counted with the given templater and `meta.tokenizer` names
 it by its fingerprint: a run with another tokenizer counts again (records.hint_applies). Shards
 close at `maxcount` samples or before passing `maxsize` bytes. The same input always gives
 byte-identical shards (input order; members json, images, clips; tar mtime 0, uid/gid 0, no
@@ -26,9 +30,9 @@ owner names, mode 0644).
 
 Conventions:
 - LLaVA puts `<image>` in the first human turn; a sample whose human turns hold no `<image>`
-  (or no `<audio>`) although it has images (clips) gets one placeholder per medium prepended
-  to its first human turn, images first ("<image>\n<audio>\n..."). Some placeholders but
-  not one per medium is a `placeholder mismatch`.
+  (or no `<audio>`, no `<video>`) although it has images (clips, videos) gets one placeholder per
+  medium prepended to its first human turn, images first ("<image>\n<audio>\n<video>\n...").
+  Some placeholders but not one per medium is a `placeholder mismatch`.
 - PNG and JPEG bytes are stored as they are (.png / .jpg); other image formats are re-encoded
   as PNG. WAV, FLAC and OGG clips are stored as they are; other formats libsndfile reads are
   stored as 16-bit WAV.
@@ -56,14 +60,15 @@ from tqdm import tqdm
 from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, open_image, read_audio
 from mmpipe.data.skips import (
     BAD_CONVERSATION, MEDIA_TOO_LARGE, MISSING_MEDIA, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE,
-    UNSAFE_PATH, SampleError, SkipCounter,
+    UNDECODABLE_VIDEO, UNSAFE_PATH, SampleError, SkipCounter,
 )
 from mmpipe.data.template import (
-    GPT, HUMAN, SYSTEM, Templater, as_templater, count_placeholders, parse_conversation,
+    GPT, HUMAN, SYSTEM, Templater, as_templater, count_placeholders, count_videos, parse_conversation,
 )
-from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
+from mmpipe.data.tokenizer import AUDIO, IMAGE, VIDEO, Tokenizer
+from mmpipe.data.video import probe_container
 from mmpipe.model.spec import ModelSpec
-from mmpipe.model.geometry import SampleMeta, features
+from mmpipe.model.geometry import SampleMeta, VideoMeta, features, modality_name, video_meta_json
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SHARD = re.compile(r"^(?P<prefix>.+)-(?P<n>\d{6})\.tar$")
@@ -143,7 +148,7 @@ def _paths(item: dict, *names: str) -> list[str]:
 
 ROLES = {"human": HUMAN, "user": HUMAN, "gpt": GPT, "assistant": GPT}
 """Speaker names the converter takes, and what the template calls them."""
-PART_PLACEHOLDERS = {"image": IMAGE, "audio": AUDIO}
+PART_PLACEHOLDERS = {"image": IMAGE, "audio": AUDIO, "video": VIDEO}
 
 
 def _content_text(content: Any, i: int, found: dict[str, list[str]]) -> str:
@@ -169,19 +174,20 @@ def _content_text(content: Any, i: int, found: dict[str, list[str]]) -> str:
                                                     f"got {path!r:.60}")
         else:
             raise SampleError(BAD_CONVERSATION, f"message {i}: part {part!r:.60} is not "
-                                                f"{{'type': 'text', 'text': ...}}, 'image' or 'audio'")
+                                                f"{{'type': 'text', 'text': ...}}, 'image', 'audio' or 'video'")
     return "\n".join(pieces)
 
 
-def conversation_of(item: dict, *, system: bool = False) -> tuple[list[dict], list[str], list[str]]:
-    """The entry's conversation as [{"from": "human" | "gpt", "value": str}], its image paths
-    and its clip paths, from any accepted shape (see the module docstring). With `system` (a
-    templater that has a system role) a `system` turn is kept as {"from": "system", ...}.
+def conversation_of(item: dict, *, system: bool = False) -> tuple[list[dict], list[str], list[str], list[str]]:
+    """The entry's conversation as [{"from": "human" | "gpt", "value": str}], its image paths,
+    its clip paths and its video paths, from any accepted shape (see the module docstring). With
+    `system` (a templater that has a system role) a `system` turn is kept as {"from": "system", ...}.
 
     Raises:
         SampleError: `bad conversation` (an unknown shape or speaker, or media given twice).
     """
     images, clips = _paths(item, "image", "images"), _paths(item, "audio", "audios")
+    videos = _paths(item, "video", "videos")
     if "conversations" in item:
         turns, speaker, text = item["conversations"], "from", "value"
     elif "messages" in item:
@@ -191,7 +197,7 @@ def conversation_of(item: dict, *, system: bool = False) -> tuple[list[dict], li
     if not isinstance(turns, list) or not turns:
         raise SampleError(BAD_CONVERSATION, f"'{speaker == 'from' and 'conversations' or 'messages'}' must be a "
                                             f"non-empty list, got {turns!r:.60}")
-    found: dict[str, list[str]] = {"image": [], "audio": []}
+    found: dict[str, list[str]] = {"image": [], "audio": [], "video": []}
     conv = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict):
@@ -204,11 +210,11 @@ def conversation_of(item: dict, *, system: bool = False) -> tuple[list[dict], li
         if not isinstance(value, str):
             raise SampleError(BAD_CONVERSATION, f"turn {i} must have a string '{text}', got {value!r:.60}")
         conv.append({"from": ROLES.get(role, role), "value": value})
-    for kind, listed in (("image", images), ("audio", clips)):
+    for kind, listed in (("image", images), ("audio", clips), ("video", videos)):
         if found[kind] and listed:
             raise SampleError(BAD_CONVERSATION, f"{kind} paths are given both in content parts and in the entry")
         listed.extend(found[kind])
-    return conv, images, clips
+    return conv, images, clips, videos
 
 
 def _inside(path: str, root: Path) -> bool:
@@ -288,6 +294,23 @@ def _audio_member(data: bytes, rel: str, limits: MediaLimits) -> tuple[str, byte
     return "wav", buf.getvalue(), head.seconds
 
 
+VIDEO_FORMATS = (("mp4", "mp4"), ("mov", "mp4"), ("matroska", "mkv"), ("webm", "mkv"), ("avi", "avi"))
+"""(word in FFmpeg's container format name, member suffix): a video's suffix follows its content."""
+
+
+def _video_member(data: bytes, rel: str, limits: MediaLimits) -> tuple[str, bytes, VideoMeta]:
+    """(suffix, bytes, header figures): the container as it is, read from its header only."""
+    try:
+        meta, name = probe_container(data, limits)
+    except SampleError as err:
+        raise SampleError(err.reason, f"{rel!r}: {err.detail}") from None
+    ext = next((suffix for word, suffix in VIDEO_FORMATS if word in name.split(",")), None)
+    if ext is None:
+        raise SampleError(UNDECODABLE_VIDEO, f"{rel!r} is a {name} container; mmpipe stores MP4/MOV, Matroska/WebM "
+                                             f"and AVI (convert it, e.g. to MP4)")
+    return ext, data, meta
+
+
 def sample_key(raw_id: Any, index: int) -> str:
     """A member-safe key for an id (None: the position in the JSON)."""
     if raw_id is None or str(raw_id) == "":
@@ -297,21 +320,24 @@ def sample_key(raw_id: Any, index: int) -> str:
 
 
 def convert_sample(item: Any, key: str, tok: Templater | Tokenizer, *, image_root: Path, audio_root: Path,
-                   limits: MediaLimits = DEFAULT_LIMITS, allow_outside: bool = False) -> _Converted:
+                   limits: MediaLimits = DEFAULT_LIMITS, allow_outside: bool = False,
+                   video_root: Path | None = None) -> _Converted:
     """One JSON entry as tar members and meta.
 
     Raises:
         SampleError: bad conversation, no/empty answer, placeholder mismatch, missing media,
-            unsafe path, media too large, undecodable image/audio.
+            unsafe path, media too large, undecodable image/audio/video.
     """
     if not isinstance(item, dict):
         raise SampleError(BAD_CONVERSATION, f"entry must be an object, got {type(item).__name__}")
     tpl = as_templater(tok)
-    conv, images, clips = conversation_of(item, system=tpl.system)
+    conv, images, clips, videos = conversation_of(item, system=tpl.system)
     turns = parse_conversation(conv, system=tpl.system)
     n_img, n_aud = count_placeholders(turns)
+    n_vid = count_videos(turns)
     prepend = (f"{IMAGE}\n" * len(images) if images and n_img == 0 else "") + \
-              (f"{AUDIO}\n" * len(clips) if clips and n_aud == 0 else "")
+              (f"{AUDIO}\n" * len(clips) if clips and n_aud == 0 else "") + \
+              (f"{VIDEO}\n" * len(videos) if videos and n_vid == 0 else "")
     if prepend:
         first = next(i for i, t in enumerate(conv) if t["from"] == HUMAN) if any(
             t["from"] == HUMAN for t in conv) else None
@@ -320,9 +346,11 @@ def convert_sample(item: Any, key: str, tok: Templater | Tokenizer, *, image_roo
         conv[first]["value"] = prepend + conv[first]["value"]
         turns = parse_conversation(conv, system=tpl.system)
         n_img, n_aud = count_placeholders(turns)
-    if (n_img, n_aud) != (len(images), len(clips)):
-        raise SampleError(PLACEHOLDER_MISMATCH, f"the text has {n_img} {IMAGE} and {n_aud} {AUDIO} placeholders "
-                                                f"but the entry lists {len(images)} image(s) and {len(clips)} clip(s)")
+        n_vid = count_videos(turns)
+    if (n_img, n_aud, n_vid) != (len(images), len(clips), len(videos)):
+        raise SampleError(PLACEHOLDER_MISMATCH, f"the text has {n_img} {IMAGE}, {n_aud} {AUDIO} and {n_vid} {VIDEO} "
+                                                f"placeholders but the entry lists {len(images)} image(s), "
+                                                f"{len(clips)} clip(s) and {len(videos)} video(s)")
     members: list[tuple[str, bytes]] = []
     sizes, seconds = [], []
     safe = dict(limits=limits, allow_outside=allow_outside)
@@ -334,14 +362,21 @@ def convert_sample(item: Any, key: str, tok: Templater | Tokenizer, *, image_roo
         ext, data, sec = _audio_member(read_media(rel, audio_root, "audio", **safe), rel, limits)
         members.append((f"{key}.{i}.{ext}", data))
         seconds.append(sec)
-    meta = SampleMeta(text_tokens=tpl.text_tokens(turns), images=tuple(sizes), audio_seconds=tuple(seconds))
-    obj = {"id": str(item.get("id", key)), "conversations": conv,
-           "meta": {"text_tokens": meta.text_tokens, "tokenizer": tpl.fingerprint, "images": [list(s) for s in sizes],
-                    "audio_seconds": seconds}}
+    clips_meta = []
+    for i, rel in enumerate(videos):
+        ext, data, vm = _video_member(read_media(rel, video_root or image_root, "video", **safe), rel, limits)
+        members.append((f"{key}.{i}.{ext}", data))
+        clips_meta.append(vm)
+    meta = SampleMeta(text_tokens=tpl.text_tokens(turns), images=tuple(sizes), audio_seconds=tuple(seconds),
+                      videos=tuple(clips_meta))
+    stored = {"text_tokens": meta.text_tokens, "tokenizer": tpl.fingerprint, "images": [list(s) for s in sizes],
+              "audio_seconds": seconds}
+    if clips_meta:
+        stored["videos"] = [video_meta_json(m) for m in clips_meta]
+    obj = {"id": str(item.get("id", key)), "conversations": conv, "meta": stored}
     js = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    kinds = [k for k, v in (("image", sizes), ("audio", seconds)) if v]
     return _Converted(key=key, members=[(f"{key}.json", js)] + members, meta=meta,
-                      modality="+".join(kinds) or "text", prepended=bool(prepend))
+                      modality=modality_name(bool(sizes), bool(seconds), bool(clips_meta)), prepended=bool(prepend))
 
 
 class _ShardWriter:
@@ -397,6 +432,7 @@ def convert(
     spec: ModelSpec | None = None,
     image_root: str | Path | None = None,
     audio_root: str | Path | None = None,
+    video_root: str | Path | None = None,
     maxcount: int = 1000,
     maxsize_mb: float | None = None,
     on_error: str = "skip",
@@ -415,7 +451,8 @@ def convert(
         maxcount: samples per shard at most; maxsize_mb: megabytes per shard at most (a
             single larger sample still gets its own shard).
         on_error: skip (leave bad samples out, report them) or raise (stop at the first).
-        limits: media sizes refused (data.max_image_pixels, data.max_member_mb, data.max_audio_seconds).
+        limits: media sizes refused (data.max_image_pixels, data.max_member_mb, data.max_audio_seconds,
+            data.max_video_frames, data.max_video_seconds).
         allow_outside_roots: let media paths lead out of the roots (shards.allow_outside_roots).
     Returns:
         The report; `report.summary()` is what the command prints.
@@ -437,6 +474,7 @@ def convert(
         raise ValueError(f"--json={str(json_path)!r} must hold a list of samples, got {type(items).__name__}")
     img_root = Path(image_root) if image_root else json_path.parent
     aud_root = Path(audio_root) if audio_root else json_path.parent
+    vid_root = Path(video_root) if video_root else json_path.parent
     out.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(out, prefix, maxcount, int(maxsize_mb * 2**20) if maxsize_mb else None)
     report = ConvertReport(out=out, path="", samples_in=len(items))
@@ -454,7 +492,7 @@ def convert(
             key = f"{key}-{used[key] - 1}"
         try:
             c = convert_sample(item, key, tokenizer, image_root=img_root, audio_root=aud_root, limits=limits,
-                               allow_outside=allow_outside_roots)
+                               allow_outside=allow_outside_roots, video_root=vid_root)
         except SampleError as err:
             err = err.at(shard=json_path.name, key=shown)
             if on_error == "raise":
@@ -470,6 +508,10 @@ def convert(
         t["images"] += len(c.meta.images)
         t["audio_clips"] += len(c.meta.audio_seconds)
         t["audio_seconds"] += sum(c.meta.audio_seconds)
+        if c.meta.videos:
+            t["videos"] += len(c.meta.videos)
+            t["video_frames"] += sum(m.frames for m in c.meta.videos)
+            t["video_seconds"] += sum(m.seconds for m in c.meta.videos)
         t["text_tokens"] += c.meta.text_tokens
         if spec is not None:
             try:

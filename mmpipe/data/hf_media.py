@@ -1,8 +1,10 @@
 """Media for a Hugging Face model (`spec.hf` set): read and checked exactly as mmpipe.data.media
-reads them (sizes against the limits from the headers first; whatever a decoder raises becomes a
-counted SampleError), then made into what the checkpoint's own processors make of them
-(`mmpipe.model.hf.media`: its image processor, its Whisper feature extractor), so the model is
-given what transformers would give it.
+and mmpipe.data.video read them (sizes against the limits from the headers first; whatever a
+decoder raises becomes a counted SampleError), then made into what the checkpoint's own
+processors make of them (`mmpipe.model.hf.media`: its image processor, its Whisper feature
+extractor; `mmpipe.model.hf.video`: its video processor, given the frames the geometry picks,
+decoded with PyAV as transformers' own reader decodes them), so the model is given what
+transformers would give it.
 
 A clip is decoded whole and resampled whole, then cut at the model's max_seconds, as a clip
 loaded at the model's rate (librosa.load, soundfile + a resampler) and cut by the feature
@@ -17,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, decode_waveform, open_image, say
-from mmpipe.data.skips import UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, SampleError
-from mmpipe.model.geometry import SampleMeta, audio_frames, audio_samples
+from mmpipe.data.skips import UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, UNDECODABLE_VIDEO, SampleError
+from mmpipe.data.video import decode_frames
+from mmpipe.model.geometry import SampleMeta, VideoMeta, audio_frames, audio_samples, video_frame_indices
 from mmpipe.model.spec import ModelSpec
 
 
@@ -61,12 +64,38 @@ def hf_audio(data: bytes, spec: ModelSpec, ext: str = "wav", limits: MediaLimits
     return preprocess_audio(spec, x, a.sample_rate)
 
 
-def blank_hf_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list, list]:
-    """Black images and silent clips of the planned sizes, through the processors (what a sample
-    whose media fail to decode behind a valid header trains with; see decode_record)."""
+def hf_video(data: bytes, spec: ModelSpec, meta: VideoMeta, limits: MediaLimits = DEFAULT_LIMITS):
+    """A clip's pixel values as the checkpoint's video processor makes them (a VideoInput) from
+    the frames the model's geometry picks (only those are decoded).
+
+    Raises:
+        SampleError: `undecodable video` (also when the processor refuses it), `media too large`.
+    """
+    from mmpipe.model.hf.video import preprocess_video
+
+    try:
+        indices = video_frame_indices(spec.vision.video, meta.frames, meta.fps)
+    except ValueError as err:
+        raise SampleError(UNDECODABLE_VIDEO, f"the model's video rule refuses it ({err})") from None
+    frames = decode_frames(data, indices, meta, limits)
+    try:
+        return preprocess_video(spec, frames, meta, indices)
+    except ValueError as err:
+        raise SampleError(UNDECODABLE_VIDEO, f"the model's video processor refuses it ({say(err)})") from None
+
+
+def blank_hf_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list, list, list]:
+    """Black images, silent clips and black frames of the planned sizes, through the processors
+    (what a sample whose media fail to decode behind a valid header trains with; see decode_record)."""
     from mmpipe.model.hf.media import preprocess_audio, preprocess_image
+    from mmpipe.model.hf.video import preprocess_video
 
     images = [preprocess_image(spec, np.zeros((h, w, 3), np.uint8)) for h, w in meta.images] if spec.vision else []
     audio = [preprocess_audio(spec, np.zeros(audio_samples(spec.audio, s), np.float32), spec.audio.sample_rate)
              for s in meta.audio_seconds] if spec.audio else []
-    return images, audio
+    videos = []
+    for m in meta.videos:
+        indices = video_frame_indices(spec.vision.video, m.frames, m.fps)
+        frames = np.zeros((len(indices), m.height, m.width, 3), np.uint8)
+        videos.append(preprocess_video(spec, frames, m, indices))
+    return images, audio, videos

@@ -55,12 +55,19 @@ class MediaLimits:
     """Bytes of one image or clip (data.max_member_mb)."""
     max_audio_seconds: float = 600.0
     """Clip duration from the audio header (data.max_audio_seconds)."""
+    max_video_frames: int = 36_000
+    """Frames a video container's header declares (data.max_video_frames; 20 minutes at 30 fps).
+    No more frames than the planned ones are ever decoded, so this bounds the decoding work."""
+    max_video_seconds: float = 1200.0
+    """A video's duration from its header, frames / frame rate (data.max_video_seconds)."""
 
     def __post_init__(self) -> None:
         for key, v in (("data.max_image_pixels", self.max_image_pixels),
                        ("data.max_member_mb", self.max_member_bytes),
-                       ("data.max_audio_seconds", self.max_audio_seconds)):
-            if not v > 0:
+                       ("data.max_audio_seconds", self.max_audio_seconds),
+                       ("data.max_video_frames", self.max_video_frames),
+                       ("data.max_video_seconds", self.max_video_seconds)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{key}={v!r} must be > 0")
 
     def check_bytes(self, data: bytes, what: str) -> None:

@@ -4,10 +4,10 @@ The runtime plans a step from Records (their `meta` gives every sequence length 
 needs), then each stage decodes what it needs: the first stage the media (`media=True`), the
 last stage only `input_ids` and `labels` (`media=False`, no image or audio is touched).
 
-Everything that can be checked without decoding pixels or waveforms is checked when the
-Record is made — JSON, conversation, placeholder counts, media members present, image and WAV
-headers (sizes and durations against the stored meta), length — so both stages agree on which
-samples exist. Text tokens are counted with the run's templater when the Record is made; the
+Everything that can be checked without decoding pixels, waveforms or frames is checked when
+the Record is made — JSON, conversation, placeholder counts, media members present, image, WAV
+and video container headers (sizes, durations, frame counts and rates against the stored meta),
+length — so both stages agree on which samples exist. Text tokens are counted with the run's templater when the Record is made; the
 stored `meta.text_tokens` is a hint that is checked (and, reading metadata only, used) when
 `meta.tokenizer` names this templater's fingerprint (see `hint_applies`). Only pixel data that
 is corrupt behind a valid header is found at decode time, on the first stage alone (see
@@ -33,12 +33,15 @@ from mmpipe.data.skips import (
     SampleError,
 )
 from mmpipe.data.template import (
-    IGNORE, Templated, Templater, TinyTemplate, Turn, as_templater, count_placeholders, parse_conversation,
-    template_sample,
+    IGNORE, Templated, Templater, TinyTemplate, Turn, as_templater, count_placeholders, count_videos,
+    parse_conversation, template_sample,
 )
 from mmpipe.data.tokenizer import Tokenizer
+from mmpipe.data.video import VIDEO_EXTS, decode_video, probe_video
 from mmpipe.model.spec import ModelSpec
-from mmpipe.model.geometry import SampleMeta, audio_frames, features, meta_from_json, resize_image
+from mmpipe.model.geometry import (
+    SampleMeta, audio_frames, features, meta_from_json, modality_name, resize_image,
+)
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 _MEDIA = re.compile(r"^(\d+)\.([a-z0-9]+)$")
@@ -61,7 +64,7 @@ class Sample:
     """float32 [mel_bins, frames] log-mel features per clip (empty if not decoded); for a Hugging
     Face model the feature extractor's (mmpipe.model.hf.media.AudioInput)."""
     meta: SampleMeta
-    """What the planner sees: text tokens, original image sizes, clip durations."""
+    """What the planner sees: text tokens, original image sizes, clip durations, video headers."""
     shard: str = ""
     """File name of the shard it came from."""
     source: str = ""
@@ -74,12 +77,15 @@ class Sample:
     """Reader position after this sample (SampleStream.note uses it)."""
     dropped: tuple[SampleError, ...] = ()
     """Samples the reader dropped just before this one (counted by SampleStream.note)."""
+    videos: list = field(default_factory=list)
+    """Per video clip (empty if not decoded): mmpipe.data.video.DecodedVideo for mmpipe's tiny
+    model; for a Hugging Face model its video processor's output (mmpipe.model.hf.video.VideoInput)."""
 
     @property
     def modality(self) -> str:
-        """`image`, `audio`, `image+audio` or `text` (from meta, so also with media=False)."""
-        kinds = [k for k, v in (("image", self.meta.images), ("audio", self.meta.audio_seconds)) if v]
-        return "+".join(kinds) or "text"
+        """`image`, `audio`, `video`, `image+audio`, ... or `text` (from meta, so also with media=False)."""
+        m = self.meta
+        return modality_name(bool(m.images), bool(m.audio_seconds), bool(m.videos))
 
     @property
     def llm_len(self) -> int:
@@ -156,20 +162,25 @@ def hint_applies(obj: dict[str, Any], tpl: Templater) -> bool:
     return counted_with == tpl.fingerprint
 
 
-def check_counts(stored: SampleMeta | None, n_img: int, n_aud: int) -> None:
-    if stored is not None and (len(stored.images), len(stored.audio_seconds)) != (n_img, n_aud):
+def check_counts(stored: SampleMeta | None, n_img: int, n_aud: int, n_vid: int = 0) -> None:
+    if stored is not None and (len(stored.images), len(stored.audio_seconds), len(stored.videos)) != (
+            n_img, n_aud, n_vid):
+        vid = bool(n_vid or stored.videos)  # videos named only where there are some
         raise SampleError(
             PLACEHOLDER_MISMATCH,
-            f"the text has {n_img} <image> and {n_aud} <audio> placeholders but meta lists "
-            f"{len(stored.images)} image(s) and {len(stored.audio_seconds)} clip(s)",
+            f"the text has {n_img} <image>{',' if vid else ''} and {n_aud} <audio>"
+            f"{f' and {n_vid} <video>' if vid else ''} placeholders but meta lists {len(stored.images)} image(s)"
+            f"{',' if vid else ''} and {len(stored.audio_seconds)} clip(s){f' and {len(stored.videos)} video(s)' if vid else ''}",
         )
 
 
-def check_encoders(spec: ModelSpec, n_img: int, n_aud: int) -> None:
+def check_encoders(spec: ModelSpec, n_img: int, n_aud: int, n_vid: int = 0) -> None:
     if n_img and spec.vision is None:
         raise SampleError(NO_ENCODER, f"the sample has {n_img} image(s) but model {spec.name} has no vision encoder")
     if n_aud and spec.audio is None:
         raise SampleError(NO_ENCODER, f"the sample has {n_aud} clip(s) but model {spec.name} has no audio encoder")
+    if n_vid and (spec.vision is None or spec.vision.video is None):
+        raise SampleError(NO_ENCODER, f"the sample has {n_vid} video(s) but model {spec.name} takes no video")
 
 
 def media_members(raw: dict[str, Any], exts: tuple[str, ...], count: int, kind: str) -> list[tuple[str, bytes]]:
@@ -204,6 +215,10 @@ def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec, *, text: b
         ft = [audio_frames(spec.audio, s) for s in true.audio_seconds]
         if fs != ft:
             problems.append(f"audio_seconds {list(stored.audio_seconds)} stored, {list(true.audio_seconds)} decoded")
+    header = [(m.frames, m.fps, m.height, m.width) for m in true.videos]
+    if [(m.frames, m.fps, m.height, m.width) for m in stored.videos] != header:
+        problems.append(f"videos (frames, fps, height, width) {[(m.frames, m.fps, m.height, m.width) for m in stored.videos]} "
+                        f"stored, {header} in the containers")
     if problems:
         raise SampleError(META_MISMATCH, "; ".join(problems) + " (regenerate the shards or the meta)")
 
@@ -221,7 +236,7 @@ def fit_length(t: Templated, tok: Templater | Tokenizer, spec: ModelSpec,
         return t.input_ids, t.labels, 0
     if too_long == "drop":
         raise SampleError(TOO_LONG, f"{n} tokens > model.llm.max_seq_len={limit} (data.too_long=drop)")
-    media_ids = (tok.image_id, tok.audio_id)
+    media_ids = (tok.image_id, tok.audio_id, getattr(tok, "video_id", None))
     last_media = max((i for i, x in enumerate(t.input_ids) if x in media_ids), default=-1)
     first_answer = next((i for i, y in enumerate(t.labels) if y != IGNORE), n)
     if last_media >= limit or first_answer >= limit:
@@ -250,13 +265,16 @@ def make_record(raw: dict[str, Any], tok: Templater | Tokenizer, spec: ModelSpec
     obj = read_json(raw)
     turns = _turns(obj, tpl)
     n_img, n_aud = count_placeholders(turns)
+    n_vid = count_videos(turns)
     stored = stored_meta(obj)
-    check_counts(stored, n_img, n_aud)
-    check_encoders(spec, n_img, n_aud)
+    check_counts(stored, n_img, n_aud, n_vid)
+    check_encoders(spec, n_img, n_aud, n_vid)
     imgs = media_members(raw, IMAGE_EXTS, n_img, "image")
     clips = media_members(raw, AUDIO_EXTS, n_aud, "audio")
+    vids = media_members(raw, VIDEO_EXTS, n_vid, "video")
     sized = SampleMeta(text_tokens=0, images=tuple(probe_image(b, limits) for _, b in imgs),
-                       audio_seconds=tuple(probe_audio(b, ext, limits) for ext, b in clips))
+                       audio_seconds=tuple(probe_audio(b, ext, limits) for ext, b in clips),
+                       videos=tuple(probe_video(b, limits) for _, b in vids))
     templ = template_sample(turns, tpl, spec, sized)
     meta = dataclasses.replace(sized, text_tokens=templ.text_tokens)
     if stored is not None:
@@ -286,7 +304,7 @@ def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Templater |
     if stored is None:
         raise SampleError(MISSING_META, "KEY.json has no 'meta' (text_tokens, images, audio_seconds)")
     n_img, n_aud = count_placeholders(turns)
-    check_counts(stored, n_img, n_aud)
+    check_counts(stored, n_img, n_aud, count_videos(turns))
     if tpl is not None and not hint_applies(obj, tpl):
         stored = dataclasses.replace(stored, text_tokens=tpl.text_tokens(turns))
     if spec is None:
@@ -303,16 +321,24 @@ def meta_record(raw: dict[str, Any], *, spec: ModelSpec | None, tok: Templater |
     return dataclasses.replace(stored, text_tokens=stored.text_tokens - cut)
 
 
-def blank_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Zero images and features of the planned shapes (decode_record(..., blank=True))."""
+def blank_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list, list, list]:
+    """Zero images, features and video frames of the planned shapes (decode_record(..., blank=True))."""
     if spec.hf is not None:
         from mmpipe.data.hf_media import blank_hf_media
 
         return blank_hf_media(meta, spec)
+    from mmpipe.data.video import DecodedVideo
+    from mmpipe.model.geometry import video_grid
+
     v, a = spec.vision, spec.audio
     images = [np.zeros((*resize_image(v, h, w), 3), np.uint8) for h, w in meta.images] if v else []
     audio = [np.zeros((a.mel_bins, audio_frames(a, s)), np.float32) for s in meta.audio_seconds] if a else []
-    return images, audio
+    videos = []
+    for m in meta.videos:
+        t, gh, gw = video_grid(v, m)
+        frames = np.zeros((t * v.video.temporal_patch, gh * v.patch, gw * v.patch, 3), np.uint8)
+        videos.append(DecodedVideo(frames=frames, meta=m))
+    return images, audio, videos
 
 
 def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec, *, media: bool = True,
@@ -334,25 +360,28 @@ def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec
         tpl = as_templater(tokenizer)
         templ = template_sample(_turns(obj, tpl), tpl, spec, rec.meta)
         ids, labels = templ.input_ids, templ.labels
-    images: list[np.ndarray] = []
-    audio: list[np.ndarray] = []
+    images: list = []
+    audio: list = []
+    videos: list = []
     dropped = rec.dropped
-    if media and (rec.meta.images or rec.meta.audio_seconds):
+    m = rec.meta
+    if media and (m.images or m.audio_seconds or m.videos):
         try:
-            n_img, n_aud = len(rec.meta.images), len(rec.meta.audio_seconds)
-            for _, b in media_members(rec.raw, IMAGE_EXTS, n_img, "image"):
+            for _, b in media_members(rec.raw, IMAGE_EXTS, len(m.images), "image"):
                 images.append(_image(b, spec, limits))
-            for (ext, b), s in zip(media_members(rec.raw, AUDIO_EXTS, n_aud, "audio"), rec.meta.audio_seconds):
+            for (ext, b), s in zip(media_members(rec.raw, AUDIO_EXTS, len(m.audio_seconds), "audio"), m.audio_seconds):
                 audio.append(_clip(b, ext, s, spec, limits))
+            for (_, b), vm in zip(media_members(rec.raw, VIDEO_EXTS, len(m.videos), "video"), m.videos):
+                videos.append(_video(b, vm, spec, limits))
         except SampleError as err:
             err = err.at(shard=rec.shard, key=rec.key)
             if not blank:
                 raise err from None
-            images, audio = blank_media(rec.meta, spec)
+            images, audio, videos = blank_media(rec.meta, spec)
             dropped = dropped + (err,)
     return Sample(key=rec.key, input_ids=ids, labels=labels, images=images, audio=audio, meta=rec.meta,
                   shard=rec.shard, source=rec.source, media=media, worker=rec.worker, cursor=rec.cursor,
-                  dropped=dropped)
+                  dropped=dropped, videos=videos)
 
 
 def _image(data: bytes, spec: ModelSpec, limits: MediaLimits):
@@ -371,3 +400,12 @@ def _clip(data: bytes, ext: str, seconds: float, spec: ModelSpec, limits: MediaL
 
         return hf_audio(data, spec, ext, limits, seconds=seconds)
     return decode_audio(data, spec.audio, ext, limits, seconds=seconds).features
+
+
+def _video(data: bytes, meta, spec: ModelSpec, limits: MediaLimits):
+    """mmpipe's resized frames (mmpipe.data.video), or a Hugging Face model's video processor output."""
+    if spec.hf is not None:
+        from mmpipe.data.hf_media import hf_video
+
+        return hf_video(data, spec, meta, limits)
+    return decode_video(data, spec.vision, meta, limits)

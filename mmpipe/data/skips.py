@@ -29,6 +29,9 @@ PLACEHOLDER_MISMATCH = "placeholder mismatch"
 MISSING_MEDIA = "missing media"
 UNDECODABLE_IMAGE = "undecodable image"
 UNDECODABLE_AUDIO = "undecodable audio"
+UNDECODABLE_VIDEO = "undecodable video"
+"""A video container PyAV cannot open or decode: no video stream, no frames, a cut or corrupt
+clip, fewer frames decoded than its header declares, a clip too short for the model's frame rule."""
 NO_ENCODER = "no encoder"
 TOO_LONG = "too long"
 META_MISMATCH = "meta mismatch"
@@ -41,7 +44,7 @@ path, a symlink), or names something other than a regular file (a device, a FIFO
 
 REASONS: tuple[str, ...] = (
     BAD_JSON, MISSING_JSON, MISSING_META, BAD_CONVERSATION, NO_ANSWER, EMPTY_ANSWER,
-    PLACEHOLDER_MISMATCH, MISSING_MEDIA, UNDECODABLE_IMAGE, UNDECODABLE_AUDIO, NO_ENCODER,
+    PLACEHOLDER_MISMATCH, MISSING_MEDIA, UNDECODABLE_IMAGE, UNDECODABLE_AUDIO, UNDECODABLE_VIDEO, NO_ENCODER,
     TOO_LONG, META_MISMATCH, CORRUPT_SHARD, UNSAFE_NAME, MEDIA_TOO_LARGE, UNSAFE_PATH,
 )
 ECHO_PER_REASON = 5

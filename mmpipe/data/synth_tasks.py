@@ -55,6 +55,10 @@ class Draft:
     """WAV bytes, in placeholder order."""
     audio_seconds: list[float] = field(default_factory=list)
     """Exact duration of each clip (samples / SAMPLE_RATE)."""
+    videos: list[bytes] = field(default_factory=list)
+    """MP4 bytes of each video clip, in placeholder order (mmpipe.data.synth_video)."""
+    video_meta: list = field(default_factory=list)
+    """Each clip's header figures (mmpipe.model.geometry.VideoMeta)."""
 
 
 def _conv(*turns: str) -> list[dict[str, str]]:
@@ -79,7 +83,7 @@ class Picture:
         return f"a {self.colour} {self.shape}"
 
 
-def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
+def polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
     if shape == "triangle":
         return [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)]
     if shape == "diamond":
@@ -119,7 +123,7 @@ def draw_picture(rng: random.Random, *, min_side: int = 16, max_side: int = 200)
         d.rectangle([cx - r, cy - t, cx + r, cy + t], fill=fill)
         d.rectangle([cx - t, cy - r, cx + t, cy + r], fill=fill)
     else:
-        d.polygon(_polygon(shape, cx, cy, r), fill=fill)
+        d.polygon(polygon(shape, cx, cy, r), fill=fill)
     buf = io.BytesIO()
     img.save(buf, format="PNG", optimize=True)
     return Picture(shape=shape, colour=colour, background=background, large=frac >= 0.65,

@@ -12,9 +12,10 @@ The tiny template:
 
 Only answer tokens (each gpt text and its <eos>) carry labels; everything else is labelled
 IGNORE (-100). Labels are aligned with `input_ids` (labels[i] is token i itself); the model
-shifts them when it computes the next-token loss. Each `<image>` / `<audio>` placeholder in a
-human turn is expanded in place into as many image / audio token ids as the encoder hands the
-LLM for that medium (features.image_tokens / audio_tokens), in order of appearance. Hence
+shifts them when it computes the next-token loss. Each `<image>` / `<audio>` / `<video>`
+placeholder in a human turn is expanded in place into as many image / audio / video token ids as
+the encoder hands the LLM for that medium (features.image_tokens / audio_tokens / video_tokens),
+in order of appearance. Hence
 `len(input_ids) == features(spec, meta).llm_len` and `meta.text_tokens` is the length with
 the placeholders taken out.
 """
@@ -27,17 +28,18 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from mmpipe.data.skips import (
-    BAD_CONVERSATION, EMPTY_ANSWER, NO_ANSWER, NO_ENCODER, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE, SampleError,
+    BAD_CONVERSATION, EMPTY_ANSWER, NO_ANSWER, NO_ENCODER, PLACEHOLDER_MISMATCH, UNDECODABLE_IMAGE,
+    UNDECODABLE_VIDEO, SampleError,
 )
-from mmpipe.data.tokenizer import AUDIO, IMAGE, Tokenizer
+from mmpipe.data.tokenizer import AUDIO, IMAGE, VIDEO, Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.model.geometry import SampleMeta, audio_tokens, image_tokens
+from mmpipe.model.geometry import SampleMeta, audio_tokens, image_tokens, video_tokens
 
 IGNORE = -100
 """Label of a position that carries no loss."""
 
 HUMAN, GPT, SYSTEM = "human", "gpt", "system"
-PLACEHOLDER = re.compile(f"({re.escape(IMAGE)}|{re.escape(AUDIO)})")
+PLACEHOLDER = re.compile(f"({re.escape(IMAGE)}|{re.escape(AUDIO)}|{re.escape(VIDEO)})")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +49,7 @@ class Turn:
     role: str
     """`human`, `gpt`, or `system` (first turn only, for templaters that have a system role)."""
     text: str
-    """What was said; human text may hold `<image>` / `<audio>` placeholders."""
+    """What was said; human text may hold `<image>` / `<audio>` / `<video>` placeholders."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,14 +114,23 @@ def count_placeholders(turns: Sequence[Turn]) -> tuple[int, int]:
     return n_img, n_aud
 
 
-def check_media_counts(turns: Sequence[Turn], image_tokens: Sequence[int], audio_tokens: Sequence[int]) -> None:
+def count_videos(turns: Sequence[Turn]) -> int:
+    """`<video>` placeholders over the human turns."""
+    return sum(t.text.count(VIDEO) for t in turns if t.role == HUMAN)
+
+
+def check_media_counts(turns: Sequence[Turn], image_tokens: Sequence[int], audio_tokens: Sequence[int],
+                       video_tokens: Sequence[int] = ()) -> None:
     """Raise `placeholder mismatch` unless there is one count per placeholder of each kind."""
     n_img, n_aud = count_placeholders(turns)
-    if n_img != len(image_tokens) or n_aud != len(audio_tokens):
+    n_vid = count_videos(turns)
+    if n_img != len(image_tokens) or n_aud != len(audio_tokens) or n_vid != len(video_tokens):
+        vid = bool(n_vid or video_tokens)  # videos named only where there are some
         raise SampleError(
             PLACEHOLDER_MISMATCH,
-            f"the text has {n_img} {IMAGE} and {n_aud} {AUDIO} placeholders but the sample has "
-            f"{len(image_tokens)} image(s) and {len(audio_tokens)} audio clip(s)",
+            f"the text has {n_img} {IMAGE}{',' if vid else ''} and {n_aud} {AUDIO}"
+            f"{f' and {n_vid} {VIDEO}' if vid else ''} placeholders but the sample has {len(image_tokens)} image(s)"
+            f"{',' if vid else ''} and {len(audio_tokens)} audio clip(s){f' and {len(video_tokens)} video(s)' if vid else ''}",
         )
 
 
@@ -129,6 +140,7 @@ def apply_template(
     *,
     image_tokens: Sequence[int] = (),
     audio_tokens: Sequence[int] = (),
+    video_tokens: Sequence[int] = (),
 ) -> Templated:
     """Template a checked conversation, expanding placeholder k of a kind into its count.
 
@@ -137,10 +149,11 @@ def apply_template(
         tok: the tokenizer.
         image_tokens: LLM tokens of each image, in order (0 drops the placeholder).
         audio_tokens: LLM tokens of each audio clip, in order.
+        video_tokens: LLM tokens of each video, in order.
     Raises:
         SampleError: `placeholder mismatch` when the placeholders and media differ in number.
     """
-    check_media_counts(turns, image_tokens, audio_tokens)
+    check_media_counts(turns, image_tokens, audio_tokens, video_tokens)
     if any(t.role == SYSTEM for t in turns):
         raise SampleError(BAD_CONVERSATION, "the conversation has a 'system' turn; mmpipe's tiny template has no "
                                             "system role (a checkpoint's chat template may have one)")
@@ -149,6 +162,7 @@ def apply_template(
     media = 0
     next_img = iter(image_tokens)
     next_aud = iter(audio_tokens)
+    next_vid = iter(video_tokens)
     for t in turns:
         if t.role == HUMAN:
             ids.append(tok.user_id)
@@ -157,6 +171,8 @@ def apply_template(
                     n, tid = next(next_img), tok.image_id
                 elif piece == AUDIO:
                     n, tid = next(next_aud), tok.audio_id
+                elif piece == VIDEO:
+                    n, tid = next(next_vid), tok.video_id
                 else:
                     n, tid = 0, 0
                     ids.extend(tok.encode(piece) if piece else ())
@@ -174,9 +190,7 @@ def apply_template(
 
 def text_tokens(conversations: Any, tok: Tokenizer) -> int:
     """SampleMeta.text_tokens of a raw conversation: its templated length without media."""
-    turns = parse_conversation(conversations)
-    n_img, n_aud = count_placeholders(turns)
-    return apply_template(turns, tok, image_tokens=[0] * n_img, audio_tokens=[0] * n_aud).text_tokens
+    return TinyTemplate(tok).text_tokens(parse_conversation(conversations))
 
 
 class Templater(Protocol):
@@ -199,13 +213,15 @@ class Templater(Protocol):
     """Id of the image token (None: no image token)."""
     audio_id: int | None
     """Id of the audio token (None: no audio token)."""
+    video_id: int | None
+    """Id of the video token (None: no video token)."""
     vocab_size: int
     """Entries of the vocabulary (the LLM embedding needs at least this many rows)."""
 
     def template(self, turns: Sequence[Turn], *, image_tokens: Sequence[int] = (),
-                 audio_tokens: Sequence[int] = ()) -> Templated:
+                 audio_tokens: Sequence[int] = (), video_tokens: Sequence[int] = ()) -> Templated:
         """input_ids and labels; placeholder k of a kind expands into image_tokens[k] /
-        audio_tokens[k] ids. Raises SampleError (the caller adds shard and key)."""
+        audio_tokens[k] / video_tokens[k] ids. Raises SampleError (the caller adds shard and key)."""
         ...
 
     def text_tokens(self, turns: Sequence[Turn]) -> int:
@@ -243,16 +259,22 @@ class TinyTemplate:
         return self.tok.audio_id
 
     @property
+    def video_id(self) -> int:
+        return self.tok.video_id
+
+    @property
     def vocab_size(self) -> int:
         return self.tok.vocab_size
 
     def template(self, turns: Sequence[Turn], *, image_tokens: Sequence[int] = (),
-                 audio_tokens: Sequence[int] = ()) -> Templated:
-        return apply_template(turns, self.tok, image_tokens=image_tokens, audio_tokens=audio_tokens)
+                 audio_tokens: Sequence[int] = (), video_tokens: Sequence[int] = ()) -> Templated:
+        return apply_template(turns, self.tok, image_tokens=image_tokens, audio_tokens=audio_tokens,
+                              video_tokens=video_tokens)
 
     def text_tokens(self, turns: Sequence[Turn]) -> int:
         n_img, n_aud = count_placeholders(turns)
-        return apply_template(turns, self.tok, image_tokens=[0] * n_img, audio_tokens=[0] * n_aud).text_tokens
+        return apply_template(turns, self.tok, image_tokens=[0] * n_img, audio_tokens=[0] * n_aud,
+                              video_tokens=[0] * count_videos(turns)).text_tokens
 
     def __repr__(self) -> str:
         return f"TinyTemplate({self.tok!r})"
@@ -263,24 +285,32 @@ def as_templater(tok: Templater | Tokenizer) -> Templater:
     return TinyTemplate(tok) if isinstance(tok, Tokenizer) else tok
 
 
-def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int]]:
-    """LLM tokens of each image and each clip of a sample under a model (the geometry rules).
+def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int], list[int]]:
+    """LLM tokens of each image, each clip and each video of a sample under a model (the geometry
+    rules).
 
     Raises:
         SampleError: `no encoder` when the sample has a medium the model cannot encode;
             `undecodable image` for an image the model's resize rule refuses (Qwen2-VL's: an
-            aspect ratio over 200).
+            aspect ratio over 200); `undecodable video` for a clip the frame rule refuses (too
+            short for one temporal patch, a frame size the resize refuses).
     """
     if meta.images and spec.vision is None:
         raise SampleError(NO_ENCODER, f"the sample has images but model {spec.name} has no vision encoder")
     if meta.audio_seconds and spec.audio is None:
         raise SampleError(NO_ENCODER, f"the sample has audio but model {spec.name} has no audio encoder")
+    if meta.videos and (spec.vision is None or spec.vision.video is None):
+        raise SampleError(NO_ENCODER, f"the sample has videos but model {spec.name} takes no video")
     try:
         img = [image_tokens(spec.vision, h, w) for h, w in meta.images] if spec.vision else []
     except ValueError as err:
         raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({err})") from None
     aud = [audio_tokens(spec.audio, s) for s in meta.audio_seconds] if spec.audio else []
-    return img, aud
+    try:
+        vid = [video_tokens(spec.vision, m) for m in meta.videos]
+    except ValueError as err:
+        raise SampleError(UNDECODABLE_VIDEO, f"the model's video rule refuses it ({err})") from None
+    return img, aud, vid
 
 
 def template_sample(turns: Sequence[Turn], tok: Templater | Tokenizer, spec: ModelSpec,
@@ -290,5 +320,5 @@ def template_sample(turns: Sequence[Turn], tok: Templater | Tokenizer, spec: Mod
     `meta` gives the true media sizes (images as (height, width) before resizing, clip
     durations); its text_tokens is not read.
     """
-    img, aud = media_tokens(spec, meta)
-    return as_templater(tok).template(turns, image_tokens=img, audio_tokens=aud)
+    img, aud, vid = media_tokens(spec, meta)
+    return as_templater(tok).template(turns, image_tokens=img, audio_tokens=aud, video_tokens=vid)

@@ -19,8 +19,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
-IMAGE, AUDIO = "<image>", "<audio>"
-SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, USER, ASSISTANT, IMAGE, AUDIO)
+IMAGE, AUDIO, VIDEO = "<image>", "<audio>", "<video>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, USER, ASSISTANT, IMAGE, AUDIO, VIDEO)
 """Special tokens, in id order: `<pad>` is id 0."""
 
 DEFAULT_VOCAB = 1024
@@ -31,7 +31,7 @@ class Tokenizer:
     """A thin typed wrapper over a `tokenizers.Tokenizer` with the project's special ids."""
 
     __slots__ = ("_tok", "pad_id", "bos_id", "eos_id", "user_id", "assistant_id",
-                 "image_id", "audio_id", "path", "_fingerprint")
+                 "image_id", "audio_id", "video_id", "path", "_fingerprint")
 
     def __init__(self, tok: _HFTokenizer, *, path: Path | None = None) -> None:
         self._tok = tok
@@ -55,6 +55,7 @@ class Tokenizer:
         self.assistant_id = ids[ASSISTANT]
         self.image_id = ids[IMAGE]
         self.audio_id = ids[AUDIO]
+        self.video_id = ids[VIDEO]
         self._fingerprint: str | None = None
 
     @property
@@ -65,7 +66,7 @@ class Tokenizer:
     @property
     def special_ids(self) -> frozenset[int]:
         return frozenset((self.pad_id, self.bos_id, self.eos_id, self.user_id,
-                          self.assistant_id, self.image_id, self.audio_id))
+                          self.assistant_id, self.image_id, self.audio_id, self.video_id))
 
     @property
     def fingerprint(self) -> str:

@@ -12,33 +12,51 @@ from __future__ import annotations
 
 import torch
 
+from mmpipe.model.layout import host_list
+
 # Slot positions in the carrier tuple. What a media slot holds depends on the architecture:
 #
-# slot          | mmpipe tiny            | LLaVA (CLIP / SigLIP)       | Qwen2-VL                      | Qwen2-Audio
-# --------------|------------------------|-----------------------------|-------------------------------|------------------------------
-# POSITION_IDS  | [B, T] long            | [B, T] long                 | [3, B, T] long (M-RoPE)       | [B, T] long
-# IMAGE  input  | pixels [P, C, p, p] u8 | pixel_values [N, C, S, S]   | pixel_values [P, C*2*p*p]     | (empty)
-#        tower  | states [1, P, Dv]      | states [N, positions, Dv]   | states [P, Dv]                |
-#        proj   | embeddings [N_tok, D]  | embeddings [N_tok, D]       | embeddings [P / 4, D]         |
-# IMAGE_GRID    | [images, 2] rows, cols | [images, 2] rows, cols      | [images, 3] grid_thw          | (empty)
-# AUDIO  input  | log-mel [clips, mel, F]| (empty)                     | (empty)                       | features [clips, mel, F]: each
-#        tower  | states [1, A, Da]      |                             |                               |   clip's frames 0..2P, 0-filled
-#        proj   | embeddings [N_tok, D]  |                             |                               | states [1, sum P, Da] -> [N_tok, D]
-# AUDIO_FRAMES  | [clips] mel frames     | (empty)                     | (empty)                       | [clips] valid mel frames L
+# slot          | mmpipe tiny                | LLaVA (CLIP / SigLIP)       | Qwen2-VL                      | Qwen2-Audio
+# --------------|----------------------------|-----------------------------|-------------------------------|------------------------------
+# POSITION_IDS  | [B, T] long                | [B, T] long                 | [3, B, T] long (M-RoPE)       | [B, T] long
+# IMAGE  input  | pixels [R, C, p, p] u8     | pixel_values [N, C, S, S]   | pixel_values [P, C*2*p*p]     | (empty)
+#        tower  | states [1, P, Dv]          | states [N, positions, Dv]   | states [P, Dv]                |
+#        proj   | embeddings [N_tok, D]      | embeddings [N_tok, D]       | embeddings [P / 4, D]         |
+# IMAGE_GRID    | [items, 3] t, rows, cols   | [images, 2] rows, cols      | [items, 3] grid_thw           | (empty)
+# AUDIO  input  | log-mel [clips, mel, F]    | (empty)                     | (empty)                       | features [clips, mel, F]: each
+#        tower  | states [1, A, Da]          |                             |                               |   clip's frames 0..2P, 0-filled
+#        proj   | embeddings [N_tok, D]      |                             |                               | states [1, sum P, Da] -> [N_tok, D]
+# AUDIO_FRAMES  | [clips] mel frames         | (empty)                     | (empty)                       | [clips] valid mel frames L
 # LAYOUT        | int32 segment counts and cu_seqlens of the LLM row, the images and the clips (model/layout.py)
+# VIDEOS        | [1] long: how many of the IMAGE_GRID items (the last ones) are videos; [0] without any
+#
+# Videos ride in the image slots ("visual items"): a micro-batch's images come first, in sample
+# order, then its videos, in sample order. IMAGE holds the images' inputs followed by the
+# videos', IMAGE_GRID one row per item (a video's row is its video_grid_thw: temporal patches,
+# rows, cols), and VIDEOS says how many trailing rows are videos. One tower pass encodes both
+# (Qwen2-VL's processor lays a video's patches out exactly as an image's: an image is one
+# temporal patch of a repeated frame), the LAYOUT's image stream gives every temporal patch its
+# own attention segment (transformers' get_vision_cu_seqlens), and llm.embed puts the first
+# embeddings on the image tokens and the rest on the video tokens, each in order: what
+# transformers' masked_scatter of image and video features does. An architecture whose video
+# items need other handling in its tower (per-frame pooling) reads VIDEOS to find them.
+# mmpipe tiny carries every image patch as one row [C, p, p] (rows, cols of grid (1, rows, cols))
+# and every video temporal patch as T consecutive rows, one per frame (T = model.vision.video.
+# temporal_patch), in the order (temporal patch, row, col, frame).
 #
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
 # (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).
-INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio placeholders expanded)
+INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio/video placeholders expanded)
 POSITION_IDS = 1  # [B, T] long (or [3, B, T] for M-RoPE): positions, restarting at 0 for each packed sample
 SEGMENT_IDS = 2  # [B, T] long: 1.. per sample in a row, 0 on padding
-IMAGE = 3  # image inputs -> vision states -> image embeddings [N, D] (see the table)
-IMAGE_GRID = 4  # [num_images, 2 or 3] long: patch grid of each image
+IMAGE = 3  # image (then video) inputs -> vision states -> image (then video) embeddings [N, D] (see the table)
+IMAGE_GRID = 4  # [items, 2 or 3] long: patch grid of each image, then of each video
 AUDIO = 5  # audio features (bits) -> audio states [1, A, Da] -> audio embeddings [N, D]
 AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
 HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)
 LAYOUT = 8  # int32 [3 + segments + 3]: each stream's segments, made once by collate (model/layout.py)
-NUM_SLOTS = 9
+VIDEOS = 9  # [1] long: the number of video items at the end of IMAGE_GRID (0 without video)
+NUM_SLOTS = 10
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -73,6 +91,18 @@ def _float_of_width(width: int) -> torch.dtype:
 def pack(slots: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     assert len(slots) == NUM_SLOTS
     return tuple(to_wire(t) for t in slots)
+
+
+def video_count(n: int) -> torch.Tensor:
+    """The VIDEOS slot of a micro-batch with `n` video items."""
+    return torch.tensor([n], dtype=torch.long)
+
+
+def videos_in(slots: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
+    """How many of the IMAGE_GRID items are videos (a host value, read once per micro-batch and
+    stage)."""
+    t = slots[VIDEOS]
+    return int(host_list(t)[0]) if t.numel() else 0
 
 
 def causal_segment_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,18 @@
 """Per-sample token geometry: how many encoder positions and LLM tokens a sample becomes.
 
-Computed from metadata alone (text tokens, image sizes, clip durations; no media decoded) and
-the model's architecture figures. The planner costs samples with these rules and the data
-layer resizes images, cuts clips and expands placeholders by the same rules, so the token
-counts the planner predicts are the tokens the model really sees.
+Computed from metadata alone (text tokens, image sizes, clip durations, a video's frame count,
+frame rate and size from its container header; no media decoded) and the model's architecture
+figures. The planner costs samples with these rules and the data layer resizes images, cuts
+clips, picks video frames and expands placeholders by the same rules, so the token counts the
+planner predicts are the tokens the model really sees.
+
+Video (`VideoSpec`): the frames sampled (`video_frame_indices`, Qwen2-VL's video processor's
+`sample_frames` exactly), their size (`video_frame_size`: the image rule of the model, or
+`smart_resize` within the video's own pixel bounds), temporal patches of `temporal_patch`
+frames (an odd count padded by repeating the last frame), then, per temporal patch, the
+frame's patch grid: a video of t temporal patches on a gh x gw grid has t * gh * gw encoder
+positions in t attention segments of gh * gw (one per temporal patch, as Qwen2-VL's vision
+cu_seqlens cut them) and t * gh * gw / merge**2 LLM tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +21,37 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mmpipe.model.spec import AudioSpec, ModelSpec, VisionSpec
+import numpy as np
+
+from mmpipe.model.spec import AudioSpec, ModelSpec, VideoSpec, VisionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class VideoMeta:
+    """What a video container's header says of a clip (no frame decoded): the figures a video
+    processor's `VideoMetadata` holds, plus its audio track."""
+
+    frames: int
+    """Frames the video stream declares (transformers' total_num_frames)."""
+    fps: float
+    """Its average frame rate (transformers' VideoMetadata.fps)."""
+    height: int
+    """Frame height in pixels."""
+    width: int
+    """Frame width in pixels."""
+    audio_seconds: float = 0.0
+    """Duration of the first audio track (0: no audio track)."""
+    audio_rate: int = 0
+    """Sample rate of that track (0: no audio track)."""
+
+    @property
+    def seconds(self) -> float:
+        """The clip's duration as a video processor computes it: frames / fps."""
+        return self.frames / self.fps
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio_rate > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +64,8 @@ class SampleMeta:
     """(height, width) in pixels of each image (video frames count as images)."""
     audio_seconds: tuple[float, ...] = ()
     """Duration of each audio clip."""
+    videos: tuple[VideoMeta, ...] = ()
+    """Each video clip's header figures."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +82,30 @@ class SampleFeatures:
     """LLM tokens each clip becomes."""
     text_tokens: int
     """Text tokens of the conversation."""
+    video_segments: tuple[tuple[int, int], ...] = ()
+    """Each video's vision-encoder attention segments: (count, positions each), one segment per
+    temporal patch."""
+    video_tokens: tuple[int, ...] = ()
+    """LLM tokens each video becomes."""
+
+    @property
+    def video_positions(self) -> tuple[int, ...]:
+        """Vision-encoder positions of each video (all its temporal patches)."""
+        return tuple(n * length for n, length in self.video_segments)
 
     @property
     def llm_len(self) -> int:
-        return self.text_tokens + sum(self.image_tokens) + sum(self.audio_tokens)
+        return self.text_tokens + sum(self.image_tokens) + sum(self.audio_tokens) + sum(self.video_tokens)
 
     @property
     def modality(self) -> str:
-        """`image`, `audio`, `image+audio` or `text`."""
-        kinds = [k for k, v in (("image", self.image_tokens), ("audio", self.audio_tokens)) if v]
-        return "+".join(kinds) or "text"
+        """`text`, or the media present joined by `+` in the order image, audio, video."""
+        return modality_name(bool(self.image_tokens), bool(self.audio_tokens), bool(self.video_tokens))
+
+
+def modality_name(image: bool, audio: bool, video: bool) -> str:
+    """`image`, `audio`, `video`, `image+audio`, ... or `text` (one spelling everywhere)."""
+    return "+".join(k for k, on in (("image", image), ("audio", audio), ("video", video)) if on) or "text"
 
 
 def resize_image(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
@@ -137,19 +192,102 @@ def audio_tokens(a: AudioSpec, seconds: float) -> int:
     return -(-positions // a.pool) if a.pool_ceil else positions // a.pool
 
 
+# ---------------------------------------------------------------------------- video
+
+
+def video_frame_indices(vs: VideoSpec, frames: int, fps: float) -> tuple[int, ...]:
+    """The frames of a clip (declaring `frames` at `fps`) that the encoder takes, in order.
+
+    Qwen2-VL's video processor's `sample_frames` exactly (transformers 5.24): `all` takes every
+    frame; `count` takes round(frames / T) * T; `fps` takes frames / native fps * fps, clamped to
+    [min_frames, the largest multiple of T <= min(max_frames, frames)] and rounded down to a
+    multiple of T; the indices are `torch.arange(0, total, total / n).int()` (float32 values,
+    truncated), computed here without torch (a test holds them equal). ValueError when no frame
+    can be taken (a clip too short for one temporal patch) or more are asked than the clip has.
+    """
+    if frames < 1:
+        raise ValueError(f"a clip of {frames} frames has nothing to sample")
+    t = vs.temporal_patch
+    if vs.sample == "all":
+        return tuple(range(frames))
+    if vs.sample == "count":
+        n: float = round(vs.frames / t) * t
+    else:
+        if not fps > 0:
+            raise ValueError(f"a clip at {fps} fps cannot be sampled at {vs.fps} fps (its frame rate is unknown)")
+        top = math.floor(min(vs.max_frames, frames) / t) * t
+        n = min(max(frames / fps * vs.fps, vs.min_frames), top, frames)
+        n = math.floor(n / t) * t
+    if n > frames:
+        raise ValueError(f"{int(n)} frames cannot be sampled from a clip of {frames}")
+    if n < 1:
+        raise ValueError(f"a clip of {frames} frames is too short for one temporal patch of {t} frames")
+    step = frames / n
+    count = math.ceil(frames / step)  # torch.arange's length, in double precision
+    return tuple(int(x) for x in (np.arange(count, dtype=np.float64) * step).astype(np.float32))
+
+
+def video_frame_size(v: VisionSpec, height: int, width: int, sampled: int) -> tuple[int, int]:
+    """The (height, width) each of `sampled` frames is resized to: the image rule of the model,
+    or for a `smart` resize Qwen2-VL's video resize (smart_resize within the video's own pixel
+    bounds, the per-frame cap of cap_pixels_per_frame applied first)."""
+    vs = _video_spec(v)
+    if v.resize != "smart":
+        return resize_image(v, height, width)
+    lo, hi = vs.min_pixels or v.min_pixels, vs.max_pixels or v.max_pixels
+    factor = v.patch * v.merge
+    if vs.cap_pixels:
+        budget = int(vs.max_tokens * factor * factor * 0.9)
+        hi = max(min(hi, budget * vs.temporal_patch // sampled), int(lo * 1.05))
+    return smart_resize(height, width, factor=factor, min_pixels=lo, max_pixels=hi)
+
+
+def video_grid(v: VisionSpec, meta: VideoMeta) -> tuple[int, int, int]:
+    """(temporal patches, rows, cols) of a clip: the video processor's video_grid_thw."""
+    vs = _video_spec(v)
+    n = len(video_frame_indices(vs, meta.frames, meta.fps))
+    h, w = video_frame_size(v, meta.height, meta.width, n)
+    return -(-n // vs.temporal_patch), h // v.patch, w // v.patch
+
+
+def video_segments(v: VisionSpec, meta: VideoMeta) -> tuple[int, int]:
+    """(segments, positions each): one vision attention segment per temporal patch."""
+    t, gh, gw = video_grid(v, meta)
+    return t, gh * gw
+
+
+def video_tokens(v: VisionSpec, meta: VideoMeta) -> int:
+    t, gh, gw = video_grid(v, meta)
+    return t * (gh // v.merge) * (gw // v.merge)
+
+
+def _video_spec(v: VisionSpec) -> VideoSpec:
+    if v.video is None:
+        raise ValueError("the vision encoder takes no video (model.vision.video is not set)")
+    return v.video
+
+
 def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> SampleFeatures:
     """Features of one sample under a model; `where` names it in errors (e.g. 'trace line 7')."""
     if meta.images and spec.vision is None:
         raise ValueError(f"{where} has images but model {spec.name} has no vision encoder")
     if meta.audio_seconds and spec.audio is None:
         raise ValueError(f"{where} has audio but model {spec.name} has no audio encoder")
+    if meta.videos and (spec.vision is None or spec.vision.video is None):
+        raise ValueError(f"{where} has videos but model {spec.name} takes no video")
     v, a = spec.vision, spec.audio
+    try:
+        vids = [(video_segments(v, m), video_tokens(v, m)) for m in meta.videos]
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     return SampleFeatures(
         image_positions=tuple(image_positions(v, h, w) for h, w in meta.images) if v else (),
         image_tokens=tuple(image_tokens(v, h, w) for h, w in meta.images) if v else (),
         audio_positions=tuple(audio_positions(a, s) for s in meta.audio_seconds) if a else (),
         audio_tokens=tuple(audio_tokens(a, s) for s in meta.audio_seconds) if a else (),
         text_tokens=meta.text_tokens,
+        video_segments=tuple(seg for seg, _ in vids),
+        video_tokens=tuple(tok for _, tok in vids),
     )
 
 
@@ -172,6 +310,44 @@ def meta_from_json(obj: Any, *, where: str) -> SampleMeta:
             if not isinstance(sec, (int, float)) or isinstance(sec, bool) or not sec > 0:
                 raise ValueError(f"audio_seconds entry {sec!r} must be a positive number")
             clips.append(float(sec))
+        videos = [video_meta_from_json(v) for v in obj.get("videos") or []]
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    return SampleMeta(text_tokens=text, images=tuple(images), audio_seconds=tuple(clips))
+    return SampleMeta(text_tokens=text, images=tuple(images), audio_seconds=tuple(clips), videos=tuple(videos))
+
+
+def video_meta_from_json(obj: Any) -> VideoMeta:
+    """A clip's entry of a trace line's (or a shard's meta's) `videos` list:
+    `{"frames": 48, "fps": 24.0, "height": 360, "width": 640}` plus optionally `"seconds"`
+    (informative: frames / fps) and `"audio": {"seconds": 2.0, "rate": 16000}` (or null)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"video {obj!r:.80} must be an object with frames, fps, height and width")
+    frames, fps, h, w = (obj.get(k) for k in ("frames", "fps", "height", "width"))
+    if not all(_whole(x) and x > 0 for x in (frames, h, w)):
+        raise ValueError(f"video {obj!r:.80} needs positive integer frames, height and width")
+    if not _number(fps) or not 0 < fps < float("inf"):
+        raise ValueError(f"video {obj!r:.80} needs a positive frame rate fps")
+    audio = obj.get("audio")
+    a_sec, a_rate = 0.0, 0
+    if audio is not None:
+        if not isinstance(audio, dict) or not _number(audio.get("seconds")) or not audio["seconds"] > 0 \
+                or not _whole(audio.get("rate")) or not audio["rate"] > 0:
+            raise ValueError(f"video audio {audio!r:.80} must be {{'seconds': > 0, 'rate': Hz}} or null")
+        a_sec, a_rate = float(audio["seconds"]), int(audio["rate"])
+    return VideoMeta(frames=int(frames), fps=float(fps), height=int(h), width=int(w), audio_seconds=a_sec,
+                     audio_rate=a_rate)
+
+
+def video_meta_json(m: VideoMeta) -> dict[str, Any]:
+    """A clip's `videos` entry as shards and traces store it (video_meta_from_json reads it)."""
+    audio = {"seconds": round(m.audio_seconds, 6), "rate": m.audio_rate} if m.has_audio else None
+    return {"frames": m.frames, "fps": m.fps, "seconds": round(m.seconds, 6), "height": m.height, "width": m.width,
+            "audio": audio}
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

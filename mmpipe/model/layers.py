@@ -71,12 +71,27 @@ def siglip_config(v: VisionSpec) -> SiglipVisionConfig:
 
 
 class VisionEmbed(PipeLayer):
-    """Patch embedding + interpolated positions of every image, packed as [1, P, Dv]."""
+    """Patch embedding + interpolated positions of every image and video, packed as [1, P, Dv].
+
+    An image patch goes through SigLIP's Conv2d patch embedding. A video is cut into temporal
+    patches of T sampled frames (model.vision.video.temporal_patch, an odd count padded with the
+    last frame by the data layer); the T frames of one patch position go through a Conv3d over
+    (T, p, p), as Qwen2-VL embeds its temporal patches (mmpipe's tiny rule, docs/data.md). Every
+    temporal patch gets the image's interpolated 2-D positions and attends on its own (the
+    carried layout): temporal order reaches the LLM through the token order.
+    """
 
     def __init__(self, v: VisionSpec):
         super().__init__()
         self.embed = SiglipVisionEmbeddings(siglip_config(v))
         self.patch = v.patch
+        self.channels = v.channels
+        self.hidden = v.hidden
+        self.temporal = v.video.temporal_patch if v.video is not None else 0
+        if v.video is not None:
+            t = self.temporal
+            self.video_patch = nn.Conv3d(v.channels, v.hidden, kernel_size=(t, v.patch, v.patch),
+                                         stride=(t, v.patch, v.patch))
         # pixel normalisation as SigLIP's processor: (x / 255 - 0.5) / 0.5
         self.register_buffer("scale", torch.tensor(2.0 / 255.0), persistent=False)
 
@@ -84,13 +99,25 @@ class VisionEmbed(PipeLayer):
         pixels, grid = slots[C.IMAGE], slots[C.IMAGE_GRID]
         w = self.embed.patch_embedding.weight
         x = pixels.to(w.dtype) * self.scale.to(w.dtype) - 1.0
-        patches = self.embed.patch_embedding(x).flatten(1)  # [P, Dv]
         rows = layout.host_list(grid)
         carried = layout.read(slots[C.LAYOUT]).image.lengths
         if list(carried) != layout.image_segments(rows):
             raise ValueError(f"the micro-batch's layout has image segments {list(carried)} but its image grids "
                              f"{rows} make {layout.image_segments(rows)}; collate it with mmpipe.runtime.batch.collate")
-        pos = [self._positions(int(gh), int(gw)) for gh, gw in rows]
+        n_vid = C.videos_in(slots)
+        n_img = len(rows) - n_vid
+        at = sum(t * gh * gw for t, gh, gw in rows[:n_img])
+        patches = self.embed.patch_embedding(x[:at]).flatten(1)  # [P_images, Dv]
+        if n_vid:
+            if not self.temporal:
+                raise ValueError("the micro-batch holds videos but model.vision.video is not set")
+            p, t = self.patch, self.temporal
+            clips = x[at:].reshape(-1, t, self.channels, p, p).transpose(1, 2)  # [temporal patches, C, T, p, p]
+            patches = torch.cat([patches, self.video_patch(clips).flatten(1)])
+        elif self.temporal:  # a zero gradient for the video weights on a micro-batch without video, as
+            # every other parameter of the stage gets one (some optimizer wrappers expect a gradient)
+            patches = patches + 0 * sum(q.sum() for q in self.video_patch.parameters())
+        pos = [self._positions(int(gh), int(gw)).repeat(int(t), 1) for t, gh, gw in rows]
         if pos:
             patches = patches + torch.cat(pos)
         slots[C.IMAGE] = patches[None]
@@ -127,10 +154,10 @@ class VisionProj(PipeLayer):
         m = self.merge
         merged = []
         start = 0
-        for gh, gw in layout.host_list(slots[C.IMAGE_GRID]):
-            n = gh * gw
-            x = h[start:start + n].reshape(gh // m, m, gw // m, m, -1).permute(0, 2, 1, 3, 4)
-            merged.append(x.reshape((gh // m) * (gw // m), -1))
+        for t, gh, gw in layout.host_list(slots[C.IMAGE_GRID]):  # an image is one temporal patch
+            n = t * gh * gw
+            x = h[start:start + n].reshape(t, gh // m, m, gw // m, m, -1).permute(0, 1, 3, 2, 4, 5)
+            merged.append(x.reshape(t * (gh // m) * (gw // m), -1))
             start += n
         x = torch.cat(merged) if merged else h.new_zeros(0, self.proj_in)
         slots[C.IMAGE] = self.mlp(x)
@@ -222,34 +249,43 @@ def llama_config(l: LLMSpec) -> LlamaConfig:
 
 
 class LLMEmbed(PipeLayer):
-    """Token embedding; image and audio embeddings replace their placeholder positions."""
+    """Token embedding; image, video and audio embeddings replace their placeholder positions.
 
-    def __init__(self, l: LLMSpec, image_token: int, audio_token: int):
+    The IMAGE slot holds the images' embeddings, then the videos' (model/carrier.py): the first
+    go to the image tokens in order, the rest to the video tokens in order."""
+
+    def __init__(self, l: LLMSpec, image_token: int, audio_token: int, video_token: int = -1):
         super().__init__()
         self.embed = nn.Embedding(l.vocab, l.hidden)
         self.image_token = image_token
         self.audio_token = audio_token
+        self.video_token = video_token
 
     def step(self, slots: list[torch.Tensor]) -> None:
         ids = slots[C.INPUT_IDS]
         h = self.embed(ids)
-        for slot, token in ((C.IMAGE, self.image_token), (C.AUDIO, self.audio_token)):
+        for slot, tokens in ((C.IMAGE, (self.image_token, self.video_token)), (C.AUDIO, (self.audio_token,))):
             emb = slots[slot]
             if emb.numel() == 0 and not emb.is_floating_point():
                 continue  # the model has no such encoder, or it is frozen and absent
             emb = C.from_wire(emb, h.dtype)
-            where = (ids == token).nonzero(as_tuple=True)
-            if where[0].numel() != emb.shape[0]:
+            where = [(ids == token).nonzero(as_tuple=True) for token in tokens if token >= 0]
+            counts = [w[0].numel() for w in where]
+            if sum(counts) != emb.shape[0]:
                 raise ValueError(
-                    f"{where[0].numel()} placeholder tokens for {emb.shape[0]} encoder embeddings "
+                    f"{' + '.join(map(str, counts))} placeholder tokens for {emb.shape[0]} encoder embeddings "
                     f"(slot {slot}); the sample's media and its text disagree"
                 )
-            h = h.index_put(where, emb)
+            start = 0
+            for w, n in zip(where, counts):
+                h = h.index_put(w, emb[start:start + n])
+                start += n
             if emb.requires_grad and emb.numel() == 0:
                 h = h + 0 * emb.sum()  # keep an empty activation in the graph so it gets a grad
             slots[slot] = C.empty(ids)
         slots[C.IMAGE_GRID] = C.empty(ids)
         slots[C.AUDIO_FRAMES] = C.empty(ids)
+        slots[C.VIDEOS] = C.empty(ids)
         slots[C.HIDDEN] = h
 
 
@@ -336,20 +372,21 @@ def layer_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def build_layer(spec: ModelSpec, name: str, *, seed: int, image_token: int, audio_token: int) -> nn.Module:
+def build_layer(spec: ModelSpec, name: str, *, seed: int, image_token: int, audio_token: int,
+                video_token: int = -1) -> nn.Module:
     """Build one named pipeline layer of mmpipe's own model with deterministic initial weights
     (a Hugging Face model's layers are mmpipe.model.hf.build_layer's)."""
     comp, kind, *rest = name.split(".")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, name))
-        layer = _construct(spec, comp, kind, rest, image_token, audio_token)
+        layer = _construct(spec, comp, kind, rest, image_token, audio_token, video_token)
         _init_weights(layer)
     layer.name = name
     return layer
 
 
 def _construct(spec: ModelSpec, comp: str, kind: str, rest: list[str], image_token: int,
-               audio_token: int) -> nn.Module:
+               audio_token: int, video_token: int) -> nn.Module:
     if comp == "vision" and spec.vision is not None:
         v = spec.vision
         return {"embed": lambda: VisionEmbed(v), "block": lambda: VisionBlock(v),
@@ -360,7 +397,7 @@ def _construct(spec: ModelSpec, comp: str, kind: str, rest: list[str], image_tok
                 "proj": lambda: AudioProj(a)}[kind]()
     if comp == "llm":
         l = spec.llm
-        return {"embed": lambda: LLMEmbed(l, image_token, audio_token),
+        return {"embed": lambda: LLMEmbed(l, image_token, audio_token, video_token),
                 "block": lambda: LLMBlock(l, int(rest[0])), "norm": lambda: LLMNorm(l),
                 "head": lambda: LLMHead(l)}[kind]()
     raise ValueError(f"layer {comp}.{kind} does not exist in model {spec.name}")
@@ -368,7 +405,7 @@ def _construct(spec: ModelSpec, comp: str, kind: str, rest: list[str], image_tok
 
 def _init_weights(module: nn.Module) -> None:
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             nn.init.normal_(m.weight, std=0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
@@ -376,9 +413,10 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.normal_(m.weight, std=0.02)
 
 
-def build_layers(spec: ModelSpec, *, seed: int, image_token: int, audio_token: int) -> list[nn.Module]:
+def build_layers(spec: ModelSpec, *, seed: int, image_token: int, audio_token: int,
+                 video_token: int = -1) -> list[nn.Module]:
     """All pipeline layers in order (for single-process reference runs and tests)."""
-    return [build_layer(spec, n, seed=seed, image_token=image_token, audio_token=audio_token)
+    return [build_layer(spec, n, seed=seed, image_token=image_token, audio_token=audio_token, video_token=video_token)
             for n in layer_names(spec)]
 
 

@@ -12,6 +12,59 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMPONENTS = ("vision", "audio", "llm")
+FRAME_SAMPLING = ("all", "fps", "count")
+"""How a video's frames are picked (VideoSpec.sample)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VideoSpec:
+    """How a vision encoder takes a video: which frames it samples, the size they are resized to,
+    and how many frames make one temporal patch. The figures of transformers' Qwen2-VL video
+    processor (`Qwen2VLVideoProcessor`: do_sample_frames, fps, num_frames, min/max_frames, size,
+    cap_pixels_per_frame, max_video_tokens), so that `mmpipe.model.geometry` gives the frames,
+    patches and tokens that processor gives; mmpipe's tiny model uses the same rule with its own
+    figures (conf/model/tiny.yaml)."""
+
+    sample: str = "all"
+    """`all`: every frame of the clip (Qwen2-VL's do_sample_frames=false, its default); `fps`: about
+    `fps` frames per second of the clip, clamped to [min_frames, max_frames]; `count`: `frames`
+    frames, evenly spread."""
+    fps: float = 2.0
+    """Frames per second sampled (`sample: fps`)."""
+    frames: int = 0
+    """Frames sampled (`sample: count`), rounded to a multiple of temporal_patch."""
+    min_frames: int = 4
+    """Fewest frames `sample: fps` takes (never more than the clip has)."""
+    max_frames: int = 768
+    """Most frames `sample: fps` takes."""
+    temporal_patch: int = 2
+    """Consecutive sampled frames that make one temporal patch; an odd count is padded by
+    repeating the last frame."""
+    min_pixels: int = 0
+    """Smallest frame area after resizing (`smart` resize); 0: the image's min_pixels."""
+    max_pixels: int = 0
+    """Largest frame area after resizing (`smart` resize); 0: the image's max_pixels."""
+    cap_pixels: bool = False
+    """Qwen2-VL's cap_pixels_per_frame: each frame's max_pixels is also bounded by an even share of
+    max_tokens tokens' worth of pixels over the clip's frames."""
+    max_tokens: int = 128000
+    """The token budget of `cap_pixels` (Qwen2-VL's max_video_tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.sample not in FRAME_SAMPLING:
+            raise ValueError(f"model.vision.video.sample={self.sample!r} is unknown; use all, fps or count")
+        for name in ("temporal_patch", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model.vision.video.{name}={v!r} must be a positive integer")
+        for name in ("frames", "min_frames", "max_frames", "min_pixels", "max_pixels"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"model.vision.video.{name}={v!r} must be a non-negative integer")
+        if self.sample == "fps" and not self.fps > 0:
+            raise ValueError(f"model.vision.video.fps={self.fps!r} must be > 0 with sample=fps")
+        if self.sample == "count" and self.frames < 1:
+            raise ValueError(f"model.vision.video.frames={self.frames!r} must be >= 1 with sample=count")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +107,8 @@ class VisionSpec:
     the LLM hidden size."""
     channels: int = 3
     """Image channels."""
+    video: VideoSpec | None = None
+    """How the encoder takes video (frames, their size, temporal patches); None: no video."""
 
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "patch", "merge", "channels", "temporal_patch")
@@ -176,6 +231,8 @@ class HFSource:
     """The image processor's configuration as JSON (empty without a vision tower)."""
     feature_extractor: str = field(default="", repr=False)
     """The audio feature extractor's configuration as JSON (empty without an audio tower)."""
+    video_processor: str = field(default="", repr=False)
+    """The video processor's configuration as JSON (empty: the model takes no video)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,6 +320,8 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
             raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(known))}")
         if key == "proj":
             value = tuple(int(v) for v in value)
+        if key == "video" and value is not None:
+            value = _dataclass_from(VideoSpec, f"{prefix}.video", value)
         kwargs[key] = value
     try:
         return cls(**kwargs)

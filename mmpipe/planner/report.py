@@ -15,7 +15,7 @@ from mmpipe.planner.step import Replicas, StepEval, mb_costs, simulate_replica
 
 GB = 1e9
 MODALITY_COLOURS = {"text": "#9e9e9e", "image": "#1f77b4", "audio": "#2ca02c",
-                    "image+audio": "#9467bd"}
+                    "image+audio": "#9467bd", "video": "#d62728"}
 
 
 def stage_table(sc: StageCosts, evals: Sequence[StepEval]) -> str:
@@ -159,6 +159,8 @@ def plot_timeline(path: str, sc: StageCosts, table: SampleTable, replicas: Repli
 
 def _mb_modality(mb: list[int], modality: Sequence[str]) -> str:
     kinds = {modality[i] for i in mb}
+    if any("video" in k for k in kinds):  # the costliest medium names the micro-batch
+        return "video"
     has_img = any("image" in k for k in kinds)
     has_aud = any("audio" in k for k in kinds)
     return "image+audio" if has_img and has_aud else "image" if has_img else \

@@ -42,6 +42,15 @@ class SampleTable:
                            seqs=self.seqs[rows], longest=self.longest[rows])
 
 
+def vision_sequences(f: SampleFeatures) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The vision encoder's attention segments and the vision LLM token runs of a sample: each
+    image one segment; each video one segment per temporal patch (Qwen2-VL's vision cu_seqlens),
+    so a clip costs its patches linearly and each temporal patch's length squared; images' and
+    videos' LLM tokens."""
+    segments = f.image_positions + tuple(length for n, length in f.video_segments for _ in range(n))
+    return segments, f.image_tokens + f.video_tokens
+
+
 def sample_table(samples: Sequence[SampleFeatures]) -> SampleTable:
     """Stream figures of samples (their token geometry from `mmpipe.model.geometry`)."""
     n = len(samples)
@@ -50,8 +59,8 @@ def sample_table(samples: Sequence[SampleFeatures]) -> SampleTable:
     cnt = np.zeros_like(tok)
     mx = np.zeros_like(tok)
     for i, f in enumerate(samples):
-        for k, seqs in enumerate((f.image_positions, f.image_tokens, f.audio_positions,
-                                  f.audio_tokens, (f.llm_len,))):
+        vpos, vtok = vision_sequences(f) if f.video_segments else (f.image_positions, f.image_tokens)
+        for k, seqs in enumerate((vpos, vtok, f.audio_positions, f.audio_tokens, (f.llm_len,))):
             if seqs:
                 tok[i, k] = sum(seqs)
                 sq[i, k] = sum(s * s for s in seqs)

@@ -84,28 +84,36 @@ def _layout(samples: Sequence[SampleLike], grid: torch.Tensor, frames: torch.Ten
                          layout.audio_segments(frames.tolist(), conv_stride))
 
 
+def _videos(samples: Sequence[SampleLike]) -> list:
+    """The micro-batch's videos in sample order (a sample type without `videos` has none)."""
+    return [v for s in samples for v in getattr(s, "videos", ())]
+
+
 def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: int,
-            audio_stride: int = 2) -> MicroBatch:
+            audio_stride: int = 2, temporal_patch: int = 1) -> MicroBatch:
     """Build the tensors of one micro-batch of mmpipe's own model (uint8 pixels, log-mel features).
 
     Args:
         samples: the micro-batch's samples, in order.
-        patch: the vision encoder's patch side (images are cut into patches here).
+        patch: the vision encoder's patch side (images and video frames are cut into patches here).
         packed: one row holding every sample (per-sample attention and positions), or one
             padded row per sample.
         pad_id: token id used for padding.
         audio_stride: the audio encoder's conv stride (model.audio.conv_stride): mel frames per
             encoder position, for the clips' attention segments.
+        temporal_patch: frames per video temporal patch (model.vision.video.temporal_patch).
     """
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
     ids, pos, seg, tgt = _text_tensors(samples, packed=packed, pad_id=pad_id)
     images = [img for s in samples for img in s.images]
-    pixels, grid = _patchify(images, patch)
+    videos = [v.frames for v in _videos(samples)]
+    pixels, grid = _patchify(images, videos, patch, temporal_patch)
     clips = [clip for s in samples for clip in s.audio]
     mels, frames = _stack_clips(clips)
     lay = _layout(samples, grid, frames, audio_stride)
-    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty(), lay]), tgt)
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty(), lay,
+                                         C.video_count(len(videos))]), tgt)
 
 
 def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, pad_id: int,
@@ -125,22 +133,27 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
         raise ValueError("a micro-batch needs at least one sample")
     ids, pos, seg, tgt = _text_tensors(samples, packed=packed, pad_id=pad_id)
     if uses_mrope(spec) and media:
-        per = [torch.from_numpy(sample_positions(spec, s.input_ids, s.images)) for s in samples]
+        per = [torch.from_numpy(sample_positions(spec, s.input_ids, s.images, getattr(s, "videos", ())))
+               for s in samples]
         if packed:
             pos = torch.cat(per, dim=1)[:, None]
         else:
             pos = torch.zeros((3, *ids.shape), dtype=torch.long)
             for i, p in enumerate(per):
                 pos[:, i, :p.shape[1]] = p
+    videos = _videos(samples) if media else []
     pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
-                                                [clip for s in samples for clip in s.audio] if media else [])
+                                                [clip for s in samples for clip in s.audio] if media else [], videos)
     lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1)
-    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay]), tgt)
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay,
+                                         C.video_count(len(videos))]), tgt)
 
 
-def _patchify(images: list[np.ndarray], patch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not images:
-        return torch.zeros((0, 3, patch, patch), dtype=torch.uint8), torch.zeros((0, 2), dtype=torch.long)
+def _patchify(images: list[np.ndarray], videos: list[np.ndarray], patch: int,
+              temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 patch rows [R, C, p, p] and grids [items, 3] (t, rows, cols) of the images, then the
+    videos (model/carrier.py: an image is one temporal patch; a video temporal patch is T rows,
+    one per frame, in the order temporal patch, row, col, frame)."""
     chunks, grid = [], []
     for img in images:
         h, w, c = img.shape
@@ -149,7 +162,18 @@ def _patchify(images: list[np.ndarray], patch: int) -> tuple[torch.Tensor, torch
         gh, gw = h // patch, w // patch
         x = img.reshape(gh, patch, gw, patch, c).transpose(0, 2, 4, 1, 3).reshape(-1, c, patch, patch)
         chunks.append(x)
-        grid.append((gh, gw))
+        grid.append((1, gh, gw))
+    for clip in videos:
+        n, h, w, c = clip.shape
+        if h % patch or w % patch or n % temporal:
+            raise ValueError(f"{n} video frames of {h}x{w} are not whole temporal patches of {temporal} frames of "
+                             f"{patch}x{patch} patches")
+        t, gh, gw = n // temporal, h // patch, w // patch
+        x = clip.reshape(t, temporal, gh, patch, gw, patch, c).transpose(0, 2, 4, 1, 6, 3, 5)
+        chunks.append(x.reshape(-1, c, patch, patch))
+        grid.append((t, gh, gw))
+    if not chunks:
+        return torch.zeros((0, 3, patch, patch), dtype=torch.uint8), torch.zeros((0, 3), dtype=torch.long)
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(chunks))), torch.tensor(grid, dtype=torch.long)
 
 

@@ -82,6 +82,7 @@ class StepFeeder:
         self._records = loader(self.stream, records=True)
         v = rc.model.vision
         self.patch = v.patch if v is not None else 1
+        self.temporal_patch = v.video.temporal_patch if v is not None and v.video is not None else 1
         self.audio_stride = rc.model.audio.conv_stride if rc.model.audio is not None else 1
         self.steps_made = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
@@ -144,7 +145,8 @@ class StepFeeder:
         pad = self.tokenizer.pad_id
         if self.rc.model.hf is not None:
             return collate_hf(samples, spec=self.rc.model, packed=self.packed, pad_id=pad, media=self.media)
-        return collate(samples, patch=self.patch, packed=self.packed, pad_id=pad, audio_stride=self.audio_stride)
+        return collate(samples, patch=self.patch, packed=self.packed, pad_id=pad, audio_stride=self.audio_stride,
+                       temporal_patch=self.temporal_patch)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that

@@ -42,8 +42,10 @@ def load_templater(rc: RunConfig):
         check_vocab(tok, rc.model.llm.vocab)
         return tok
     from mmpipe.model.hf import placeholder_tokens
+    from mmpipe.model.hf.build import video_token
 
-    for kind, want, got in zip(("image", "audio"), placeholder_tokens(rc.model), (tok.image_id, tok.audio_id)):
+    for kind, want, got in zip(("image", "audio", "video"), (*placeholder_tokens(rc.model), video_token(rc.model)),
+                               (tok.image_id, tok.audio_id, getattr(tok, "video_id", None))):
         if want >= 0 and got != want:
             raise ValueError(f"{key}={path!r}: its {kind} token is id {got}, but model {rc.model.name} replaces id "
                              f"{want} ({kind}_token_id of its config) with {kind} features; give the model's own "

@@ -22,12 +22,14 @@ class _LayerFromName(nn.Module):
     each rank constructs only the layers of its own stage (a Hugging Face model's layer also
     reads only its own tensors from the checkpoint)."""
 
-    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int):  # type: ignore[misc]
+    def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int,  # type: ignore[misc]
+                video_token: int = -1):
         if spec.hf is not None:
             from mmpipe.model.hf.build import build_layer as build_hf_layer
 
             return build_hf_layer(spec, name, seed=seed)
-        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token)
+        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token,
+                           video_token=video_token)
 
 
 class StagedPipelineModule(PipelineModule):
@@ -57,6 +59,8 @@ class PipelineSpec:
     """Token id of an image placeholder."""
     audio_token: int
     """Token id of an audio placeholder."""
+    video_token: int = -1
+    """Token id of a video placeholder (-1: none)."""
     trainable: tuple[str, ...] = ("all",)
     """Component prefixes that train; the rest is frozen."""
     recompute: tuple[bool, ...] = ()
@@ -79,10 +83,10 @@ def _layer_specs(p: PipelineSpec) -> list[LayerSpec]:
         if tie is not None and n in tie.layers:
             owner = tie.layers[0]
             specs.append(TiedLayerSpec(tie.key, _LayerFromName, p.model, owner, p.seed, p.image_token, p.audio_token,
-                                       forward_fn=None if n == owner else tie.head_forward,
+                                       p.video_token, forward_fn=None if n == owner else tie.head_forward,
                                        tied_weight_attr=[tie.weight_attr]))
         else:
-            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token))
+            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.video_token))
     return specs
 
 

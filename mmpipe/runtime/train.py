@@ -139,6 +139,7 @@ def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
                          image_token=_token_id(tok.image_id), audio_token=_token_id(tok.audio_id),
+                         video_token=_token_id(getattr(tok, "video_id", None)),
                          trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
                          attention=rc.train.attention)
     torch.manual_seed(rc.train.seed)

@@ -1,8 +1,9 @@
 """The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
-template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; Qwen2-VL's
-image processor with its `<|image_pad|>` rule, since its processor needs torchvision), under the
-label convention of docs/data.md, written from that text. None of mmpipe's data code is used.
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor,
+Qwen2VLProcessor with the folder's image processor (PIL backend) and video processor; a video is
+decoded whole by transformers' own PyAV reader, `load_video`, and sampled by the processor), under
+the label convention of docs/data.md, written from that text. None of mmpipe's data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
 content each `<image>` / `<audio>` placeholder is an item, whitespace between a placeholder and the
@@ -16,6 +17,7 @@ import io
 import json
 import re
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +28,15 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
-PLACEHOLDER = re.compile(r"(<image>|<audio>)")
+PLACEHOLDER = re.compile(r"(<image>|<audio>|<video>)")
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
 def raw_samples(keys: set[str]) -> dict[str, dict]:
-    """{key: {"conversations", "images": [bytes], "audio": [bytes]}} read from the shipped tars."""
+    """{key: {"conversations", "images": [bytes], "audio": [bytes], "videos": [bytes]}} read from the
+    shipped tars."""
     found: dict[str, dict] = {}
-    shards = sorted(SHARDS.glob("train-*.tar"))
+    shards = sorted(SHARDS.glob("*.tar"))
     if not shards:
         raise FileNotFoundError(f"no shipped shards in {SHARDS}")
     for shard in shards:
@@ -42,18 +45,18 @@ def raw_samples(keys: set[str]) -> dict[str, dict]:
                 key, _, rest = m.name.partition(".")
                 if key not in keys:
                     continue
-                entry = found.setdefault(key, {"images": {}, "audio": {}})
+                entry = found.setdefault(key, {"images": {}, "audio": {}, "videos": {}})
                 data = tar.extractfile(m).read()
                 if rest == "json":
                     entry["conversations"] = json.loads(data)["conversations"]
                 else:
                     index, ext = rest.split(".")
-                    entry["audio" if ext == "wav" else "images"][int(index)] = data
+                    entry["audio" if ext == "wav" else "videos" if ext == "mp4" else "images"][int(index)] = data
         if len(found) == len(keys) and all("conversations" in e for e in found.values()):
             break
     for e in found.values():
-        e["images"] = [e["images"][i] for i in sorted(e["images"])]
-        e["audio"] = [e["audio"][i] for i in sorted(e["audio"])]
+        for kind in ("images", "audio", "videos"):
+            e[kind] = [e[kind][i] for i in sorted(e[kind])]
     return found
 
 
@@ -86,6 +89,16 @@ def messages(conversations: list[dict], *, structured: bool) -> list[dict]:
     return out
 
 
+def video(data: bytes):
+    """(every frame, VideoMetadata) of a clip, by transformers' own PyAV reader (it reads files)."""
+    from transformers.video_utils import load_video
+
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        f.write(data)
+        f.flush()
+        return load_video(f.name, backend="pyav")
+
+
 def waveform(data: bytes, rate: int) -> np.ndarray:
     x, sr = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     x = x.mean(axis=1)
@@ -115,14 +128,16 @@ class Reference:
             self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
                 folders[kind]), tokenizer=self.tok)
         else:
-            from transformers import Qwen2VLImageProcessorPil
+            from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(folders[kind])
+            self.processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folders[kind]),
+                                              video_processor=Qwen2VLVideoProcessor.from_pretrained(folders[kind]),
+                                              tokenizer=self.tok)
         self.folders = folders
 
     # ------------------------------------------------------------------ inputs
 
-    def _encode(self, text: str, images: list, clips: list) -> tuple[list[int], dict]:
+    def _encode(self, text: str, images: list, clips: list, videos: list = ()) -> tuple[list[int], dict]:
         """Token ids of a rendered text with its media expanded by the model's processor."""
         if self.kind in ("llava", "compose"):
             n = text.count("<image>")
@@ -133,32 +148,29 @@ class Reference:
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"input_features": out.get("input_features"),
                                                   "feature_attention_mask": out.get("feature_attention_mask")}
-        n = text.count("<|image_pad|>")
-        extra = {}
-        if n:  # Qwen2VLProcessor's rule: grid_t * grid_h * grid_w / merge^2 pads per image
-            proc = self.image_processor(images=images[:n], return_tensors="pt")
-            pieces = text.split("<|image_pad|>")
-            text = pieces[0] + "".join("<|image_pad|>" * (int(g.prod()) // 4) + p
-                                       for g, p in zip(proc["image_grid_thw"], pieces[1:]))
-            extra = {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
-        return self.tok(text)["input_ids"], extra
+        n, v = text.count("<|image_pad|>"), text.count("<|video_pad|>")
+        out = self.processor(text=text, images=images[:n] or None, videos=[f for f, _ in videos[:v]] or None,
+                             video_metadata=[m for _, m in videos[:v]] or None, return_tensors="pt")
+        keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+        return out["input_ids"][0].tolist(), {k: out[k] for k in keys if k in out}
 
     def sample(self, raw: dict) -> dict:
         """input_ids, labels and the model's media inputs of one raw sample."""
         images = [Image.open(io.BytesIO(b)).convert("RGB") for b in raw["images"]]
         clips = [waveform(b, 16000) for b in raw["audio"]]
+        videos = [video(b) for b in raw.get("videos", [])]
         msgs = messages(raw["conversations"], structured=self.structured)
 
         def render(part, gen):
             return self.tok.apply_chat_template(part, tokenize=False, add_generation_prompt=gen)
 
-        ids, media = self._encode(render(msgs, False), images, clips)
+        ids, media = self._encode(render(msgs, False), images, clips, videos)
         labels = [-100] * len(ids)
         for j, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            before = self._encode(render(msgs[:j], True), images, clips)[0]
-            through = self._encode(render(msgs[:j + 1], False), images, clips)[0]
+            before = self._encode(render(msgs[:j], True), images, clips, videos)[0]
+            through = self._encode(render(msgs[:j + 1], False), images, clips, videos)[0]
             assert through[:len(before)] == before and ids[:len(through)] == through, "renders do not extend"
             labels[len(before):len(through)] = ids[len(before):len(through)]
         return {"input_ids": ids, "labels": labels, **media}
@@ -171,13 +183,14 @@ class Reference:
                "attention_mask": torch.tensor([[1] * len(s["input_ids"]) + [0] * (t - len(s["input_ids"]))
                                                for s in samples]),
                "labels": torch.tensor([s["labels"] + [-100] * (t - len(s["labels"])) for s in samples])}
-        for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"):
+        for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask",
+                    "pixel_values_videos", "video_grid_thw"):
             parts = [s[key] for s in samples if s.get(key) is not None]
             if parts:
                 out[key] = torch.cat(parts)
-        if self.kind == "qwen2-vl":
-            image = self.tok.convert_tokens_to_ids("<|image_pad|>")
-            out["mm_token_type_ids"] = (out["input_ids"] == image).int()
+        if self.kind == "qwen2-vl":  # text 0, image 1, video 2 (what Qwen2VLProcessor returns)
+            image, video_ = (self.tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
+            out["mm_token_type_ids"] = (out["input_ids"] == image).int() + 2 * (out["input_ids"] == video_).int()
         return out
 
     # ------------------------------------------------------------------ model

@@ -1,7 +1,8 @@
 """One optimizer step through the pipeline equals a single-process full-batch step.
 
 The run goes through the real `mmpipe train` (launcher, DeepSpeed PipelineEngine, webdataset
-shards); the reference recomputes the step in one process on the very samples the pipeline
+shards; the shipped data's first steps mix video clips, images, audio and text, so the tiny
+model's video path is in every case); the reference recomputes the step in one process on the very samples the pipeline
 recorded, with the loss as the mean over all label tokens of the step.
 """
 
@@ -33,9 +34,9 @@ CASES = {
     "pp2xdp2-across": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3",
                        "plan.across_replicas=true"],  # the planner deals the step to the replicas
     # ZeRO-1: optimizer state sharded over the replicas, DeepSpeed's ZeRO optimizer clips. Three
-    # steps of 8 samples per replica: in step 3 replica 1 holds no audio clip, replica 0 does (so
-    # the audio encoder has a gradient on one replica only).
-    "pp2xdp2-zero1": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=16", "train.micro_batches=4",
+    # steps of 4 samples per replica: in step 1 replica 0 holds no audio clip, replica 1 does (so
+    # the audio encoder has a gradient on one replica only; checked below).
+    "pp2xdp2-zero1": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=8", "train.micro_batches=2",
                       "train.zero_stage=1", "train.steps=3", "train.save_every=1"],
 }
 COMMON = ["train.steps=1", "train.optimizer=sgd", "train.lr=0.5", "train.warmup_steps=0",
@@ -59,17 +60,21 @@ def _reference(overrides: list[str], keys_by_replica: list[list[str]]):
         if len(samples) == len(want):
             break
     ordered = [samples[k] for keys in keys_by_replica for k in keys]
-    layers = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id)
+    assert any(s.videos for s in ordered), "the step holds no video (the shipped data starts with the video mix)"
+    layers = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id,
+                          video_token=tok.video_id)
     params = [p for l in layers for p in l.parameters()]
-    mb = collate(ordered, patch=rc.model.vision.patch, packed=True, pad_id=tok.pad_id)
+    mb = collate(ordered, patch=rc.model.vision.patch, packed=True, pad_id=tok.pad_id,
+                 temporal_patch=rc.model.vision.video.temporal_patch)
     loss = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0 / mb.label_tokens])))
     loss.backward()
-    grads = [[p.grad.clone() for p in l.parameters()] for l in layers]
+    grads = [[p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in l.parameters()]
+             for l in layers]
     norm = float(torch.nn.utils.clip_grad_norm_(params, rc.train.grad_clip if rc.train.grad_clip > 0 else float("inf")))
     with torch.no_grad():
         for p in params:
             p -= rc.train.lr * p.grad
-    return Reference(rc=rc, layers=layers, loss=loss.item(), norm=norm, grads=grads)
+    return Reference(rc=rc, layers=layers, loss=loss.item(), norm=norm, grads=grads, samples=samples)
 
 
 @dataclass
@@ -81,6 +86,8 @@ class Reference:
     """Global gradient norm before clipping."""
     grads: list
     """Unclipped gradients, per layer in parameter order."""
+    samples: dict
+    """The step's samples by key."""
 
 
 def _fed_keys(run, overrides: list[str]) -> list[list[str]]:
@@ -125,12 +132,15 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
     all_keys = [k for ks in keys_by_replica for k in ks]
     assert len(set(all_keys)) == len(all_keys)  # no sample in two replicas
     if across:  # one step covers the first global_batch samples of the whole stream
-        first = islice(iter_meta(path=resolve_path("data/shards/train-{000000..000007}.tar"), dp_rank=0, dp_size=1,
+        first = islice(iter_meta(path=resolve_path(load(overrides, job="test").data.path), dp_rank=0, dp_size=1,
                                  epochs=1, root=PACKAGE_ROOT), 12)
         assert sorted(all_keys) == sorted(k for k, _ in first)
 
     ref = _reference(overrides, keys_by_replica)
     rc, ref_layers = ref.rc, ref.layers
+    if case == "pp2xdp2-zero1":  # the audio encoder has a gradient on one replica only
+        with_audio = [any(ref.samples[k].audio for k in keys) for keys in keys_by_replica]
+        assert with_audio == [False, True], with_audio
     assert run.metrics()[0]["loss"] == pytest.approx(ref.loss, rel=1e-5)
     assert run.metrics()[0]["grad_norm"] == pytest.approx(ref.norm, rel=1e-5)  # global, before clipping
     assert ref.norm > 2 * rc.train.grad_clip  # so the clipping matters
@@ -175,7 +185,8 @@ def test_bf16_step_equals_the_fp32_reference_and_clips_by_the_global_norm(run_mm
 
     rc = ref.rc
     tok = load_tokenizer(tokenizer_source(rc)[0])
-    init = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id)
+    init = build_layers(rc.model, seed=rc.train.seed, image_token=tok.image_id, audio_token=tok.audio_id,
+                        video_token=tok.video_id)
     names = layer_names(rc.model)
     ckpt = run.run_dir / "checkpoints" / "step1"
     for stage in run.stage_files():

@@ -1,7 +1,8 @@
 """Hugging Face models trained through the real `mmpipe train` (launcher, DeepSpeed pipeline, the
 shipped shards) compute what transformers computes.
 
-For LLaVA, Qwen2-VL (pp=3), Qwen2-Audio and a composition (CLIP + a Qwen2 causal LM with tied
+For LLaVA, Qwen2-VL (pp=3; its step mixes video clips, one of an odd frame count, images and text
+from the shipped video mix), Qwen2-Audio and a composition (CLIP + a Qwen2 causal LM with tied
 embeddings + a projector from another folder): one SGD step through the pipeline gives the loss of
 the transformers model's own forward on the same samples (`train.record_samples=true` says which),
 and the same updated parameters as its own backward and step, read back through `mmpipe export`
@@ -65,6 +66,10 @@ def test_one_pipeline_step_equals_transformers(kind, hf_checkpoints, run_mmpipe,
     ref = Reference(kind, hf_checkpoints)
     model = ref.model()
     keys = _step_keys(run, 1)
+    if kind == "qwen2-vl":  # the step holds videos (one of an odd frame count), images and text-only samples
+        raws = raw_samples(set(keys)).values()
+        assert all(any(r[m] for r in raws) for m in ("videos", "images")), keys
+        assert any(not r["videos"] and not r["images"] for r in raws), keys
     loss = _reference_step(ref, model, keys)
     loss.backward()
     ours = run.metrics()[0]["loss"]

@@ -1,8 +1,8 @@
 """Models made of Hugging Face transformers classes, built, loaded and exported per pipeline layer.
 
 Supported: `LlavaForConditionalGeneration` (CLIP / SigLIP tower, Llama / Mistral / Qwen2),
-`Qwen2VLForConditionalGeneration`, `Qwen2AudioForConditionalGeneration`, and compositions of
-unimodal checkpoints (`model=compose`). See docs/hf.md.
+`Qwen2VLForConditionalGeneration` (images and videos), `Qwen2AudioForConditionalGeneration`, and
+compositions of unimodal checkpoints (`model=compose`). See docs/hf.md.
 
 What the runtime calls:
 - spec: `spec_from_settings(model_group)`, or `spec_from_folder(DIR)`, `spec_from_config(dict,
@@ -10,7 +10,7 @@ What the runtime calls:
 - layers: `build_layer(spec, name, seed=...)` (one rank, its layers only; loads its tensors),
   `build_layers` (one process), `tied_embedding(spec)` (DeepSpeed TiedLayerSpec wiring),
   `placeholder_tokens(spec)`;
-- data: `preprocess_image`, `preprocess_audio` per sample, then
+- data: `preprocess_image`, `preprocess_audio`, `preprocess_video` per sample, then
   `mmpipe.runtime.batch.collate_hf`;
 - loading figures: `LOAD_LOG`, `stage_load_summary(names)`;
 - memory: `estimate_memory(spec, stages=..., trainable=...)`, `check_memory(...)`;
@@ -24,9 +24,11 @@ from mmpipe.model.hf.export import ExportReport, export, save_layer_states
 from mmpipe.model.hf.media import AudioInput, ImageInput, preprocess_audio, preprocess_image
 from mmpipe.model.hf.memory import StageMemory, check_memory, estimate_memory, layer_params
 from mmpipe.model.hf.settings import spec_from_settings
+from mmpipe.model.hf.video import VideoInput, preprocess_video
 from mmpipe.model.hf.weights import LOAD_LOG, LoadReport, stage_load_summary
 
 __all__ = ["AudioInput", "ExportReport", "ImageInput", "LOAD_LOG", "LoadReport", "StageMemory", "TiedEmbedding",
-           "build_layer", "build_layers", "check_memory", "estimate_memory", "export", "layer_params",
-           "placeholder_tokens", "preprocess_audio", "preprocess_image", "save_layer_states", "spec_from_compose",
-           "spec_from_config", "spec_from_folder", "spec_from_settings", "stage_load_summary", "tied_embedding"]
+           "VideoInput", "build_layer", "build_layers", "check_memory", "estimate_memory", "export", "layer_params",
+           "placeholder_tokens", "preprocess_audio", "preprocess_image", "preprocess_video", "save_layer_states",
+           "spec_from_compose", "spec_from_config", "spec_from_folder", "spec_from_settings", "stage_load_summary",
+           "tied_embedding"]

@@ -24,6 +24,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from mmpipe.model.hf.configs import ARCHITECTURES, config_from_dict, config_json
 from mmpipe.model.hf.media import make_feature_extractor, make_image_processor
+from mmpipe.model.hf.video import VIDEO_PROCESSORS, make_video_processor, read_video_processor_config, video_spec
 from mmpipe.model.spec import AudioSpec, HFSource, LLMSpec, ModelSpec, VisionSpec
 
 LLM_TYPES = ("llama", "mistral", "qwen2")
@@ -153,19 +154,21 @@ def _llava_vision(config: PretrainedConfig, ip: Mapping[str, Any] | None, what: 
         proj=(text.hidden_size, text.hidden_size), channels=vc.num_channels)
 
 
-def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> VisionSpec:
+def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any], what: str) -> VisionSpec:
     vc = config.vision_config
     proc = make_image_processor(ip)
     for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
                       ("temporal_patch_size", vc.temporal_patch_size)):
         if getattr(proc, key) != ours:
             raise ValueError(f"{what}: the image processor has {key}={getattr(proc, key)} but the vision tower {ours}")
+    video = video_spec(make_video_processor(config.model_type, vp), patch=vc.patch_size, merge=vc.spatial_merge_size,
+                       temporal=vc.temporal_patch_size, what=what)
     merged = vc.embed_dim * vc.spatial_merge_size ** 2
     return VisionSpec(
         blocks=vc.depth, hidden=vc.embed_dim, mlp=int(vc.embed_dim * vc.mlp_ratio), heads=vc.num_heads,
         patch=vc.patch_size, resize="smart", min_pixels=int(proc.size.shortest_edge),
         max_pixels=int(proc.size.longest_edge), merge=vc.spatial_merge_size, temporal_patch=vc.temporal_patch_size,
-        proj=(merged, vc.hidden_size), channels=vc.in_channels)
+        proj=(merged, vc.hidden_size), channels=vc.in_channels, video=video)
 
 
 def _audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) -> AudioSpec:
@@ -212,7 +215,8 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
                      weights: tuple[tuple[str, str], ...] = (),
                      image_processor: Mapping[str, Any] | None = None,
                      feature_extractor: Mapping[str, Any] | None = None,
-                     max_seq_len: int | None = None, what: str = "model.config") -> ModelSpec:
+                     max_seq_len: int | None = None, what: str = "model.config",
+                     video_processor: Mapping[str, Any] | None = None) -> ModelSpec:
     """The spec of a supported architecture given its transformers config.
 
     Args:
@@ -221,6 +225,9 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
         weights: (part, folder) pairs the weights load from (empty: random initialisation).
         image_processor, feature_extractor: processor configs (transformers' defaults if None).
         max_seq_len: longest sample; the config's max_position_embeddings if None.
+        video_processor: the video processor's config of an architecture that takes video
+            (Qwen2-VL); None: the image processor's, the fallback transformers takes for a
+            folder without a video processor file.
     """
     if not isinstance(config, PretrainedConfig):
         config = config_from_dict(config, what=what)
@@ -229,11 +236,14 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
         image_processor = dict(image_processor or default_image_processor(config))
     if kind == "qwen2_audio":
         feature_extractor = dict(feature_extractor or default_feature_extractor(config))
+    if kind in VIDEO_PROCESSORS:
+        video_processor = dict(video_processor or image_processor)
     arch = ARCHITECTURES[kind]
     config.architectures = [arch]
     src = HFSource(architecture=arch, config=config_json(config), weights=tuple(weights),
                    image_processor=json.dumps(image_processor, sort_keys=True) if kind != "qwen2_audio" else "",
-                   feature_extractor=json.dumps(feature_extractor, sort_keys=True) if kind == "qwen2_audio" else "")
+                   feature_extractor=json.dumps(feature_extractor, sort_keys=True) if kind == "qwen2_audio" else "",
+                   video_processor=json.dumps(video_processor, sort_keys=True) if kind in VIDEO_PROCESSORS else "")
     from mmpipe.model.hf.skeleton import ties_embeddings  # builds the model on the meta device
 
     llm = _llm_spec(config.get_text_config(), tie=ties_embeddings(src), max_seq_len=max_seq_len)
@@ -241,7 +251,7 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
     if kind == "llava":
         vision = _llava_vision(config, image_processor, what)
     elif kind == "qwen2_vl":
-        vision = _qwen2_vl_vision(config, image_processor, what)
+        vision = _qwen2_vl_vision(config, image_processor, video_processor, what)
     else:
         audio = _audio(config, feature_extractor, what)
     return ModelSpec(name=name, llm=llm, vision=vision, audio=audio, hf=src)
@@ -252,7 +262,8 @@ def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len
     """The spec of a checkpoint folder (its config.json, preprocessor files and weights)."""
     config = read_config(folder, what=what)
     check_supported(config, what=f"{what}={str(folder)!r}")
+    video = read_video_processor_config(folder, config.model_type) if config.model_type in VIDEO_PROCESSORS else None
     return spec_from_config(config, name=name or Path(folder).name, weights=(("model", str(folder)),),
                             image_processor=read_processor_config(folder, "image_processor"),
                             feature_extractor=read_processor_config(folder, "feature_extractor"),
-                            max_seq_len=max_seq_len, what=f"{what}={str(folder)!r}")
+                            max_seq_len=max_seq_len, what=f"{what}={str(folder)!r}", video_processor=video)

@@ -61,6 +61,14 @@ def placeholder_tokens(spec: ModelSpec) -> tuple[int, int]:
     return (-1 if image is None else int(image)), (-1 if audio is None else int(audio))
 
 
+def video_token(spec: ModelSpec) -> int:
+    """The video placeholder token id of the transformers config (-1 for a model without video)."""
+    if spec.vision is None or spec.vision.video is None:
+        return -1
+    tid = getattr(hf_config(spec.hf), "video_token_id", None)
+    return -1 if tid is None else int(tid)
+
+
 def _make(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
     src = spec.hf
     kind_of = model_type(src)
@@ -68,7 +76,7 @@ def _make(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
     if comp == "llm":
         if kind == "embed":
             image, audio = placeholder_tokens(spec)
-            return L.HFLLMEmbed(parts, image_token=image, audio_token=audio)
+            return L.HFLLMEmbed(parts, image_token=image, audio_token=audio, video_token=video_token(spec))
         if kind == "block":
             return L.HFLLMBlock(parts, mrope=kind_of == "qwen2_vl")
         return {"norm": L.HFLLMNorm, "head": L.HFLLMHead}[kind](parts)

@@ -45,7 +45,8 @@ def _chatml(items: str) -> str:
 
 
 _TEXT = "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
-QWEN2_VL_TEMPLATE = _chatml("{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>" + _TEXT)
+QWEN2_VL_TEMPLATE = _chatml("{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+                            "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>" + _TEXT)
 QWEN2_AUDIO_TEMPLATE = _chatml("{% if content['type'] == 'audio' %}{% set audio_count.value = audio_count.value + 1 %}"
                                "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n" + _TEXT)
 TEXT_TEMPLATE = (  # a text LLM's ChatML: string content only
@@ -153,8 +154,15 @@ def write_llava(root: Path, texts: list[str]) -> Path:
 
 
 def write_qwen2_vl(root: Path, texts: list[str]) -> Path:
-    """A 2-block Qwen2-VL tower (14-px patches, 2x2 merge, images of 4 to 16 tokens) + its M-RoPE decoder."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    """A 2-block Qwen2-VL tower (14-px patches, 2x2 merge, images and video frames of 4 to 16 tokens)
+    + its M-RoPE decoder. Its video processor keeps transformers' default frame rule (every frame,
+    do_sample_frames=false), so clips of an odd frame count are padded by the processor."""
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+        Qwen2VLVideoProcessor,
+    )
 
     torch.manual_seed(42)
     tok = qwen_tokenizer(texts)
@@ -170,6 +178,7 @@ def write_qwen2_vl(root: Path, texts: list[str]) -> Path:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     folder = _save(Qwen2VLForConditionalGeneration(cfg), tok, QWEN2_VL_TEMPLATE, root / "qwen2-vl", 42)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(folder)
+    Qwen2VLVideoProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(folder)
     return folder
 
 

@@ -34,7 +34,7 @@ SHARD_BYTES = 5 * 2**30
 """Largest shard written (transformers' own default for save_pretrained)."""
 _TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.json", "chat_template.jinja")
-_MEDIA_FILES = ("preprocessor_config.json", "processor_config.json")
+_MEDIA_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,6 +131,8 @@ def _copy_files(spec: ModelSpec, out: Path, tokenizer: str | Path | None) -> Non
         text = src.image_processor or src.feature_extractor
         if text:
             (out / "preprocessor_config.json").write_text(text + "\n")
+        if src.video_processor and src.video_processor != src.image_processor:  # else transformers falls back
+            (out / "video_preprocessor_config.json").write_text(src.video_processor + "\n")
 
 
 def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: int = 0,

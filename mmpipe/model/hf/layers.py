@@ -184,14 +184,15 @@ class AudioProj(HFLayer):
 
 
 class HFLLMEmbed(LLMEmbed):
-    """The decoder's token embedding; image/audio embeddings replace their placeholders in
-    order (transformers' masked_scatter)."""
+    """The decoder's token embedding; image, video and audio embeddings replace their
+    placeholders in order (transformers' masked_scatter of each)."""
 
-    def __init__(self, parts: dict[str, nn.Module], *, image_token: int, audio_token: int):
+    def __init__(self, parts: dict[str, nn.Module], *, image_token: int, audio_token: int, video_token: int = -1):
         PipeLayer.__init__(self)
         self.embed = parts["embed"]
         self.image_token = image_token
         self.audio_token = audio_token
+        self.video_token = video_token
         self.frozen_params = frozenset()
 
 

@@ -6,6 +6,8 @@ model would be given. The image processor class is the one transformers' AutoIma
 picks for the config's `image_processor_type`: with torchvision installed (a dependency of
 mmpipe) that is the torchvision backend, whose resize differs from the PIL backend's by a few
 units in the last place, so mmpipe gives the model what a transformers user's processor gives.
+Videos go through the checkpoint's video processor (model/hf/video.py, on torchvision); their
+patches join the images' in the carrier (`carrier_media`) and their tokens get 3-D positions here.
 Placeholder expansion and tokens are the text side's; these functions give each sample's arrays
 and the counts the placeholders must match (equal to `mmpipe.model.geometry` by construction,
 and checked).
@@ -153,29 +155,35 @@ def preprocess_audio(spec: ModelSpec, waveform: np.ndarray, sample_rate: int) ->
 
 
 def mrope_positions(input_ids: Sequence[int], grids: Sequence[Sequence[int]], *, image_token: int,
-                    merge: int) -> np.ndarray:
+                    merge: int, video_token: int = -1, video_grids: Sequence[Sequence[int]] = ()) -> np.ndarray:
     """Qwen2-VL's 3-D positions [3, n] of one sample, as transformers' `get_rope_index` makes
-    them: text runs count on from the current position on all three axes; a run of image
-    tokens (one image) takes (t, row, col) of its merged grid offset by the current position,
-    which then advances by max(rows, cols) / merge."""
+    them: text runs count on from the current position on all three axes; a run of image tokens
+    (one image) or of video tokens (one video) takes (t, row, col) of its merged grid offset by
+    the current position (a video's t counts its temporal patches), which then advances by
+    max(rows, cols) / merge."""
     ids = np.asarray(input_ids)
-    parts, pos, images = [], 0, iter(grids)
-    for is_image, run in itertools.groupby(ids == image_token):
+    kind = np.where(ids == image_token, 1, np.where((ids == video_token) & (video_token >= 0), 2, 0))
+    parts, pos = [], 0
+    items = {1: iter(grids), 2: iter(video_grids)}
+    for k, run in itertools.groupby(kind.tolist()):
         n = len(list(run))
-        if not is_image:
+        if not k:
             parts.append(np.broadcast_to(np.arange(pos, pos + n), (3, n)))
             pos += n
             continue
-        t, h, w = next(images, (0, 0, 0))
+        what = "image" if k == 1 else "video"
+        t, h, w = next(items[k], (0, 0, 0))
         gh, gw = h // merge, w // merge
         if t * gh * gw != n:
-            raise ValueError(f"a run of {n} image tokens does not match an image of {t * gh * gw} tokens; "
-                             f"images must be separated by text (Qwen2-VL's <|vision_start|>/<|vision_end|>)")
+            raise ValueError(f"a run of {n} {what} tokens does not match an {what} of {t * gh * gw} tokens; "
+                             f"images and videos must be separated by text (Qwen2-VL's "
+                             f"<|vision_start|>/<|vision_end|>)")
         tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
         parts.append(np.stack([tt, hh, ww]).reshape(3, -1) + pos)
         pos += max(h, w) // merge
-    if next(images, None) is not None:
-        raise ValueError("more images than image-token runs in a sample")
+    for k, what in ((1, "images"), (2, "videos")):
+        if next(items[k], None) is not None:
+            raise ValueError(f"more {what} than {what[:-1]}-token runs in a sample")
     return np.concatenate(parts, axis=1).astype(np.int64) if parts else np.zeros((3, 0), dtype=np.int64)
 
 
@@ -184,21 +192,30 @@ def uses_mrope(spec: ModelSpec) -> bool:
     return spec.hf is not None and json.loads(spec.hf.config).get("model_type") == "qwen2_vl"
 
 
-def sample_positions(spec: ModelSpec, input_ids: Sequence[int], images: Sequence[ImageInput]) -> np.ndarray:
-    """A Qwen2-VL sample's M-RoPE positions [3, n] from its tokens and processed images."""
-    image_token = json.loads(spec.hf.config)["image_token_id"]
-    return mrope_positions(input_ids, [img.grid for img in images], image_token=image_token, merge=spec.vision.merge)
+def sample_positions(spec: ModelSpec, input_ids: Sequence[int], images: Sequence[ImageInput],
+                     videos: Sequence[Any] = ()) -> np.ndarray:
+    """A Qwen2-VL sample's M-RoPE positions [3, n] from its tokens, processed images and videos."""
+    config = json.loads(spec.hf.config)
+    video_token = config.get("video_token_id", -1) if videos else -1
+    return mrope_positions(input_ids, [img.grid for img in images], image_token=config["image_token_id"],
+                           merge=spec.vision.merge, video_token=video_token,
+                           video_grids=[vid.grid for vid in videos])
 
 
-def carrier_media(spec: ModelSpec, images: Sequence[ImageInput],
-                  clips: Sequence[AudioInput]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def carrier_media(spec: ModelSpec, images: Sequence[ImageInput], clips: Sequence[AudioInput],
+                  videos: Sequence[Any] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The carrier's media slots of a micro-batch: (pixels, grid, features, frames).
 
     LLaVA: pixels [N, C, S, S], grid [N, 2]; Qwen2-VL: pixels [patches, C*T*p*p] of all images
-    in order, grid_thw [N, 3]; Qwen2-Audio: features [clips, mel, F] zero-filled past each
-    clip's own frames, frames [clips] (valid mel frames).
+    in order and then of all videos (VideoInput) in order, grid_thw [images + videos, 3] (the
+    carrier's VIDEOS slot says how many trailing rows are videos); Qwen2-Audio: features
+    [clips, mel, F] zero-filled past each clip's own frames, frames [clips] (valid mel frames).
     """
     v, a = spec.vision, spec.audio
+    if videos:
+        if v is None or v.resize == "fixed":
+            raise ValueError(f"model {spec.name} takes no video in its image slots")
+        images = [*images, *videos]  # same patch layout: [t*rows*cols, C*T*p*p] with grid (t, rows, cols)
     if images:
         if v is not None and v.resize == "fixed":
             pixels = torch.from_numpy(np.stack([img.pixels for img in images]))

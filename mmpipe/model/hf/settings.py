@@ -13,7 +13,7 @@ from mmpipe.model.spec import ModelSpec
 
 FOLDER_KEYS = ("name", "path", "max_seq_len")
 """`model=hf` (conf/model/hf.yaml)."""
-CONFIG_KEYS = ("name", "config", "image_processor", "feature_extractor", "max_seq_len")
+CONFIG_KEYS = ("name", "config", "image_processor", "feature_extractor", "video_processor", "max_seq_len")
 """A preset stating its transformers config inline (conf/model/llava-1.5-7b.yaml ...)."""
 COMPOSE_KEYS = ("name", "vision", "audio", "llm", "projector", "vision_feature_layer", "vision_feature_select_strategy",
                 "projector_hidden_act", "image_token_id", "audio_token_id", "max_seq_len")
@@ -31,7 +31,7 @@ def spec_from_settings(group: Mapping[str, Any]) -> ModelSpec:
         ---
         name: qwen2-vl-7b         # a preset: the Hub config.json and processor config, inline (no weights)
         config: {...}
-        image_processor: {...}    # or feature_extractor: {...}
+        image_processor: {...}    # or feature_extractor: {...}; video_processor: {...} (default: the image one)
         ---
         name: null                # model=compose
         vision: {path: DIR}       # or audio: {path: DIR}
@@ -58,7 +58,8 @@ def spec_from_settings(group: Mapping[str, Any]) -> ModelSpec:
     if not name:
         raise ValueError("model.name is missing; a preset with an inline config names itself")
     return spec_from_config(group["config"], name=name, image_processor=group.get("image_processor"),
-                            feature_extractor=group.get("feature_extractor"), max_seq_len=max_len)
+                            feature_extractor=group.get("feature_extractor"), max_seq_len=max_len,
+                            video_processor=group.get("video_processor"))
 
 
 def _known(group: Mapping[str, Any], keys: tuple[str, ...], what: str) -> None:

@@ -35,9 +35,10 @@ def tiny_spec() -> ModelSpec:
 
 @pytest.fixture(scope="session")
 def mini_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 synthetic samples in 4 shards (every task kind appears)."""
+    """40 synthetic samples in 4 shards (every task kind appears), and a video mix of 14 samples
+    (6 clips) in 2 shards (shards/video-00000{0,1}.tar)."""
     out = tmp_path_factory.mktemp("mini")
-    generate(SynthConfig(out=out, samples=40, shards=4, seed=3))
+    generate(SynthConfig(out=out, samples=40, shards=4, seed=3, video_samples=14, video_shards=2))
     return out
 
 

@@ -256,3 +256,49 @@ def test_onevision_sharegpt_and_messages_shapes(tmp_path, mini_tok, tiny_spec) -
     assert "m2.0.flac" in names and "sg.0.wav" in names
     assert m2["conversations"] == [{"from": "human", "value": "<image>\n<audio>\nWhat?"},
                                    {"from": "gpt", "value": "a tone"}]
+
+
+def test_llava_video_entries_become_container_members_with_their_header_meta(tmp_path, mini_tok, tiny_spec) -> None:
+    """LLaVA-Video entries (`"video": "clip.mp4"`, `<video>` in the text) under shards.video_root: the
+    container is stored as it is, its meta read from the header, confined to the root like images."""
+    from mmpipe.data.synth_video import write_mp4
+    from mmpipe.data.video import probe_video
+    from mmpipe.model.geometry import features, video_meta_from_json
+
+    vids = tmp_path / "videos"
+    vids.mkdir()
+    rng = np.random.default_rng(0)
+    good = write_mp4([rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(9)], 6,
+                     np.sin(np.arange(12000) / 4.0) * 0.3)
+    (vids / "a.mp4").write_bytes(good)
+    (vids / "garbage.mp4").write_bytes(bytes(range(256)) * 10)
+    (tmp_path / "outside.mp4").write_bytes(good)
+    items = [
+        {"id": "v1", "video": "a.mp4", "conversations": turn("<video>\nWhat moves?", "a red square")},
+        {"id": "v2", "video": "a.mp4", "conversations": turn("What moves?", "a red square")},  # placeholder added
+        {"id": "v3", "messages": [{"role": "user", "content": [{"type": "video", "path": "a.mp4"},
+                                                               {"type": "text", "text": "What moves?"}]},
+                                  {"role": "assistant", "content": "a square"}]},
+        {"id": "bad-garbage", "video": "garbage.mp4", "conversations": turn("<video>\nWhat?", "x")},
+        {"id": "bad-outside", "video": "../outside.mp4", "conversations": turn("<video>\nWhat?", "x")},
+        {"id": "bad-count", "video": "a.mp4", "conversations": turn("<video>\n<video>\nWhat?", "x")},
+    ]
+    (tmp_path / "v.json").write_text(json.dumps(items))
+    report = convert(json_path=tmp_path / "v.json", out=tmp_path / "out", tokenizer=mini_tok, spec=tiny_spec,
+                     video_root=vids, progress=False)
+    assert report.skips.as_dict() == {"undecodable video": 1, "unsafe path": 1, "placeholder mismatch": 1}
+    assert report.skipped_ids["unsafe path"] == ["bad-outside"] and report.prepended == 1
+    assert report.index["by_modality"]["video"]["videos"] == 3
+    with tarfile.open(tmp_path / "out" / "train-000000.tar") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert members["v1.0.mp4"] == good  # the container as it is
+    meta = json.loads(members["v2.json"])["meta"]
+    assert json.loads(members["v2.json"])["conversations"][0]["value"] == "<video>\nWhat moves?"
+    assert video_meta_from_json(meta["videos"][0]) == probe_video(good)
+    assert meta["videos"][0]["audio"] == {"seconds": pytest.approx(1.5), "rate": 8000}
+    s = SampleStream(path=str(tmp_path / "out" / "train-000000.tar"), tokenizer=mini_tok, spec=tiny_spec, epochs=1)
+    got = list(s)
+    assert [x.key for x in got] == ["v1", "v2", "v3"] and s.skips.total == 0
+    for x in got:
+        assert x.input_ids.count(mini_tok.video_id) == sum(features(tiny_spec, x.meta).video_tokens) > 0
+        assert x.videos[0].frames.shape == (6, 48, 64, 3)  # 9 frames at 6 fps, 4 a second: 6 picked

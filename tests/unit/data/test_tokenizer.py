@@ -21,10 +21,12 @@ def test_round_trip_is_exact_including_digits_newlines_and_unseen_text() -> None
 def test_special_ids_are_fixed_and_placeholders_are_single_tokens() -> None:
     tok = build_tokenizer(CORPUS)
     assert tok.pad_id == 0
-    ids = [tok.pad_id, tok.bos_id, tok.eos_id, tok.user_id, tok.assistant_id, tok.image_id, tok.audio_id]
+    ids = [tok.pad_id, tok.bos_id, tok.eos_id, tok.user_id, tok.assistant_id, tok.image_id, tok.audio_id,
+           tok.video_id]
     assert ids == list(range(len(SPECIAL_TOKENS)))
     assert tok.encode("<image>") == [tok.image_id]
     assert tok.encode("<audio>") == [tok.audio_id]
+    assert tok.encode("<video>") == [tok.video_id]
     assert tok.decode([tok.bos_id, tok.eos_id]) == "<bos><eos>"
     assert tok.decode([tok.bos_id, *tok.encode("hi"), tok.eos_id], skip_special=True) == "hi"
 

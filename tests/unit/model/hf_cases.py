@@ -41,7 +41,7 @@ from mmpipe.model.hf.skeleton import owned_keys
 from mmpipe.model.layers import run_layers, token_loss
 from mmpipe.runtime.batch import collate_hf
 
-VOCAB, IMAGE, AUDIO, VSTART, VEND = 300, 290, 291, 292, 293
+VOCAB, IMAGE, AUDIO, VSTART, VEND, VIDEO = 300, 290, 291, 292, 293, 294
 TEXT = (10, 280)
 
 
@@ -73,15 +73,21 @@ def write_llava(root: Path, *, vision: str, llm: str, layer: int, select: str, s
     return folder
 
 
-def write_qwen2_vl(root: Path, *, seed: int) -> Path:
-    torch.manual_seed(seed)
-    cfg = Qwen2VLConfig(
+def qwen2_vl_config() -> Qwen2VLConfig:
+    return Qwen2VLConfig(
         vision_config=dict(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2),
         text_config=dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4}),
-        image_token_id=IMAGE, video_token_id=294, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+
+
+def write_qwen2_vl(root: Path, *, seed: int) -> Path:
+    """Its folder has an image processor file only: the video processor falls back to it (every
+    frame, the image's pixel bounds), as transformers' own loading does."""
+    torch.manual_seed(seed)
+    cfg = qwen2_vl_config()
     model = Qwen2VLForConditionalGeneration(cfg)
     perturb(model, seed)
     folder = root / "qwen2-vl"
@@ -116,6 +122,8 @@ class Sample:
     labels: list[int]
     images: list = field(default_factory=list)
     audio: list = field(default_factory=list)
+    videos: list = field(default_factory=list)
+    """(uint8 frames [n, H, W, 3], VideoMeta) per clip: the frames its video processor takes."""
 
 
 def random_image(rng: np.random.Generator, h: int, w: int) -> bytes:
@@ -128,13 +136,13 @@ def text(rng: np.random.Generator, n: int) -> list[int]:
     return [int(x) for x in rng.integers(*TEXT, n)]
 
 
-def sample(key: str, pieces: list, images=(), audio=()) -> Sample:
+def sample(key: str, pieces: list, images=(), audio=(), videos=()) -> Sample:
     """Tokens from pieces (lists of ids); labels on every text token after the first piece."""
     ids, labels = [], []
     for i, piece in enumerate(pieces):
         ids += piece
-        labels += [t if i > 0 and t not in (IMAGE, AUDIO, VSTART, VEND) else -100 for t in piece]
-    return Sample(key=key, input_ids=ids, labels=labels, images=list(images), audio=list(audio))
+        labels += [t if i > 0 and t not in (IMAGE, AUDIO, VSTART, VEND, VIDEO) else -100 for t in piece]
+    return Sample(key=key, input_ids=ids, labels=labels, images=list(images), audio=list(audio), videos=list(videos))
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -261,9 +269,12 @@ def load_reference(cls, folder):
 def compare(spec, layers, hf_model, hf_loss, samples, *, packings=(True, False)):
     """Our loss and gradients on the samples, packed into one row and padded, equal the
     transformers model's (one backward of `hf_loss`)."""
+    from mmpipe.model.hf.video import preprocess_video
+
     hf_loss.backward()
     ours = [Sample(s.key, s.input_ids, s.labels, [preprocess_image(spec, b) for b in s.images],
-                   [preprocess_audio(spec, w, 16000) for w in s.audio]) for s in samples]
+                   [preprocess_audio(spec, w, 16000) for w in s.audio],
+                   [preprocess_video(spec, f, m, tuple(range(len(f)))) for f, m in s.videos]) for s in samples]
     for packed in packings:
         mb = collate_hf(ours, spec=spec, packed=packed, pad_id=0)
         loss = our_loss_and_grads(layers, mb)

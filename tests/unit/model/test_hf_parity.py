@@ -3,8 +3,12 @@ gradients of the transformers model itself, on inputs made by the checkpoint's p
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
+import torch
+from PIL import Image
 from transformers import (
     LlavaForConditionalGeneration,
     Qwen2AudioForConditionalGeneration,
@@ -51,6 +55,44 @@ def test_qwen2_vl_layers_equal_transformers(qwen2_vl):
     out = hf(input_ids=ids, attention_mask=H.mask(samples), pixel_values=inputs["pixel_values"],
              image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(ids == H.IMAGE).int(),
              labels=H.padded(samples, "labels"))
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
+
+
+def test_qwen2_vl_video_layers_equal_transformers(qwen2_vl):
+    """Videos and images in one sample, in both orders, a clip of an odd frame count: the pipeline
+    layers (one tower pass over images and videos, video embeddings on the video tokens, M-RoPE
+    over video tokens) give transformers' loss and gradients, packed and padded. Both sides get
+    the same pixel values (the folder's image processor, PIL backend, and its video processor)."""
+    from mmpipe.model.geometry import VideoMeta, video_tokens
+    from mmpipe.model.hf.media import image_processor
+    from mmpipe.model.hf.video import video_processor
+
+    spec = spec_from_folder(qwen2_vl)
+    rng = np.random.default_rng(6)
+    clips = [(rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8), VideoMeta(frames=n, fps=4.0, height=h, width=w))
+             for n, h, w in ((5, 56, 56), (4, 28, 84))]
+    imgs = [H.random_image(rng, h, w) for h, w in ((56, 90), (70, 70))]
+    ni = [image_tokens(spec.vision, h, w) for h, w in ((56, 90), (70, 70))]
+    nv = [video_tokens(spec.vision, m) for _, m in clips]
+    assert nv == [12, 6]
+
+    def item(token, n):
+        return [H.VSTART] + [token] * n + [H.VEND]
+
+    samples = [H.sample("a", [H.text(rng, 4), item(H.VIDEO, nv[0]), H.text(rng, 3), item(H.IMAGE, ni[0]),
+                              H.text(rng, 9)], images=imgs[:1], videos=clips[:1]),
+               H.sample("b", [H.text(rng, 2), item(H.IMAGE, ni[1]), H.text(rng, 5), item(H.VIDEO, nv[1]),
+                              H.text(rng, 6)], images=imgs[1:], videos=clips[1:])]
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in imgs]
+    images = image_processor(spec.hf)(images=pil, return_tensors="pt")
+    videos = video_processor(spec.hf)(videos=[f for f, _ in clips], return_tensors="pt")
+    assert videos["video_grid_thw"].tolist() == [[3, 4, 4], [2, 2, 6]]  # 5 frames: the last repeated
+    ids = H.padded(samples, "input_ids")
+    hf = H.load_reference(Qwen2VLForConditionalGeneration, qwen2_vl)
+    out = hf(input_ids=ids, attention_mask=H.mask(samples), pixel_values=torch.as_tensor(images["pixel_values"]),
+             image_grid_thw=torch.as_tensor(images["image_grid_thw"]),
+             pixel_values_videos=videos["pixel_values_videos"], video_grid_thw=videos["video_grid_thw"],
+             mm_token_type_ids=(ids == H.IMAGE).int() + 2 * (ids == H.VIDEO).int(), labels=H.padded(samples, "labels"))
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
 
 

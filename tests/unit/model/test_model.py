@@ -7,15 +7,24 @@ import pytest
 import torch
 import yaml
 
+from mmpipe.data.video import DecodedVideo
 from mmpipe.model import carrier as C
-from mmpipe.model.geometry import audio_frames, audio_tokens, image_tokens, resize_image
+from mmpipe.model.geometry import (
+    VideoMeta,
+    audio_frames,
+    audio_tokens,
+    image_tokens,
+    resize_image,
+    video_grid,
+    video_tokens,
+)
 from mmpipe.model.group import model_from_group
 from mmpipe.model.layers import build_layer, build_layers, run_layers, token_loss
 from mmpipe.model.spec import is_trainable, layer_names, spec_from_dict
 from mmpipe.paths import PACKAGE_ROOT
 from mmpipe.runtime.batch import collate
 
-IMG, AUD = 5, 6
+IMG, AUD, VID = 5, 6, 7
 
 
 def tiny():
@@ -23,9 +32,19 @@ def tiny():
 
 
 class FakeSample:
-    def __init__(self, key, spec, rng, images=(), clips=(), text=12):
-        self.key, self.images, self.audio = key, [], []
+    def __init__(self, key, spec, rng, images=(), clips=(), text=12, videos=()):
+        """videos: (frames, fps, height, width) of each clip; its placeholder tokens come first."""
+        self.key, self.images, self.audio, self.videos = key, [], [], []
         ids, labels = [1, 3], [-100, -100]
+        for n, fps, h, w in videos:
+            meta = VideoMeta(frames=n, fps=fps, height=h, width=w)
+            t, gh, gw = video_grid(spec.vision, meta)
+            frames = rng.integers(0, 256, (t * spec.vision.video.temporal_patch, gh * spec.vision.patch,
+                                           gw * spec.vision.patch, 3), dtype=np.uint8)
+            self.videos.append(DecodedVideo(frames=frames, meta=meta))
+            n_tok = video_tokens(spec.vision, meta)
+            ids += [VID] * n_tok
+            labels += [-100] * n_tok
         for h, w in images:
             rh, rw = resize_image(spec.vision, h, w)
             self.images.append(rng.integers(0, 256, (rh, rw, 3), dtype=np.uint8))
@@ -51,7 +70,12 @@ def spec():
 
 @pytest.fixture
 def layers(spec):
-    return build_layers(spec, seed=0, image_token=IMG, audio_token=AUD)
+    return build_layers(spec, seed=0, image_token=IMG, audio_token=AUD, video_token=VID)
+
+
+def _collate(samples, spec, packed=True):
+    return collate(samples, patch=spec.vision.patch, packed=packed, pad_id=0,
+                   temporal_patch=spec.vision.video.temporal_patch)
 
 
 def test_layer_names_follow_the_grammar_in_order(spec):
@@ -118,6 +142,52 @@ def test_image_and_audio_embeddings_land_on_their_placeholders(spec, layers):
     torch.testing.assert_close(h[text], layers[8].embed.weight[ids[text]])
 
 
+def test_video_embeddings_land_on_video_tokens_after_the_images(spec, layers):
+    """A sample whose video comes before its image in the text: the IMAGE slot holds the images'
+    embeddings first, then the videos'; llm.embed puts each on its own tokens, in order."""
+    rng = np.random.default_rng(5)
+    s = FakeSample("v", spec, rng, videos=[(16, 8.0, 48, 64), (6, 4.0, 32, 32)], images=[(40, 72)])
+    mb = _collate([s], spec)
+    assert mb.carrier[C.VIDEOS].tolist() == [2]
+    assert mb.carrier[C.IMAGE_GRID].tolist() == [[1, 4, 8], [4, 6, 8], [3, 4, 4]]  # image, then the videos
+    x = mb.carrier
+    for layer in layers[:4]:  # the vision tower and its projector
+        x = layer(x)
+    n_img = image_tokens(spec.vision, 40, 72)
+    n_vid = [video_tokens(spec.vision, v.meta) for v in s.videos]
+    assert n_vid == [48, 12] and x[C.IMAGE].shape == (n_img + sum(n_vid), spec.llm.hidden)
+    h = layers[8](layers[7](layers[6](layers[5](layers[4](x)))))[C.HIDDEN][0]
+    ids = torch.tensor(s.input_ids)
+    torch.testing.assert_close(h[ids == IMG], x[C.IMAGE][:n_img])
+    torch.testing.assert_close(h[ids == VID], x[C.IMAGE][n_img:])
+
+
+def test_a_video_patch_sees_its_frames_in_order(spec, layers):
+    """Temporal patches: swapping the two frames of a pair changes the embedding (the Conv3d reads
+    them in order); every temporal patch attends on its own, so changing the last pair leaves the
+    first pair's encoder states as they were."""
+    rng = np.random.default_rng(6)
+    s = FakeSample("v", spec, rng, videos=[(16, 8.0, 32, 32)])
+    frames = s.videos[0].frames  # 8 frames, 4 temporal patches
+
+    def tower(f):
+        s.videos[0] = DecodedVideo(frames=f, meta=s.videos[0].meta)
+        x = _collate([s], spec).carrier
+        for layer in layers[:3]:
+            x = layer(x)
+        return C.from_wire(x[C.IMAGE], torch.float32)[0]
+
+    base = tower(frames)
+    swapped = frames.copy()
+    swapped[[0, 1]] = frames[[1, 0]]
+    assert not torch.allclose(tower(swapped)[:16], base[:16])
+    changed = frames.copy()
+    changed[6:] = 255 - frames[6:]
+    other = tower(changed)
+    torch.testing.assert_close(other[:48], base[:48])
+    assert not torch.allclose(other[48:], base[48:])
+
+
 def test_text_only_sample_runs_no_encoder_work(spec, layers):
     rng = np.random.default_rng(1)
     s = FakeSample("t", spec, rng, text=30)
@@ -134,13 +204,13 @@ def test_text_only_sample_runs_no_encoder_work(spec, layers):
 def test_packed_and_padded_micro_batches_give_equal_loss_and_grads(spec, layers):
     rng = np.random.default_rng(2)
     samples = [FakeSample("a", spec, rng, images=[(30, 30)], text=5),
-               FakeSample("b", spec, rng, clips=[1.7], text=40),
+               FakeSample("b", spec, rng, clips=[1.7], text=40, videos=[(8, 4.0, 48, 48)]),
                FakeSample("c", spec, rng, images=[(100, 20), (16, 16)], clips=[0.4], text=9)]
     results = []
     for packed in (True, False):
         for l in layers:
             l.zero_grad()
-        mb = collate(samples, patch=spec.vision.patch, packed=packed, pad_id=0)
+        mb = _collate(samples, spec, packed=packed)
         loss = token_loss(run_layers(layers, mb.carrier), (mb.targets, torch.tensor([1.0 / mb.label_tokens])))
         loss.backward()
         results.append((loss.item(), [p.grad.clone() for l in layers for p in l.parameters()]))
@@ -176,14 +246,15 @@ def test_a_packed_sample_has_the_loss_and_gradient_of_its_unpacked_self(spec, la
     rng = np.random.default_rng(3)
     # Several images and clips on both sides: an image or clip that attends to another one
     # (of its own sample or of a neighbour) changes the loss or the gradients.
-    a = FakeSample("a", spec, rng, images=[(48, 32), (16, 40)], clips=[0.6, 0.3], text=20)
-    others = [FakeSample("b", spec, rng, clips=[0.9], text=50),
+    a = FakeSample("a", spec, rng, images=[(48, 32), (16, 40)], clips=[0.6, 0.3], text=20,
+                   videos=[(12, 6.0, 32, 48), (9, 4.0, 48, 32)])
+    others = [FakeSample("b", spec, rng, clips=[0.9], text=50, videos=[(16, 8.0, 32, 32)]),
               FakeSample("c", spec, rng, images=[(24, 80)], clips=[0.2, 0.5], text=7)]
 
     def loss_and_grads(samples, only_first: bool):
         for l in layers:
             l.zero_grad()
-        mb = collate(samples, patch=spec.vision.patch, packed=True, pad_id=0)
+        mb = _collate(samples, spec)
         targets = mb.targets.clone()
         if only_first:
             targets[0, len(samples[0].input_ids):] = -100  # keep only sample a's labels

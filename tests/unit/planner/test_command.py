@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from mmpipe.model.geometry import video_meta_json
 from mmpipe.model.spec import layer_names
 from mmpipe.planner.command import run_plan
 
@@ -120,11 +121,14 @@ def test_plan_from_shards_is_the_plan_of_their_metadata_as_a_trace(tmp_path):
     from mmpipe.data.reader import iter_meta
     from mmpipe.paths import PACKAGE_ROOT
 
-    shards = str(PACKAGE_ROOT / "data" / "shards" / "train-{000000..000007}.tar")
+    shards = "::".join(str(PACKAGE_ROOT / "data" / "shards" / f"{name}-{{000000..000007}}.tar")
+                       for name in ("video", "train"))  # the default data.path of data=shards
     keys, metas = zip(*itertools.islice(iter_meta(path=shards, epochs=1), 32))
+    assert any(m.videos for m in metas)
     trace = tmp_path / "meta.jsonl"
     trace.write_text("".join(json.dumps({"text_tokens": m.text_tokens, "images": [list(i) for i in m.images],
-                                         "audio_seconds": list(m.audio_seconds)}) + "\n" for m in metas))
+                                         "audio_seconds": list(m.audio_seconds),
+                                         "videos": [video_meta_json(v) for v in m.videos]}) + "\n" for m in metas))
     assert main(["plan", "data=shards", f"plan.out={tmp_path / 'a.json'}", "model=tiny", "hardware=cpu",
                  "parallel.pp=2", "parallel.dp=2", "train.global_batch=16", "train.micro_batches=2",
                  "plan.steps=2"]) == 0

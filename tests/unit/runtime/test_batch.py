@@ -43,9 +43,30 @@ def test_patches_rebuild_the_image():
     img = np.arange(16 * 24 * 3, dtype=np.uint8).reshape(16, 24, 3)
     mb = collate([S("i", [5] * 6, [-100] * 6, images=[img])], patch=8, packed=True, pad_id=0)
     patches, grid = mb.carrier[C.IMAGE], mb.carrier[C.IMAGE_GRID]
-    assert grid.tolist() == [[2, 3]]
+    assert grid.tolist() == [[1, 2, 3]]  # (temporal patches, rows, cols): an image is one temporal patch
     rebuilt = patches.reshape(2, 3, 3, 8, 8).permute(0, 3, 1, 4, 2).reshape(16, 24, 3)
     assert torch.equal(rebuilt, torch.from_numpy(img))
+
+
+def test_video_patches_are_frame_pairs_in_order_after_the_images():
+    """A video of 4 frames (2 temporal patches) after an image: the image's patches, then per
+    temporal patch and patch position its 2 frames' patches, in frame order (model/carrier.py)."""
+    from types import SimpleNamespace
+
+    img = np.arange(8 * 16 * 3, dtype=np.uint8).reshape(8, 16, 3)
+    clip = np.random.default_rng(0).integers(0, 256, (4, 16, 8, 3), dtype=np.uint8)
+    s = S("v", [5] * 6, [-100] * 6, images=[img])
+    s.videos = [SimpleNamespace(frames=clip)]
+    mb = collate([s], patch=8, packed=True, pad_id=0, temporal_patch=2)
+    patches, grid = mb.carrier[C.IMAGE], mb.carrier[C.IMAGE_GRID]
+    assert grid.tolist() == [[1, 1, 2], [2, 2, 1]] and mb.carrier[C.VIDEOS].tolist() == [1]
+    assert list(layout.read(mb.carrier[C.LAYOUT]).image.lengths) == [2, 2, 2]  # one segment per temporal patch
+    video = patches[2:]  # rows: (temporal patch, row, col, frame), each [C, p, p]
+    for t in range(2):
+        for r in range(2):
+            for f in range(2):
+                want = torch.from_numpy(clip[2 * t + f, 8 * r:8 * r + 8, :, :]).permute(2, 0, 1)
+                assert torch.equal(video[(t * 2 + r) * 2 + f], want), (t, r, f)
 
 
 def _run_lengths(ids: torch.Tensor) -> list[int]:
@@ -71,7 +92,7 @@ def test_the_carried_layout_is_what_the_layers_used_to_compute_per_layer():
         seg, grid, frames = mb.carrier[C.SEGMENT_IDS], mb.carrier[C.IMAGE_GRID], mb.carrier[C.AUDIO_FRAMES]
         rows = _run_lengths(seg[0]) if packed else (seg > 0).sum(1).tolist()
         assert list(lay.llm.lengths) == rows == [7, 3, 12]
-        assert list(lay.image.lengths) == (grid[:, 0] * grid[:, 1]).tolist() == [6, 5, 1]
+        assert list(lay.image.lengths) == (grid[:, 1] * grid[:, 2]).tolist() == [6, 5, 1]
         assert list(lay.audio.lengths) == (-(-frames // 3)).tolist() == [3, 10, 1]
         for stream, lengths in ((lay.llm, rows), (lay.image, [6, 5, 1]), (lay.audio, [3, 10, 1])):
             assert stream.cu_seqlens.dtype == torch.int32

@@ -105,7 +105,9 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
     """The planner's LLM length of a sample (from its metadata) is the length the runtime collates
     with the checkpoint's templater and processors, and the towers make as many embeddings as
     the text holds media tokens (the embedding layer refuses any other count)."""
-    rc = load(model_overrides(name, hf_checkpoints), job="test")
+    # the shipped data starts with the video mix (videos, images, text); an audio model reads the audio part
+    data = ["data.path='data/shards/train-{000000..000007}.tar'"] if name == "qwen2-audio" else []
+    rc = load([*model_overrides(name, hf_checkpoints), *data], job="test")
     spec, tok = rc.model, load_templater(rc)
     names = layer_names(spec)
     front = [build_layer(spec, n, seed=0) for n in names[:names.index("llm.embed") + 1]]
@@ -118,6 +120,8 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         mb = collate_hf([sample], spec=spec, packed=True, pad_id=tok.pad_id)
         assert mb.tokens == mb.carrier[0].shape[1] == f.llm_len, rec.key
         assert sample.input_ids.count(media_id) == sum(f.image_tokens) + sum(f.audio_tokens), rec.key
+        if f.video_tokens:
+            assert sample.input_ids.count(tok.video_id) == sum(f.video_tokens), rec.key
         carrier = mb.carrier
         for layer in front:
             carrier = layer(carrier)
@@ -127,6 +131,7 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         samples.append(sample)
         planned.append(f.llm_len)
     assert kinds["text"] and kinds["image" if spec.vision is not None else "audio"], kinds
+    assert kinds["video"] if name == "qwen2-vl" else not kinds["video"], kinds
     for packed in (True, False):
         mb = collate_hf(samples, spec=spec, packed=packed, pad_id=tok.pad_id)
         assert mb.tokens == sum(planned)

@@ -1,0 +1,134 @@
+"""A checkpoint's video processor (transformers' own class), the figures the geometry plans
+frames with, and a clip's frames through it.
+
+The processor is the one transformers builds for the checkpoint: its class by the model type
+(`VIDEO_PROCESSORS`), its configuration found in a folder as transformers finds it
+(`BaseVideoProcessor.get_video_processor_dict`: processor_config.json's `video_processor`, else
+video_preprocessor_config.json, else preprocessor_config.json, the image processor's own
+file), or for an inline preset the `video_processor` mapping, else its `image_processor` (the
+same fallback). `video_spec` turns its settings into the `VideoSpec` that
+`mmpipe.model.geometry` plans with, so the planner's frames, patches and tokens are the
+processor's (tests/unit/model/test_video_geometry.py compares them over many clips).
+
+The data layer decodes only the frames the geometry picks (`mmpipe.data.video.decode_frames`)
+and hands them to `preprocess_video`, which calls the processor with `do_sample_frames=False`
+(the frames are already the sampled ones) and the clip's `VideoMetadata`, `frames_indices`
+included, as transformers' own decoding would have filled it: resize, rescale, normalize,
+temporal padding and patch layout are the processor's. For the later architectures
+(Qwen2.5-VL's `second_per_grid_ts`, Omni's `video_second_per_grid`) `VideoInput.sampled_fps`
+is that metadata's `sampled_fps`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmpipe.model.geometry import VideoMeta, video_grid
+from mmpipe.model.spec import HFSource, ModelSpec, VideoSpec
+
+VIDEO_PROCESSORS = {
+    "qwen2_vl": "transformers.models.qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor",
+}
+"""model_type -> the video processor class transformers pairs with it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VideoInput:
+    """One clip as the vision tower's first layer takes it."""
+
+    pixels: np.ndarray
+    """float32 [t * rows * cols, C * T * p * p]: the processor's pixel_values_videos of the clip."""
+    grid: tuple[int, int, int]
+    """(t, rows, cols): its video_grid_thw."""
+    sampled_fps: float
+    """Frames per second of the sampled frames (transformers' VideoMetadata.sampled_fps)."""
+
+
+def _import(path: str) -> Any:
+    module, name = path.rsplit(".", 1)
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+def video_processor_class(model_type: str) -> Any:
+    if model_type not in VIDEO_PROCESSORS:
+        raise ValueError(f"model type {model_type!r} takes no video in mmpipe; video: {', '.join(VIDEO_PROCESSORS)}")
+    return _import(VIDEO_PROCESSORS[model_type])
+
+
+def make_video_processor(model_type: str, config: Mapping[str, Any]) -> Any:
+    """The model type's video processor from a configuration mapping (transformers' from_dict,
+    which also reads an image processor's file: the fallback transformers itself takes)."""
+    return video_processor_class(model_type).from_dict(dict(config))
+
+
+def read_video_processor_config(folder: str | Path, model_type: str) -> dict[str, Any] | None:
+    """A folder's video processor configuration, found as transformers finds it (None: no file)."""
+    cls = video_processor_class(model_type)
+    try:
+        config, _ = cls.get_video_processor_dict(str(folder), local_files_only=True)
+    except OSError:
+        return None
+    return dict(config)
+
+
+@functools.lru_cache(maxsize=8)
+def video_processor(src: HFSource) -> Any:
+    """The spec's video processor (one per process)."""
+    if not src.video_processor:
+        raise ValueError(f"{src.architecture} was built without a video processor")
+    from mmpipe.model.hf.configs import hf_config
+
+    return make_video_processor(hf_config(src).model_type, json.loads(src.video_processor))
+
+
+def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str) -> VideoSpec:
+    """The VideoSpec of a Qwen2-VL-style video processor, checked against the tower's figures."""
+    for key, ours in (("patch_size", patch), ("merge_size", merge), ("temporal_patch_size", temporal)):
+        if getattr(proc, key) != ours:
+            raise ValueError(f"{what}: the video processor has {key}={getattr(proc, key)} but the vision tower {ours}")
+    if not proc.do_resize:
+        raise ValueError(f"{what}: the video processor has do_resize=false; mmpipe plans frames at the size "
+                         f"smart_resize gives (set do_resize=true)")
+    fps, count = proc.fps, proc.num_frames
+    if proc.do_sample_frames and fps is not None and count is not None:
+        raise ValueError(f"{what}: the video processor sets both fps={fps} and num_frames={count}, which "
+                         f"transformers refuses as mutually exclusive; keep one")
+    sample = "all"
+    if proc.do_sample_frames and count is not None:
+        sample = "count"
+    elif proc.do_sample_frames and fps is not None:
+        sample = "fps"
+    return VideoSpec(sample=sample, fps=float(fps) if fps else 2.0, frames=int(count or 0),
+                     min_frames=int(proc.min_frames), max_frames=int(proc.max_frames), temporal_patch=temporal,
+                     min_pixels=int(proc.size.shortest_edge), max_pixels=int(proc.size.longest_edge),
+                     cap_pixels=bool(proc.cap_pixels_per_frame), max_tokens=int(proc.max_video_tokens))
+
+
+def video_metadata(meta: VideoMeta, indices: Sequence[int]) -> dict[str, Any]:
+    """transformers' VideoMetadata of a clip, as its PyAV reader fills it, with the sampled frames."""
+    return {"total_num_frames": meta.frames, "fps": meta.fps, "duration": meta.seconds, "height": meta.height,
+            "width": meta.width, "video_backend": "pyav", "frames_indices": list(indices)}
+
+
+def preprocess_video(spec: ModelSpec, frames: np.ndarray, meta: VideoMeta, indices: Sequence[int]) -> VideoInput:
+    """A clip's sampled frames (uint8 [n, H, W, 3], the frames `indices` of the clip) through the
+    checkpoint's video processor. Raises ValueError if its grid is not the one the planner counted."""
+    if spec.hf is None or spec.vision is None or spec.vision.video is None:
+        raise ValueError(f"model {spec.name} has no Hugging Face video processor")
+    proc = video_processor(spec.hf)
+    out = proc(videos=[np.ascontiguousarray(frames)], video_metadata=[video_metadata(meta, indices)],
+               do_sample_frames=False, cap_pixels_per_frame=spec.vision.video.cap_pixels, return_tensors="pt")
+    grid = tuple(int(x) for x in out["video_grid_thw"][0])
+    planned = video_grid(spec.vision, meta)
+    if grid != planned:
+        raise ValueError(f"the video processor made a {grid} grid of {len(indices)} {meta.height}x{meta.width} frames "
+                         f"but the model's geometry says {planned}; the processor config and the spec disagree")
+    pixels = out["pixel_values_videos"].numpy().astype(np.float32, copy=False)
+    return VideoInput(pixels=pixels, grid=grid, sampled_fps=len(indices) / meta.frames * meta.fps)

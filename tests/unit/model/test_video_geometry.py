@@ -1,0 +1,156 @@
+"""Video geometry (mmpipe.model.geometry) is Qwen2-VL's video processor's: the frames it samples, the
+size it resizes them to, its temporal padding and grid, over many clip lengths, rates and sizes
+and every frame rule of its config; its pixel values are the documented math; the 3-D positions
+of video tokens are transformers' get_rope_index's."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2VLVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+from mmpipe.model.geometry import VideoMeta, video_frame_indices, video_grid, video_tokens
+from mmpipe.model.hf.video import video_spec
+from mmpipe.model.spec import VisionSpec
+
+from . import hf_cases as H
+
+CONFIGS = {  # name: the video processor's settings (as a folder's video_preprocessor_config.json has them)
+    "defaults": {},  # every frame, 128 * 28^2 .. 768 * 28^2 pixels
+    "fps": {"do_sample_frames": True, "fps": 2.0, "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16},
+    "fps-odd": {"do_sample_frames": True, "fps": 0.7, "min_frames": 3, "max_frames": 9, "min_pixels": 28 * 28 * 2,
+                "max_pixels": 28 * 28 * 40},
+    "count": {"do_sample_frames": True, "num_frames": 7, "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 9},
+    # 48 of 208 or 392 frames: torch.arange's float32 steps truncate to other indices than float64 ones
+    "count-48": {"do_sample_frames": True, "num_frames": 48, "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 4},
+    "capped": {"cap_pixels_per_frame": True, "max_video_tokens": 40, "min_pixels": 28 * 28 * 2,
+               "max_pixels": 28 * 28 * 64},
+}
+CLIPS = [(n, fps) for n in (1, 2, 3, 4, 5, 7, 8, 9, 16, 25, 31, 48, 100, 208, 301, 392, 1800)
+         for fps in (1.0, 2.5, 8.0, 23.976, 30.0, 60.0)]
+SIZES = [(48, 64), (28, 28), (360, 640), (17, 300), (1080, 1920)]
+
+
+def _vision(proc) -> VisionSpec:
+    video = video_spec(proc, patch=14, merge=2, temporal=2, what="test")
+    return VisionSpec(blocks=1, hidden=8, mlp=16, heads=1, patch=14, merge=2, resize="smart", min_pixels=28 * 28 * 4,
+                      max_pixels=28 * 28 * 16, temporal_patch=2, proj=(16,), video=video)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_sampled_frames_are_the_processors(config):
+    proc = Qwen2VLVideoProcessor(**CONFIGS[config])
+    v = _vision(proc)
+    for frames, fps in CLIPS:
+        meta = VideoMetadata(total_num_frames=frames, fps=fps, duration=frames / fps)
+        try:
+            theirs = proc.sample_frames(meta, **{k: getattr(proc, k) for k in ("fps", "num_frames")}).tolist() \
+                if proc.do_sample_frames else list(range(frames))
+        except (ValueError, ZeroDivisionError):
+            theirs = None  # transformers cannot sample this clip
+        if theirs is None or not theirs:
+            with pytest.raises(ValueError):
+                video_frame_indices(v.video, frames, fps)
+        else:
+            assert list(video_frame_indices(v.video, frames, fps)) == theirs, (config, frames, fps)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_grids_and_tokens_are_the_processors(config):
+    """The processor run on zero frames of each clip's size: its video_grid_thw and its pixel rows
+    are the geometry's grid and encoder positions; tokens = t * h * w / merge^2."""
+    proc = Qwen2VLVideoProcessor(**CONFIGS[config])
+    v = _vision(proc)
+    cases = [(n, fps, h, w) for (n, fps), (h, w) in itertools.product(CLIPS[::7], SIZES)]
+    checked = 0
+    for n, fps, h, w in cases:
+        try:
+            indices = video_frame_indices(v.video, n, fps)
+        except ValueError:
+            continue
+        if len(indices) * max(h * w, v.video.min_pixels) > 1_000_000:
+            continue  # resizing many large frames is slow and adds nothing
+        meta = VideoMeta(frames=n, fps=fps, height=h, width=w)
+        frames = np.zeros((len(indices), h, w, 3), np.uint8)
+        out = proc(videos=[frames], do_sample_frames=False, cap_pixels_per_frame=bool(proc.cap_pixels_per_frame),
+                   return_tensors="pt")
+        grid = tuple(out["video_grid_thw"][0].tolist())
+        assert video_grid(v, meta) == grid, (config, n, fps, h, w)
+        assert out["pixel_values_videos"].shape[0] == math.prod(grid)
+        assert video_tokens(v, meta) == math.prod(grid) // 4
+        checked += 1
+    assert checked >= 10
+
+
+def test_an_odd_frame_count_is_padded_to_whole_temporal_patches():
+    proc = Qwen2VLVideoProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)  # every frame
+    v = _vision(proc)
+    for n in (1, 3, 5, 9):
+        assert video_grid(v, VideoMeta(frames=n, fps=8.0, height=56, width=56)) == ((n + 1) // 2, 4, 4)
+
+
+def test_unresized_frames_become_the_documented_pixel_values():
+    """Frames whose size smart_resize keeps (sides multiples of 28, area in bounds) reach the model
+    as the processor's documented math gives them, computed here without the processor: x / 255,
+    then (x - CLIP mean) / CLIP std per channel, an odd count padded with the last frame, and
+    patches ordered (temporal patch, row block, col block, row in block, col in block), each
+    flattened as (channel, frame in patch, patch row, patch col)."""
+    from mmpipe.model.hf.arch import spec_from_config
+
+    vp = {"video_processor_type": "Qwen2VLVideoProcessor", "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16}
+    spec = spec_from_config(H.qwen2_vl_config(), name="qwen2-vl-video", video_processor=vp)
+    from mmpipe.model.hf.video import preprocess_video
+
+    rng = np.random.default_rng(3)
+    mean = np.array([0.48145466, 0.4578275, 0.40821073])
+    std = np.array([0.26862954, 0.26130258, 0.27577711])
+    for n, h, w in ((3, 56, 84), (4, 28, 56)):
+        frames = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+        meta = VideoMeta(frames=n, fps=4.0, height=h, width=w)
+        ours = preprocess_video(spec, frames, meta, tuple(range(n)))
+        x = (frames / 255.0 - mean) / std  # [n, h, w, C]
+        if n % 2:
+            x = np.concatenate([x, x[-1:]])
+        t, gh, gw = len(x) // 2, h // 14, w // 14
+        x = x.reshape(t, 2, gh // 2, 2, 14, gw // 2, 2, 14, 3)  # (t, T, hb, hm, p, wb, wm, p, C)
+        want = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(t * gh * gw, 3 * 2 * 14 * 14)
+        assert ours.grid == (t, gh, gw)
+        np.testing.assert_allclose(ours.pixels, want, rtol=0, atol=2e-6)
+
+
+def test_video_positions_are_get_rope_index(qwen2_vl):
+    """Text, images and videos in any order: M-RoPE positions as transformers' get_rope_index gives
+    them (a video's temporal index runs over its temporal patches)."""
+    from mmpipe.model.hf.arch import spec_from_folder
+    from mmpipe.model.hf.media import mrope_positions
+    from mmpipe.model.hf.skeleton import skeleton
+
+    spec = spec_from_folder(qwen2_vl)
+    model = skeleton(spec.hf).model
+    video = H.VIDEO
+    rng = np.random.default_rng(4)
+    image_grids, video_grids = [(1, 4, 6), (1, 2, 2)], [(3, 4, 4), (1, 2, 6), (5, 2, 2)]
+    for order in (["v"], ["i", "v"], ["v", "i", "v"], ["v", "v", "i", "i"]):
+        ids = H.text(rng, 3)
+        imgs, vids = iter(image_grids), iter(video_grids)
+        used = {"i": [], "v": []}
+        for k in order:
+            g = next(imgs if k == "i" else vids)
+            used[k].append(g)
+            token = H.IMAGE if k == "i" else video
+            ids += [H.VSTART] + [token] * (math.prod(g) // 4) + [H.VEND] + H.text(rng, int(rng.integers(1, 4)))
+        ours = mrope_positions(ids, used["i"], image_token=H.IMAGE, merge=2, video_token=video,
+                               video_grids=used["v"])
+        x = torch.tensor([ids])
+        types = (x == H.IMAGE).int() + 2 * (x == video).int()
+        theirs, _ = model.get_rope_index(x, mm_token_type_ids=types,
+                                         image_grid_thw=torch.tensor(used["i"]) if used["i"] else None,
+                                         video_grid_thw=torch.tensor(used["v"]))
+        assert np.array_equal(ours, theirs[:, 0].numpy()), order
+        flat = mrope_positions(ids, used["i"], image_token=H.IMAGE, merge=2)  # videos as text: 1-D
+        assert not np.array_equal(flat, theirs[:, 0].numpy())
