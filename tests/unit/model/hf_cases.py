@@ -73,6 +73,54 @@ def write_llava(root: Path, *, vision: str, llm: str, layer: int, select: str, s
     return folder
 
 
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+"""LLaVA-NeXT's five grids (1x2, 2x1, 2x2, 1x3, 3x1 tiles) at a 28-px tile."""
+ONEVISION_PINPOINTS = [[28 * i, 28 * j] for i in range(1, 4) for j in range(1, 4)]
+"""OneVision's grids up to 3x3 tiles at a 28-px tile; with anyres_max_4, grids of more than
+4.84 tiles' worth of unpadded features are shrunk."""
+
+
+def write_llava_next(root: Path, *, seed: int) -> Path:
+    """CLIP (28-px tiles of 7-px patches: 16 features + the class token; feature layer -2,
+    `default`) + Mistral, the five NeXT grids."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor
+
+    torch.manual_seed(seed)
+    vc = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                          image_size=28, patch_size=7)
+    cfg = LlavaNextConfig(vision_config=vc, text_config=_llm("mistral", rms_norm_eps=1e-5), image_token_id=IMAGE,
+                          vision_feature_layer=-2, vision_feature_select_strategy="default",
+                          image_grid_pinpoints=NEXT_PINPOINTS)
+    model = LlavaNextForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "llava-next"
+    model.save_pretrained(folder)
+    LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                            image_grid_pinpoints=NEXT_PINPOINTS).save_pretrained(folder)
+    return folder
+
+
+def write_llava_onevision(root: Path, *, seed: int) -> Path:
+    """SigLIP (28-px tiles of 7-px patches: 16 features; last layer, `full`) + Qwen2, grids up to
+    3x3 tiles, anyres_max_4."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessor
+
+    torch.manual_seed(seed)
+    vc = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                            image_size=28, patch_size=7, vision_use_head=False)
+    cfg = LlavaOnevisionConfig(vision_config=vc, text_config=_llm("qwen2", hidden_size=48, intermediate_size=96),
+                               image_token_id=IMAGE, video_token_id=294, vision_feature_layer=-1,
+                               vision_feature_select_strategy="full", image_grid_pinpoints=ONEVISION_PINPOINTS,
+                               vision_aspect_ratio="anyres_max_4")
+    model = LlavaOnevisionForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "llava-onevision"
+    model.save_pretrained(folder)
+    LlavaOnevisionImageProcessor(size={"height": 28, "width": 28},
+                                 image_grid_pinpoints=ONEVISION_PINPOINTS).save_pretrained(folder)
+    return folder
+
+
 def write_qwen2_vl(root: Path, *, seed: int) -> Path:
     torch.manual_seed(seed)
     cfg = Qwen2VLConfig(
