@@ -27,13 +27,21 @@ import torch
 # AUDIO_FRAMES  | [clips] mel frames     | (empty)                     | (empty)                       | [clips] valid mel frames L
 # LAYOUT        | int32 segment counts and cu_seqlens of the LLM row, the images and the clips (model/layout.py)
 #
+# LLaVA-NeXT / OneVision (any-resolution tiles) are LLaVA's column, with tiles for images: IMAGE holds
+# every tile of the micro-batch, pixel_values [T, C, S, S] (per image the whole image at S x S, then its
+# grid row by row; a OneVision image that shares its sample is one padded tile), then the tower's states
+# [T, positions, Dv], then vision.proj's packed tokens of every image [N_tok, D] (the whole image's
+# features, then the grid's unpadded rows, each ending in image_newline); IMAGE_GRID is [images, 5] long:
+# (tiles, grid rows, grid cols, height, width), the last two the image's own size, which the model unpads
+# to (transformers' image_sizes); LAYOUT's image stream has one segment per tile.
+#
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
 # (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).
 INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio placeholders expanded)
 POSITION_IDS = 1  # [B, T] long (or [3, B, T] for M-RoPE): positions, restarting at 0 for each packed sample
 SEGMENT_IDS = 2  # [B, T] long: 1.. per sample in a row, 0 on padding
 IMAGE = 3  # image inputs -> vision states -> image embeddings [N, D] (see the table)
-IMAGE_GRID = 4  # [num_images, 2 or 3] long: patch grid of each image
+IMAGE_GRID = 4  # [num_images, 2, 3 or 5] long: patch grid (or tiles and size) of each image
 AUDIO = 5  # audio features (bits) -> audio states [1, A, Da] -> audio embeddings [N, D]
 AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
 HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)

@@ -282,10 +282,9 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
 
 
 def _check_anyres(v: VisionSpec) -> None:
-    """An any-resolution tower: square tiles of whole patches, a grid of whole tiles, and one
-    feature per patch of a tile (what LLaVA-NeXT's feature packing reshapes)."""
-    if v.image_size % v.patch:
-        raise ValueError(f"model.vision.image_size={v.image_size} is not a multiple of model.vision.patch={v.patch}")
+    """An any-resolution tower: a grid of whole tiles and one feature per patch of a tile (what
+    LLaVA-NeXT's feature packing reshapes; a tile's last pixels may fall outside its patches, as
+    SigLIP's 27 patches of 14 px do in a 384-px tile)."""
     if not v.grid_pinpoints:
         raise ValueError("model.vision.grid_pinpoints is empty; an anyres tower needs its (height, width) grids, "
                          "e.g. [[672, 672], [336, 1008]]")

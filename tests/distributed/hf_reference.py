@@ -1,7 +1,8 @@
 """The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
-template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; Qwen2-VL's
-image processor with its `<|image_pad|>` rule, since its processor needs torchvision), under the
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; for LLaVA-NeXT
+and OneVision the folder's own processor from AutoProcessor, a conversation's images nested as
+apply_chat_template nests them; Qwen2-VL's image processor with its `<|image_pad|>` rule), under the
 label convention of docs/data.md, written from that text. None of mmpipe's data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
@@ -28,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
 PLACEHOLDER = re.compile(r"(<image>|<audio>)")
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+ANYRES = {"llava-next": "LlavaNextImageProcessor", "llava-onevision": "LlavaOnevisionImageProcessor"}
+"""The any-resolution kinds and the image processor AutoProcessor gives each (torchvision backend)."""
 
 
 def raw_samples(keys: set[str]) -> dict[str, dict]:
@@ -109,6 +112,11 @@ class Reference:
             self.processor = LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(media),
                                             tokenizer=self.tok, patch_size=7, vision_feature_select_strategy="default",
                                             num_additional_image_tokens=1)
+        elif kind in ANYRES:  # the folder's whole processor, as AutoProcessor loads it (torchvision backend)
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(folders[kind])
+            assert type(self.processor.image_processor).__name__ == ANYRES[kind], type(self.processor.image_processor)
         elif kind == "qwen2-audio":
             from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
 
@@ -128,6 +136,12 @@ class Reference:
             n = text.count("<image>")
             out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values")}
+        if self.kind in ANYRES:  # one conversation's images, nested as apply_chat_template nests them
+            n = text.count("<image>")
+            nested = [images[:n]] if self.kind == "llava-onevision" else images[:n]
+            out = self.processor(text=text, images=nested if n else None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {k: out.get(k) for k in ("pixel_values", "image_sizes",
+                                                                          "batch_num_images")}
         if self.kind == "qwen2-audio":
             n = text.count("<|AUDIO|>")
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
@@ -171,8 +185,12 @@ class Reference:
                "attention_mask": torch.tensor([[1] * len(s["input_ids"]) + [0] * (t - len(s["input_ids"]))
                                                for s in samples]),
                "labels": torch.tensor([s["labels"] + [-100] * (t - len(s["labels"])) for s in samples])}
-        for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"):
+        for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask", "image_sizes",
+                    "batch_num_images"):
             parts = [s[key] for s in samples if s.get(key) is not None]
+            if key == "pixel_values" and self.kind in ANYRES and parts:  # [images, tiles, ...]: pad the tiles
+                most = max(p.shape[1] for p in parts)
+                parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
             if parts:
                 out[key] = torch.cat(parts)
         if self.kind == "qwen2-vl":
@@ -191,7 +209,9 @@ class Reference:
             return self._composed()
         cls = {"llava": "LlavaForConditionalGeneration", "compose": "LlavaForConditionalGeneration",
                "qwen2-vl": "Qwen2VLForConditionalGeneration",
-               "qwen2-audio": "Qwen2AudioForConditionalGeneration"}[self.kind]
+               "qwen2-audio": "Qwen2AudioForConditionalGeneration",
+               "llava-next": "LlavaNextForConditionalGeneration",
+               "llava-onevision": "LlavaOnevisionForConditionalGeneration"}[self.kind]
         cls = getattr(transformers, cls)
         model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")
         with torch.device("meta"):

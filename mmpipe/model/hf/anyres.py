@@ -73,9 +73,6 @@ def _pinpoints(config: PretrainedConfig, side: int, what: str) -> tuple[tuple[in
 def check_anyres(config: PretrainedConfig, *, cls_token: bool, what: str) -> None:
     """What LlavaNext / LlavaOnevision's feature packing needs of a config, as one-line errors."""
     vc = config.vision_config
-    if vc.image_size % vc.patch_size:
-        raise ValueError(f"{what}.vision_config.image_size={vc.image_size} is not a multiple of its patch_size="
-                         f"{vc.patch_size}")
     strategy = config.vision_feature_select_strategy
     if (strategy == "default") != cls_token:
         tower = vc.model_type

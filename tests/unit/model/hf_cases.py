@@ -36,7 +36,7 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 
 from mmpipe.model.geometry import image_tokens
 from mmpipe.model.hf.demo import perturb
-from mmpipe.model.hf.media import preprocess_audio, preprocess_image
+from mmpipe.model.hf.media import preprocess_audio, preprocess_images
 from mmpipe.model.hf.skeleton import owned_keys
 from mmpipe.model.layers import run_layers, token_loss
 from mmpipe.runtime.batch import collate_hf
@@ -310,7 +310,7 @@ def compare(spec, layers, hf_model, hf_loss, samples, *, packings=(True, False))
     """Our loss and gradients on the samples, packed into one row and padded, equal the
     transformers model's (one backward of `hf_loss`)."""
     hf_loss.backward()
-    ours = [Sample(s.key, s.input_ids, s.labels, [preprocess_image(spec, b) for b in s.images],
+    ours = [Sample(s.key, s.input_ids, s.labels, preprocess_images(spec, s.images),
                    [preprocess_audio(spec, w, 16000) for w in s.audio]) for s in samples]
     for packed in packings:
         mb = collate_hf(ours, spec=spec, packed=packed, pad_id=0)
@@ -330,6 +330,40 @@ def llava_samples(spec, rng):
     return [sample("a", [text(rng, 3), [IMAGE] * n, text(rng, 5), [IMAGE] * n, text(rng, 12)],
                      images=imgs[:2]),
             sample("b", [text(rng, 4), [IMAGE] * n, text(rng, 9)], images=imgs[2:])]
+
+
+ANYRES_SIZES = [[(40, 60), (90, 33)], [(120, 200)], [(200, 31)], [], [(20, 50)]]
+"""Images (height, width) of each sample of the any-resolution parity cases: two of different
+aspects in one sample (OneVision: one tile each), a large one (OneVision shrinks its grid), a tall
+narrow one (most of its grid unpadded away), a text-only sample and a small wide one (a 1x2 grid)."""
+
+
+def anyres_samples(spec, rng):
+    """Samples of ANYRES_SIZES with placeholders expanded by the geometry (the model itself refuses
+    any other count) and their encoded images."""
+    from mmpipe.model.geometry import sample_image_tokens
+
+    out = []
+    for k, sizes in enumerate(ANYRES_SIZES):
+        counts = sample_image_tokens(spec.vision, tuple(sizes))
+        pieces = [text(rng, 3)]
+        for n in counts:
+            pieces += [[IMAGE] * n, text(rng, int(rng.integers(2, 6)))]
+        pieces.append(text(rng, 8))
+        out.append(sample(f"s{k}", pieces, images=[random_image(rng, h, w) for h, w in sizes]))
+    return out
+
+
+def anyres_reference_inputs(folder, samples, *, nested: bool) -> dict:
+    """pixel_values, image_sizes (and OneVision's batch_num_images) from the folder's own image
+    processor as AutoImageProcessor loads it (its default backend), one conversation's images
+    nested for OneVision as its processor nests them."""
+    proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    pil = [[Image.open(io.BytesIO(b)).convert("RGB") for b in s.images] for s in samples]
+    images = [p for p in pil if p] if nested else [img for p in pil for img in p]
+    out = proc(images=images, return_tensors="pt")
+    keys = ("pixel_values", "image_sizes") + (("batch_num_images",) if nested else ())
+    return {k: out[k] for k in keys}
 
 
 def processed_images(folder, images: list[bytes]):
