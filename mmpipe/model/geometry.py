@@ -163,15 +163,13 @@ class AnyresImage:
 def best_resolution(height: int, width: int, pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     """transformers' `select_best_resolution`: of the (height, width) pinpoints, the one that keeps
     the most of the image's pixels when the image is scaled to fit in it, then the least padding."""
-    best, most, least = None, 0, math.inf
+    best, most, least = pinpoints[0], 0, math.inf
     for h, w in pinpoints:
         scale = min(w / width, h / height)
         kept = min(int(width * scale) * int(height * scale), width * height)
         wasted = w * h - kept
         if kept > most or (kept == most and wasted < least):
             best, most, least = (h, w), kept, wasted
-    if best is None:  # transformers finds none either (and fails): every fit rounds a side to 0
-        raise ValueError(f"an image of {height}x{width} fits no grid resolution without a side rounding to 0")
     return best
 
 
