@@ -109,6 +109,25 @@ def anyres_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str, *,
         anyres_single=config.model_type == "llava_onevision")
 
 
+def check_processor_settings(settings: Mapping[str, Any], config: PretrainedConfig, what: str) -> None:
+    """The placeholder settings of the folder's processor (processor_config.json's top level) must
+    count what the model makes, or the folder's own processor and its model disagree (transformers
+    fails at the forward) while mmpipe, which counts the model's features, would train on."""
+    vc = config.vision_config
+    side = vc.image_size // vc.patch_size
+    cls = int(config.vision_feature_select_strategy == "default")
+    want = {"vision_feature_select_strategy": config.vision_feature_select_strategy}
+    if config.model_type == "llava_onevision":
+        want |= {"num_image_tokens": side * side, "vision_aspect_ratio": config.vision_aspect_ratio}
+    else:
+        want |= {"patch_size": vc.patch_size, "num_additional_image_tokens": cls}
+    for key, value in want.items():
+        if key in settings and settings[key] != value:
+            raise ValueError(f"{what}: processor_config.json has {key}={settings[key]!r} but the model's config "
+                             f"makes it {value!r}; the folder's processor would count other placeholders than "
+                             f"the model's features: set {key} to {value!r}")
+
+
 def default_processor(config: PretrainedConfig, tower: str) -> dict[str, Any]:
     """The image processor transformers' defaults give the config (for an inline config)."""
     side = config.vision_config.image_size

@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from mmpipe.model.hf.anyres import ANYRES, anyres_vision, check_anyres
+from mmpipe.model.hf.anyres import ANYRES, anyres_vision, check_anyres, check_processor_settings
 from mmpipe.model.hf.anyres import default_processor as default_anyres_processor
 from mmpipe.model.hf.configs import ARCHITECTURES, config_from_dict, config_json
 from mmpipe.model.hf.media import make_feature_extractor, make_image_processor
@@ -267,6 +267,9 @@ def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len
     """The spec of a checkpoint folder (its config.json, preprocessor files and weights)."""
     config = read_config(folder, what=what)
     check_supported(config, what=f"{what}={str(folder)!r}")
+    if config.model_type in ANYRES and (Path(folder) / "processor_config.json").is_file():
+        settings = json.loads((Path(folder) / "processor_config.json").read_text())
+        check_processor_settings(settings, config, f"{what}={str(folder)!r}")
     return spec_from_config(config, name=name or Path(folder).name, weights=(("model", str(folder)),),
                             image_processor=read_processor_config(folder, "image_processor"),
                             feature_extractor=read_processor_config(folder, "feature_extractor"),

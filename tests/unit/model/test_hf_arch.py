@@ -192,3 +192,21 @@ def test_an_anyres_processor_that_cuts_other_grids_is_refused():
     with pytest.raises(ValueError, match=r"the image processor's image_grid_pinpoints \[\[336, 672\], \[672, 336\]\] "
                                          r"differ from the model's"):
         spec_from_config(group["config"], name="x", image_processor=other)
+
+
+def test_a_folder_whose_processor_counts_other_placeholders_is_refused(hf_checkpoints, tmp_path):
+    """processor_config.json's num_image_tokens (OneVision) must be what the model makes (16 per
+    tile of the demo checkpoint); the folder as written loads."""
+    import json
+    import shutil
+
+    from mmpipe.model.hf.arch import spec_from_folder
+
+    folder = tmp_path / "ov"
+    shutil.copytree(hf_checkpoints["llava-onevision"], folder)
+    assert spec_from_folder(folder).vision.anyres_max == 4
+    settings = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({**settings, "num_image_tokens": 25}))
+    with pytest.raises(ValueError, match=r"processor_config\.json has num_image_tokens=25 but the model's config makes "
+                                         r"it 16; .* set num_image_tokens to 16"):
+        spec_from_folder(folder)
