@@ -2,9 +2,10 @@
 
 Images go through transformers' image processor of the checkpoint (its preprocessor config),
 audio through its Whisper feature extractor, so the arrays are exactly what the transformers
-model would be given. The LLaVA-1.5 and Qwen2-VL processors are the PIL / NumPy backends; the
-LLaVA-NeXT / OneVision ones the torchvision backends, which transformers' AutoProcessor loads
-for them by default (the two backends' resizes differ by a grey level; docs/hf.md).
+model would be given. The image processor class is the one transformers' AutoImageProcessor
+picks for the config's `image_processor_type`: with torchvision installed (a dependency of
+mmpipe) that is the torchvision backend, whose resize differs from the PIL backend's by a few
+units in the last place, so mmpipe gives the model what a transformers user's processor gives.
 Placeholder expansion and tokens are the text side's; these functions give each sample's arrays
 and the counts the placeholders must match (equal to `mmpipe.model.geometry` by construction,
 and checked).
@@ -53,32 +54,23 @@ class AudioInput:
     """Valid mel frames (the feature extractor's attention mask), cut at 30 s."""
 
 
-_IMAGE_CLASSES = {
-    "CLIPImageProcessor": "transformers.models.clip.image_processing_pil_clip.CLIPImageProcessorPil",
-    "SiglipImageProcessor": "transformers.models.siglip.image_processing_pil_siglip.SiglipImageProcessorPil",
-    "Qwen2VLImageProcessor": "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
-    # the torchvision backends: what AutoProcessor / AutoImageProcessor load by default where
-    # torchvision is installed (it is a dependency), so a user's own processor gives the same pixels
-    # (the PIL backend's resize differs by a grey level; docs/hf.md, Processors)
-    "LlavaNextImageProcessor": "transformers.models.llava_next.image_processing_llava_next.LlavaNextImageProcessor",
-    "LlavaOnevisionImageProcessor":
-        "transformers.models.llava_onevision.image_processing_llava_onevision.LlavaOnevisionImageProcessor",
-}
-
-
-def _import(path: str) -> Any:
-    module, name = path.rsplit(".", 1)
-    return getattr(__import__(module, fromlist=[name]), name)
+IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "Qwen2VLImageProcessor", "LlavaNextImageProcessor",
+                    "LlavaOnevisionImageProcessor")
+"""Image processor classes (as config files name them, without a Fast/Pil suffix) mmpipe checks
+its geometry against."""
 
 
 def make_image_processor(config: Mapping[str, Any]) -> Any:
-    """An image processor from its config (transformers' PIL backend of the class it names)."""
+    """An image processor from its config: the class transformers' AutoImageProcessor resolves
+    the config's `image_processor_type` to (the torchvision backend where torchvision loads)."""
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
     kind = str(config.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
-    if kind not in _IMAGE_CLASSES:
+    if kind not in IMAGE_PROCESSORS:
         raise ValueError(f"image processor {config.get('image_processor_type')!r} is not supported; use "
-                         f"{', '.join(_IMAGE_CLASSES)}")
+                         f"{', '.join(IMAGE_PROCESSORS)}")
     values = {k: v for k, v in config.items() if k not in ("image_processor_type", "processor_class")}
-    return _import(_IMAGE_CLASSES[kind])(**values)
+    return get_image_processor_class_from_name(kind)(**values)
 
 
 def make_feature_extractor(config: Mapping[str, Any]) -> Any:
@@ -118,13 +110,13 @@ def preprocess_images(spec: ModelSpec, images: Sequence[bytes | Image.Image | np
     """The images of one sample through the checkpoint's image processor, called as the model's
     processor calls it for one conversation (OneVision tiles an image only when it is its
     sample's only one). Raises ValueError if a grid or tile count is not what the planner counted."""
+    if not images:
+        return []
     if spec.hf is None or spec.vision is None:
         raise ValueError(f"model {spec.name} has no Hugging Face vision tower")
     if spec.vision.resize != "anyres":
         return [preprocess_image(spec, image) for image in images]
     imgs = [_pil(image) for image in images]
-    if not imgs:
-        return []
     v = spec.vision
     nested = [imgs] if v.anyres_single else imgs  # one conversation's images (transformers' batch_num_images)
     out = image_processor(spec.hf)(images=nested, do_pad=False)  # unpadded: each image's own tiles
