@@ -57,10 +57,12 @@ def empty(like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def to_wire(t: torch.Tensor) -> torch.Tensor:
-    """A float that will get no gradient travels as the integer view of its bits."""
+    """A float that will get no gradient travels as the integer view of its bits; every slot is
+    contiguous, as torch.distributed's send needs (a SigLIP tower's states keep the transposed
+    layout of its patch embedding through every residual add)."""
     if t.is_floating_point() and not t.requires_grad:
         return t.contiguous().view(_INT_OF_WIDTH[t.element_size()])
-    return t
+    return t.contiguous()
 
 
 def from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
