@@ -161,9 +161,10 @@ def _anyres_sizes(v, n: int = 400) -> list[tuple[int, int]]:
     return sorted(sizes | set(halves[:60]))
 
 
-def _anyres_processor(spec):
+def _anyres_processor(spec, images=None):
     """transformers' own processor object of the model (LlavaNextProcessor / LlavaOnevisionProcessor)
-    around the spec's image processor, with the settings the model's processor_config.json holds."""
+    around `images` (an image processor; default: the spec's), with the settings the model's
+    processor_config.json holds."""
     from transformers import LlavaNextProcessor, LlavaOnevisionProcessor
 
     vocab = {f"w{i}": i for i in range(280)} | {"<image>": H.IMAGE, "<video>": 294, "<pad>": 0}
@@ -175,12 +176,12 @@ def _anyres_processor(spec):
     if v.anyres_single:
         from transformers import LlavaOnevisionVideoProcessor
 
-        return LlavaOnevisionProcessor(image_processor=image_processor(spec.hf), tokenizer=tok,
+        return LlavaOnevisionProcessor(image_processor=images or image_processor(spec.hf), tokenizer=tok,
                                        video_processor=LlavaOnevisionVideoProcessor(),
                                        num_image_tokens=(v.image_size // v.patch) ** 2,
                                        vision_feature_select_strategy=v.select,
                                        vision_aspect_ratio=f"anyres_max_{v.anyres_max}")
-    return LlavaNextProcessor(image_processor=image_processor(spec.hf), tokenizer=tok, patch_size=v.patch,
+    return LlavaNextProcessor(image_processor=images or image_processor(spec.hf), tokenizer=tok, patch_size=v.patch,
                               vision_feature_select_strategy=v.select, num_additional_image_tokens=int(v.cls_token))
 
 
@@ -239,13 +240,19 @@ def test_anyres_tiles_and_tokens_are_transformers(name):
 
 @pytest.mark.parametrize("case", ["llava_next", "llava_onevision"])
 def test_anyres_pixels_and_placeholders_are_the_processors(case, request):
-    """transformers' processor object, called as apply_chat_template calls it (one conversation's
-    images, nested for OneVision): its placeholder count per image is the geometry's, and
+    """transformers' processor object around the folder's image processor as AutoImageProcessor
+    loads it, called as apply_chat_template calls it (one conversation's images, nested for
+    OneVision): its placeholder count per image is the geometry's, and
     preprocess_images gives its pixel values, tile for tile, for lone images and for a sample of
     three (OneVision: one padded tile each)."""
-    spec = spec_from_folder(request.getfixturevalue(case))
+    from transformers import AutoImageProcessor
+
+    folder = request.getfixturevalue(case)
+    spec = spec_from_folder(folder)
     v = spec.vision
-    proc = _anyres_processor(spec)
+    images = AutoImageProcessor.from_pretrained(folder, local_files_only=True)  # as a user loads it
+    assert type(images).__name__ == ("LlavaOnevisionImageProcessor" if v.anyres_single else "LlavaNextImageProcessor")
+    proc = _anyres_processor(spec, images)
     rng = np.random.default_rng(11)
     samples = [[(40, 60)], [(200, 31)], [(16, 18)], [(130, 197)], [(40, 60), (90, 33), (120, 200)]]
     for sizes in samples:
