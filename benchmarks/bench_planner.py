@@ -53,7 +53,10 @@ WORKLOADS = ROOT / "mmpipe" / "data" / "workloads"
 PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), ("llava-pretrain", "omni-7b"),
          ("llava-sft", "llava-1.5-7b"), ("llava-sft", "qwen2-vl-7b"), ("llava-sft", "omni-7b"),
          ("vision-dynamic", "llava-1.5-7b"), ("vision-dynamic", "qwen2-vl-7b"), ("vision-dynamic", "omni-7b"),
-         ("audio-caption", "qwen2-audio-7b"), ("audio-caption", "omni-7b")]
+         ("audio-caption", "qwen2-audio-7b"), ("audio-caption", "omni-7b"),
+         ("llava-pretrain", "llava-onevision-qwen2-7b"), ("llava-sft", "llava-onevision-qwen2-7b"),
+         ("vision-dynamic", "llava-onevision-qwen2-7b"), ("llava-pretrain", "llava-next-mistral-7b"),
+         ("llava-sft", "llava-next-mistral-7b"), ("vision-dynamic", "llava-next-mistral-7b")]
 TARGET = 0.78
 """Efficiency (lower bound / step time) the data-aware plan is meant to reach."""
 
@@ -84,7 +87,7 @@ def main() -> None:
     wl = Path(args.workloads)
     print(f"pp=4 dp=2 global_batch=256 micro_batches=8 hardware={hw.name} trainable=[{args.trainable}] "
           f"memory_headroom={args.headroom}")
-    print(f"{'workload':<15} {'model':<15} {'data-aware':>10} {'ds-default':>10} {'llava-grp':>10} "
+    print(f"{'workload':<15} {'model':<24} {'data-aware':>10} {'ds-default':>10} {'llava-grp':>10} "
           f"{'packed-ffd':>10} {'lower bd':>9} {'ratio':>6} {'eff.':>5} {'beats all':>9} {'plan ms/step':>12}")
     rows = []
     for trace, mname in PAIRS:
@@ -99,14 +102,14 @@ def main() -> None:
                 for b, v in pred["baselines"].items()}
         lb = float(np.mean(pred["lower_bound_s"]))
         ms = _time_steps(m, hw, tr, wl / f"{trace}.jsonl", plan, args.headroom)
-        print(f"{trace:<15} {mname:<15} {ours:>9.3f}s {base['ds-default']:>9.3f}s "
+        print(f"{trace:<15} {mname:<24} {ours:>9.3f}s {base['ds-default']:>9.3f}s "
               f"{base['llava-grouped']:>9.3f}s {base['packed-ffd']:>9.3f}s {lb:>8.3f}s "
               f"{ours / lb:>6.3f} {lb / ours:>5.3f} {'yes' if all(ours <= v for v in base.values()) else 'NO':>9} "
               f"{ms:>12.1f}", flush=True)
         rows.append((trace, mname, tr, plan))
     print("\nwhere the ratio comes from (ratio = split x fixed x idle; floor: least split of any cut), and "
           "parallel.devices=8 with pp=auto dp=auto:")
-    print(f"{'workload':<15} {'model':<15} {'ratio':>6} {'split':>6} {'floor':>6} {'fixed':>6} {'idle':>6} "
+    print(f"{'workload':<15} {'model':<24} {'ratio':>6} {'split':>6} {'floor':>6} {'fixed':>6} {'idle':>6} "
           f"{'m/replica':>9} {'auto':>5} {'eff.':>5} {'search s':>8}")
     for trace, mname, tr, plan in rows:
         _explain(trace, mname, tr, plan, hw, wl, args.headroom, layouts=not args.skip_layouts)
@@ -148,7 +151,7 @@ def _explain(trace, mname, tr, plan, hw, wl: Path, headroom: float, *, layouts: 
                                micro_batches=8, sample=feats[:512], memory_headroom=headroom)
         secs = f"{time.process_time() - t0:.2f}"
         auto, eff = f"{choice.best.pp}x{choice.best.dp}", f"{choice.best.efficiency:.3f}"
-    print(f"{trace:<15} {mname:<15} {ratio:>6.3f} {np.mean(split):>6.3f} {np.mean(floor):>6.3f} "
+    print(f"{trace:<15} {mname:<24} {ratio:>6.3f} {np.mean(split):>6.3f} {np.mean(floor):>6.3f} "
           f"{np.mean(fixed):>6.3f} {np.mean(idle):>6.3f} {np.mean(mbs):>9.1f} {auto:>5} {eff:>5} {secs:>8}",
           flush=True)
 

@@ -11,7 +11,7 @@ loaded at the model's rate (librosa.load, soundfile + a resampler) and cut by th
 extractor is: a cut before resampling would change the last samples before the cut. Its
 waveform is then cut or zero-padded to the samples its header duration gives (resampling may add
 or drop one), so its valid frames, and hence its LLM tokens, are the ones the planner counted;
-an image's patch grid is checked against the geometry by `preprocess_image` itself.
+an image's patch grid (tiles) is checked against the geometry by `preprocess_images` itself.
 """
 
 from __future__ import annotations
@@ -25,23 +25,26 @@ from mmpipe.model.geometry import SampleMeta, VideoMeta, audio_frames, audio_sam
 from mmpipe.model.spec import ModelSpec
 
 
-def hf_image(data: bytes, spec: ModelSpec, limits: MediaLimits = DEFAULT_LIMITS):
-    """An image's pixel values as the checkpoint's image processor makes them (an ImageInput).
+def hf_images(datas: list[bytes], spec: ModelSpec, limits: MediaLimits = DEFAULT_LIMITS) -> list:
+    """A sample's images as the checkpoint's image processor makes them (ImageInputs), all in one
+    call, as the model's processor makes one conversation's (OneVision tiles a lone image only).
 
     Raises:
-        SampleError: `undecodable image` (also when the processor refuses it), `media too large`.
+        SampleError: `undecodable image` (also when the processor refuses one), `media too large`.
     """
-    from mmpipe.model.hf.media import preprocess_image
+    from mmpipe.model.hf.media import preprocess_images
 
-    img = open_image(data, limits)
+    rgbs = []
+    for data in datas:
+        img = open_image(data, limits)
+        try:
+            with img:
+                img.load()
+                rgbs.append(img.convert("RGB"))
+        except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's problem
+            raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({say(err)})") from None
     try:
-        with img:
-            img.load()
-            rgb = img.convert("RGB")
-    except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's problem
-        raise SampleError(UNDECODABLE_IMAGE, f"{len(data)} bytes are not a readable image ({say(err)})") from None
-    try:
-        return preprocess_image(spec, rgb)
+        return preprocess_images(spec, rgbs)
     except ValueError as err:
         raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({say(err)})") from None
 
@@ -87,10 +90,10 @@ def hf_video(data: bytes, spec: ModelSpec, meta: VideoMeta, limits: MediaLimits 
 def blank_hf_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list, list, list]:
     """Black images, silent clips and black frames of the planned sizes, through the processors
     (what a sample whose media fail to decode behind a valid header trains with; see decode_record)."""
-    from mmpipe.model.hf.media import preprocess_audio, preprocess_image
+    from mmpipe.model.hf.media import preprocess_audio, preprocess_images
     from mmpipe.model.hf.video import preprocess_video
 
-    images = [preprocess_image(spec, np.zeros((h, w, 3), np.uint8)) for h, w in meta.images] if spec.vision else []
+    images = preprocess_images(spec, [np.zeros((h, w, 3), np.uint8) for h, w in meta.images]) if spec.vision else []
     audio = [preprocess_audio(spec, np.zeros(audio_samples(spec.audio, s), np.float32), spec.audio.sample_rate)
              for s in meta.audio_seconds] if spec.audio else []
     videos = []

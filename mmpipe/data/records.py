@@ -367,8 +367,7 @@ def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec
     m = rec.meta
     if media and (m.images or m.audio_seconds or m.videos):
         try:
-            for _, b in media_members(rec.raw, IMAGE_EXTS, len(m.images), "image"):
-                images.append(_image(b, spec, limits))
+            images = _images([b for _, b in media_members(rec.raw, IMAGE_EXTS, len(m.images), "image")], spec, limits)
             for (ext, b), s in zip(media_members(rec.raw, AUDIO_EXTS, len(m.audio_seconds), "audio"), m.audio_seconds):
                 audio.append(_clip(b, ext, s, spec, limits))
             for (_, b), vm in zip(media_members(rec.raw, VIDEO_EXTS, len(m.videos), "video"), m.videos):
@@ -384,13 +383,14 @@ def decode_record(rec: Record, tokenizer: Templater | Tokenizer, spec: ModelSpec
                   dropped=dropped, videos=videos)
 
 
-def _image(data: bytes, spec: ModelSpec, limits: MediaLimits):
-    """mmpipe's resized pixels, or a Hugging Face model's processor output (mmpipe.data.hf_media)."""
+def _images(datas: list[bytes], spec: ModelSpec, limits: MediaLimits) -> list:
+    """A sample's images: mmpipe's resized pixels, or a Hugging Face model's processor output
+    (mmpipe.data.hf_media; one call for the sample, as its processor makes one conversation's)."""
     if spec.hf is not None:
-        from mmpipe.data.hf_media import hf_image
+        from mmpipe.data.hf_media import hf_images
 
-        return hf_image(data, spec, limits)
-    return decode_image(data, spec.vision, limits).pixels
+        return hf_images(datas, spec, limits)
+    return [decode_image(data, spec.vision, limits).pixels for data in datas]
 
 
 def _clip(data: bytes, ext: str, seconds: float, spec: ModelSpec, limits: MediaLimits):

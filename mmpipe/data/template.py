@@ -33,7 +33,7 @@ from mmpipe.data.skips import (
 )
 from mmpipe.data.tokenizer import AUDIO, IMAGE, VIDEO, Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.model.geometry import SampleMeta, audio_tokens, image_tokens, video_tokens
+from mmpipe.model.geometry import SampleMeta, audio_tokens, sample_image_tokens, video_tokens
 
 IGNORE = -100
 """Label of a position that carries no loss."""
@@ -302,7 +302,7 @@ def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int
     if meta.videos and (spec.vision is None or spec.vision.video is None):
         raise SampleError(NO_ENCODER, f"the sample has videos but model {spec.name} takes no video")
     try:
-        img = [image_tokens(spec.vision, h, w) for h, w in meta.images] if spec.vision else []
+        img = list(sample_image_tokens(spec.vision, meta.images)) if spec.vision else []
     except ValueError as err:
         raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({err})") from None
     aud = [audio_tokens(spec.audio, s) for s in meta.audio_seconds] if spec.audio else []

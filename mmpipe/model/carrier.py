@@ -44,13 +44,21 @@ from mmpipe.model.layout import host_list
 # and every video temporal patch as T consecutive rows, one per frame (T = model.vision.video.
 # temporal_patch), in the order (temporal patch, row, col, frame).
 #
+# LLaVA-NeXT / OneVision (any-resolution tiles) are LLaVA's column, with tiles for images: IMAGE holds
+# every tile of the micro-batch, pixel_values [T, C, S, S] (per image the whole image at S x S, then its
+# grid row by row; a OneVision image that shares its sample is one padded tile), then the tower's states
+# [T, positions, Dv], then vision.proj's packed tokens of every image [N_tok, D] (the whole image's
+# features, then the grid's unpadded rows, each ending in image_newline); IMAGE_GRID is [images, 5] long:
+# (tiles, grid rows, grid cols, height, width), the last two the image's own size, which the model unpads
+# to (transformers' image_sizes); LAYOUT's image stream has one segment per tile.
+#
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
 # (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).
 INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio/video placeholders expanded)
 POSITION_IDS = 1  # [B, T] long (or [3, B, T] for M-RoPE): positions, restarting at 0 for each packed sample
 SEGMENT_IDS = 2  # [B, T] long: 1.. per sample in a row, 0 on padding
 IMAGE = 3  # image (then video) inputs -> vision states -> image (then video) embeddings [N, D] (see the table)
-IMAGE_GRID = 4  # [items, 2 or 3] long: patch grid of each image, then of each video
+IMAGE_GRID = 4  # [items, 2, 3 or 5] long: patch grid (or tiles and size) of each image, then of each video
 AUDIO = 5  # audio features (bits) -> audio states [1, A, Da] -> audio embeddings [N, D]
 AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
 HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)
@@ -67,10 +75,12 @@ def empty(like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def to_wire(t: torch.Tensor) -> torch.Tensor:
-    """A float that will get no gradient travels as the integer view of its bits."""
+    """A float that will get no gradient travels as the integer view of its bits; every slot is
+    contiguous, as torch.distributed's send needs (a SigLIP tower's states keep the transposed
+    layout of its patch embedding through every residual add)."""
     if t.is_floating_point() and not t.requires_grad:
         return t.contiguous().view(_INT_OF_WIDTH[t.element_size()])
-    return t
+    return t.contiguous()
 
 
 def from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

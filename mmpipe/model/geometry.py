@@ -73,7 +73,8 @@ class SampleFeatures:
     """A sample as the model sees it: encoder sequence lengths and LLM length."""
 
     image_positions: tuple[int, ...]
-    """Vision-encoder sequence length of each image."""
+    """Vision-encoder sequence length of each tower pass: one per image, or one per tile of an
+    any-resolution (`anyres`) image, each tile a pass of its own."""
     image_tokens: tuple[int, ...]
     """LLM tokens each image becomes."""
     audio_positions: tuple[int, ...]
@@ -112,7 +113,7 @@ def resize_image(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
     """The (height, width) an image is resized to before patching."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image size {height}x{width} must be positive")
-    if v.resize == "fixed":
+    if v.resize in ("fixed", "anyres"):  # anyres: every tile is image_size square
         return v.image_size, v.image_size
     if v.resize == "smart":
         return smart_resize(height, width, factor=v.patch * v.merge, min_pixels=v.min_pixels,
@@ -161,13 +162,100 @@ def image_positions(v: VisionSpec, height: int, width: int) -> int:
     return gh * gw + (1 if v.cls_token else 0)
 
 
-def image_tokens(v: VisionSpec, height: int, width: int) -> int:
+def image_tokens(v: VisionSpec, height: int, width: int, *, alone: bool = True) -> int:
+    """LLM tokens of an image; `alone`: the only image of its sample (OneVision tiles only those)."""
+    if v.resize == "anyres":
+        return anyres_image(v, height, width, alone=alone).tokens
     if v.select == "default":  # LLaVA drops encoder position 0 (the class token, if there is one)
         return image_positions(v, height, width) - 1
     if v.select == "full":
         return image_positions(v, height, width)
     gh, gw = image_grid(v, height, width)
     return (gh * gw) // (v.merge * v.merge)
+
+
+def image_passes(v: VisionSpec, height: int, width: int, *, alone: bool = True) -> int:
+    """Tower passes of an image (of image_positions each): its tiles for `anyres`, else 1."""
+    return anyres_image(v, height, width, alone=alone).tiles if v.resize == "anyres" else 1
+
+
+def sample_image_tokens(v: VisionSpec, images: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """LLM tokens of each image of one sample (whether an image is alone matters to OneVision)."""
+    return tuple(image_tokens(v, h, w, alone=len(images) == 1) for h, w in images)
+
+
+def sample_image_positions(v: VisionSpec, images: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """Encoder positions of each tower pass of one sample's images, in order."""
+    alone = len(images) == 1
+    return tuple(image_positions(v, h, w) for h, w in images for _ in range(image_passes(v, h, w, alone=alone)))
+
+
+# ----------------------------------------------------------------------------- any-resolution tiles
+# LLaVA-NeXT and LLaVA-OneVision, as transformers 5's processors count placeholders and its models
+# pack features (LlavaNextProcessor._get_number_of_features, LlavaNextModel.pack_image_features,
+# select_best_resolution, unpad_image, and OneVision's anyres_max downsampling). Written here
+# rather than called because the planner imports neither torch nor transformers;
+# tests/unit/model/test_hf_geometry.py holds these rules equal to transformers' own over many sizes.
+
+
+@dataclass(frozen=True, slots=True)
+class AnyresImage:
+    """How an any-resolution image is encoded."""
+
+    tiles: int
+    """Tower passes: the whole image resized to one tile, then rows x cols grid tiles; 1 for a
+    OneVision image that shares its sample (padded to a square, no grid)."""
+    rows: int
+    """Grid tiles down (0 without a grid)."""
+    cols: int
+    """Grid tiles across (0 without a grid)."""
+    tokens: int
+    """LLM tokens: the whole image's features, then the grid's unpadded (and, for OneVision,
+    downsampled) feature rows, each followed by the image_newline embedding; without a grid,
+    the whole image's features and one image_newline."""
+
+
+def best_resolution(height: int, width: int, pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """transformers' `select_best_resolution`: of the (height, width) pinpoints, the one that keeps
+    the most of the image's pixels when the image is scaled to fit in it, then the least padding."""
+    best, most, least = pinpoints[0], 0, math.inf
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - kept
+        if kept > most or (kept == most and wasted < least):
+            best, most, least = (h, w), kept, wasted
+    return best
+
+
+def anyres_image(v: VisionSpec, height: int, width: int, *, alone: bool = True) -> AnyresImage:
+    """Tiles and LLM tokens of a `height` x `width` image under an `anyres` tower.
+
+    `alone`: the image is its sample's only one (with `anyres_single`, only such an image is tiled).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size {height}x{width} must be positive")
+    side = v.image_size // v.patch  # features per tile side (one per patch)
+    base = side * side
+    if v.anyres_single and not alone:
+        return AnyresImage(tiles=1, rows=0, cols=0, tokens=base + 1)
+    best_h, best_w = best_resolution(height, width, v.grid_pinpoints)
+    rows, cols = best_h // v.image_size, best_w // v.image_size
+    fh, fw = rows * side, cols * side  # the grid's feature map, then cut back to the image's aspect
+    if width / height > fw / fh:
+        pad = (fh - int(round(height * (fw / width), 7))) // 2
+        fh -= 2 * pad
+    else:
+        pad = (fw - int(round(width * (fh / height), 7))) // 2
+        fw -= 2 * pad
+    if v.anyres_max:
+        ratio = math.sqrt(fh * fw / (v.anyres_max * side * side))
+        if ratio > 1.1:
+            fh, fw = int(fh // ratio), int(fw // ratio)
+            if not fh or not fw:
+                raise ValueError(f"an image of {height}x{width} shrinks to a {fh}x{fw} feature map, which the "
+                                 f"model cannot interpolate to")
+    return AnyresImage(tiles=1 + rows * cols, rows=rows, cols=cols, tokens=base + fh * (fw + 1))
 
 
 def audio_samples(a: AudioSpec, seconds: float) -> int:
@@ -281,8 +369,8 @@ def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> Sam
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     return SampleFeatures(
-        image_positions=tuple(image_positions(v, h, w) for h, w in meta.images) if v else (),
-        image_tokens=tuple(image_tokens(v, h, w) for h, w in meta.images) if v else (),
+        image_positions=sample_image_positions(v, meta.images) if v else (),
+        image_tokens=sample_image_tokens(v, meta.images) if v else (),
         audio_positions=tuple(audio_positions(a, s) for s in meta.audio_seconds) if a else (),
         audio_tokens=tuple(audio_tokens(a, s) for s in meta.audio_seconds) if a else (),
         text_tokens=meta.text_tokens,

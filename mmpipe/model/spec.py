@@ -85,7 +85,9 @@ class VisionSpec:
     """`fixed`: every image resized to image_size x image_size; `native`: aspect kept,
     both sides rounded to multiples of patch*merge, area clamped to [min_pixels, max_pixels];
     `smart`: transformers' Qwen2-VL `smart_resize`, exactly (as `native`, but a side may round
-    to 0 before the area clamp, and an aspect ratio over 200 is refused)."""
+    to 0 before the area clamp, and an aspect ratio over 200 is refused); `anyres`: LLaVA-NeXT /
+    OneVision tiles: the image at image_size x image_size plus a grid of image_size tiles of the
+    `grid_pinpoints` resolution that fits it best, each tile a tower pass (model/geometry.py)."""
     image_size: int = 336
     """Side of a `fixed` resize."""
     min_pixels: int = 4 * 28 * 28
@@ -109,11 +111,23 @@ class VisionSpec:
     """Image channels."""
     video: VideoSpec | None = None
     """How the encoder takes video (frames, their size, temporal patches); None: no video."""
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    """`anyres`: the (height, width) resolutions a tile grid may take (`image_grid_pinpoints`),
+    each side a multiple of image_size."""
+    anyres_max: int = 0
+    """`anyres`: OneVision's `anyres_max_N` (`vision_aspect_ratio`): an unpadded feature map of
+    more than 1.1^2 x N tiles' worth of features is shrunk (bilinear) to about N tiles' worth;
+    0: never (LLaVA-NeXT)."""
+    anyres_single: bool = False
+    """`anyres`: only a sample's lone image is tiled; every image of a sample with several is one
+    tile, padded to a square (OneVision's multi-image rule, transformers' `batch_num_images`)."""
 
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "patch", "merge", "channels", "temporal_patch")
-        if self.resize not in ("fixed", "native", "smart"):
-            raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed, native or smart")
+        if self.resize not in ("fixed", "native", "smart", "anyres"):
+            raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed, native, smart or anyres")
+        if self.resize == "anyres":
+            _check_anyres(self)
         if self.select not in ("patches", "default", "full"):
             raise ValueError(f"model.vision.select={self.select!r} is unknown; use patches, default or full")
         if self.select != "patches" and self.merge != 1:
@@ -322,11 +336,32 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
             value = tuple(int(v) for v in value)
         if key == "video" and value is not None:
             value = _dataclass_from(VideoSpec, f"{prefix}.video", value)
+        if key == "grid_pinpoints":
+            value = tuple(tuple(int(x) for x in pin) for pin in value)
         kwargs[key] = value
     try:
         return cls(**kwargs)
     except TypeError as err:  # a required field is missing
         raise ValueError(f"{prefix}: {err}") from None
+
+
+def _check_anyres(v: VisionSpec) -> None:
+    """An any-resolution tower: a grid of whole tiles and one feature per patch of a tile (what
+    LLaVA-NeXT's feature packing reshapes; a tile's last pixels may fall outside its patches, as
+    SigLIP's 27 patches of 14 px do in a 384-px tile)."""
+    if not v.grid_pinpoints:
+        raise ValueError("model.vision.grid_pinpoints is empty; an anyres tower needs its (height, width) grids, "
+                         "e.g. [[672, 672], [336, 1008]]")
+    for pin in v.grid_pinpoints:
+        if len(pin) != 2 or any(not isinstance(x, int) or x <= 0 or x % v.image_size for x in pin):
+            raise ValueError(f"model.vision.grid_pinpoints holds {list(pin)}; each must be [height, width] in "
+                             f"multiples of the tile side model.vision.image_size={v.image_size}")
+    if v.merge != 1 or v.select not in ("default", "full") or (v.select == "default") != v.cls_token:
+        raise ValueError(f"model.vision: an anyres tower needs one feature per patch of a tile: select=default "
+                         f"with a class token, or select=full without one (got select={v.select}, "
+                         f"cls_token={v.cls_token}, merge={v.merge})")
+    if v.anyres_max < 0:
+        raise ValueError(f"model.vision.anyres_max={v.anyres_max} must be >= 0 (0: no downsampling)")
 
 
 def _positive(obj: object, *fields: str) -> None:

@@ -78,9 +78,12 @@ def _micro_batch(samples: Sequence[SampleLike], carrier: tuple[torch.Tensor, ...
                       label_tokens=int((tgt != -100).sum()), tokens=sum(len(s.input_ids) for s in samples))
 
 
-def _layout(samples: Sequence[SampleLike], grid: torch.Tensor, frames: torch.Tensor, conv_stride: int) -> torch.Tensor:
-    """The LAYOUT slot: every stream's segments, computed here once for all stages and layers."""
-    return layout.encode([len(s.input_ids) for s in samples], layout.image_segments(grid.tolist()),
+def _layout(samples: Sequence[SampleLike], grid: torch.Tensor, frames: torch.Tensor, conv_stride: int,
+            images: list[int] | None = None) -> torch.Tensor:
+    """The LAYOUT slot: every stream's segments, computed here once for all stages and layers
+    (`images`: the image segments, if not the grid's own)."""
+    images = layout.image_segments(grid.tolist()) if images is None else images
+    return layout.encode([len(s.input_ids) for s in samples], images,
                          layout.audio_segments(frames.tolist(), conv_stride))
 
 
@@ -127,7 +130,7 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
     `media=False`: the samples were decoded without media (a last stage, which reads only the
     targets): the media slots stay empty and the positions are the plain 1-D ones.
     """
-    from mmpipe.model.hf.media import carrier_media, sample_positions, uses_mrope
+    from mmpipe.model.hf.media import carrier_media, image_segments, sample_positions, uses_mrope
 
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
@@ -144,7 +147,8 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
     videos = _videos(samples) if media else []
     pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
                                                 [clip for s in samples for clip in s.audio] if media else [], videos)
-    lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1)
+    lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1,
+                  image_segments(spec, grid.tolist()))
     return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay,
                                          C.video_count(len(videos))]), tgt)
 

@@ -1,9 +1,11 @@
 """The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
-template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor,
-Qwen2VLProcessor with the folder's image processor (PIL backend) and video processor; a video is
-decoded whole by transformers' own PyAV reader, `load_video`, and sampled by the processor), under
-the label convention of docs/data.md, written from that text. None of mmpipe's data code is used.
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; for LLaVA-NeXT
+and OneVision the folder's own processor from AutoProcessor, a conversation's images nested as
+apply_chat_template nests them; Qwen2VLProcessor with the folder's image processor (as
+AutoImageProcessor gives it: the torchvision backend) and video processor, a video decoded whole by
+transformers' own PyAV reader, `load_video`, and sampled by the processor), under the label convention of docs/data.md, written from that text. None of mmpipe's
+data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
 content each `<image>` / `<audio>` placeholder is an item, whitespace between a placeholder and the
@@ -30,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
 PLACEHOLDER = re.compile(r"(<image>|<audio>|<video>)")
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+ANYRES = {"llava-next": "LlavaNextImageProcessor", "llava-onevision": "LlavaOnevisionImageProcessor"}
+"""The any-resolution kinds and the image processor AutoProcessor gives each (torchvision backend)."""
 
 
 def raw_samples(keys: set[str]) -> dict[str, dict]:
@@ -116,21 +120,26 @@ class Reference:
         self.tok = AutoTokenizer.from_pretrained(text_folder)
         self.structured = kind != "compose"  # the composed LLM's template reads string content
         if kind in ("llava", "compose"):
-            from transformers import CLIPImageProcessorPil, LlavaProcessor
+            from transformers import AutoImageProcessor, LlavaProcessor
 
             media = folders["compose-vision"] if kind == "compose" else folders[kind]
-            self.processor = LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(media),
+            self.processor = LlavaProcessor(image_processor=AutoImageProcessor.from_pretrained(media),
                                             tokenizer=self.tok, patch_size=7, vision_feature_select_strategy="default",
                                             num_additional_image_tokens=1)
+        elif kind in ANYRES:  # the folder's whole processor, as AutoProcessor loads it (torchvision backend)
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(folders[kind])
+            assert type(self.processor.image_processor).__name__ == ANYRES[kind], type(self.processor.image_processor)
         elif kind == "qwen2-audio":
             from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
 
             self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
                 folders[kind]), tokenizer=self.tok)
         else:
-            from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen2VLVideoProcessor
+            from transformers import AutoImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-            self.processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folders[kind]),
+            self.processor = Qwen2VLProcessor(image_processor=AutoImageProcessor.from_pretrained(folders[kind]),
                                               video_processor=Qwen2VLVideoProcessor.from_pretrained(folders[kind]),
                                               tokenizer=self.tok)
         self.folders = folders
@@ -143,6 +152,12 @@ class Reference:
             n = text.count("<image>")
             out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values")}
+        if self.kind in ANYRES:  # one conversation's images, nested as apply_chat_template nests them
+            n = text.count("<image>")
+            nested = [images[:n]] if self.kind == "llava-onevision" else images[:n]
+            out = self.processor(text=text, images=nested if n else None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {k: out.get(k) for k in ("pixel_values", "image_sizes",
+                                                                          "batch_num_images")}
         if self.kind == "qwen2-audio":
             n = text.count("<|AUDIO|>")
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
@@ -183,9 +198,12 @@ class Reference:
                "attention_mask": torch.tensor([[1] * len(s["input_ids"]) + [0] * (t - len(s["input_ids"]))
                                                for s in samples]),
                "labels": torch.tensor([s["labels"] + [-100] * (t - len(s["labels"])) for s in samples])}
-        for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask",
-                    "pixel_values_videos", "video_grid_thw"):
+        for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask", "image_sizes",
+                    "batch_num_images", "pixel_values_videos", "video_grid_thw"):
             parts = [s[key] for s in samples if s.get(key) is not None]
+            if key == "pixel_values" and self.kind in ANYRES and parts:  # [images, tiles, ...]: pad the tiles
+                most = max(p.shape[1] for p in parts)
+                parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
             if parts:
                 out[key] = torch.cat(parts)
         if self.kind == "qwen2-vl":  # text 0, image 1, video 2 (what Qwen2VLProcessor returns)
@@ -204,7 +222,9 @@ class Reference:
             return self._composed()
         cls = {"llava": "LlavaForConditionalGeneration", "compose": "LlavaForConditionalGeneration",
                "qwen2-vl": "Qwen2VLForConditionalGeneration",
-               "qwen2-audio": "Qwen2AudioForConditionalGeneration"}[self.kind]
+               "qwen2-audio": "Qwen2AudioForConditionalGeneration",
+               "llava-next": "LlavaNextForConditionalGeneration",
+               "llava-onevision": "LlavaOnevisionForConditionalGeneration"}[self.kind]
         cls = getattr(transformers, cls)
         model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")
         with torch.device("meta"):

@@ -2,9 +2,10 @@
 shipped shards) compute what transformers computes.
 
 For LLaVA, Qwen2-VL (pp=3; its step mixes video clips, one of an odd frame count, images and text
-from the shipped video mix), Qwen2-Audio and a composition (CLIP + a Qwen2 causal LM with tied
-embeddings + a projector from another folder): one SGD step through the pipeline gives the loss of
-the transformers model's own forward on the same samples (`train.record_samples=true` says which),
+from the shipped video mix), Qwen2-Audio, a composition (CLIP + a Qwen2 causal LM with tied
+embeddings + a projector from another folder), LLaVA-OneVision and LLaVA-NeXT (pp=3): one SGD step
+through the pipeline gives the loss of the transformers model's own forward on the same samples
+(`train.record_samples=true` says which),
 and the same updated parameters as its own backward and step, read back through `mmpipe export`
 (so the export loads with the original class). The reference builds its inputs from the raw tar
 members with the checkpoint's processors and chat template (tests/distributed/hf_reference.py),
@@ -31,6 +32,8 @@ CASES = {  # model: its overrides (one launch each)
     "qwen2-vl": ["parallel.pp=3", "train.steps=1"],  # a middle stage carries the 3-D M-RoPE positions
     "qwen2-audio": ["parallel.pp=2", "train.steps=1"],
     "compose": ["parallel.pp=2", "train.steps=1"],
+    "llava-onevision": ["parallel.pp=2", "train.steps=1"],  # tiles, anyres_max_4, one-tile multi-image samples
+    "llava-next": ["parallel.pp=3", "train.steps=1"],  # a middle stage carries the tiles' states and image sizes
 }
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 5e-4  # fp32 summation order differs (micro-batches vs one batch); a wrong or missing tensor is O(1)

@@ -1,7 +1,8 @@
 """Models made of Hugging Face transformers classes, built, loaded and exported per pipeline layer.
 
 Supported: `LlavaForConditionalGeneration` (CLIP / SigLIP tower, Llama / Mistral / Qwen2),
-`Qwen2VLForConditionalGeneration` (images and videos), `Qwen2AudioForConditionalGeneration`, and
+`LlavaNextForConditionalGeneration` and `LlavaOnevisionForConditionalGeneration` (any-resolution
+tiles), `Qwen2VLForConditionalGeneration` (images and videos), `Qwen2AudioForConditionalGeneration`, and
 compositions of unimodal checkpoints (`model=compose`). See docs/hf.md.
 
 What the runtime calls:
@@ -10,7 +11,7 @@ What the runtime calls:
 - layers: `build_layer(spec, name, seed=...)` (one rank, its layers only; loads its tensors),
   `build_layers` (one process), `tied_embedding(spec)` (DeepSpeed TiedLayerSpec wiring),
   `placeholder_tokens(spec)`;
-- data: `preprocess_image`, `preprocess_audio`, `preprocess_video` per sample, then
+- data: `preprocess_images` (a sample's images), `preprocess_audio`, `preprocess_video` per sample, then
   `mmpipe.runtime.batch.collate_hf`;
 - loading figures: `LOAD_LOG`, `stage_load_summary(names)`;
 - memory: `estimate_memory(spec, stages=..., trainable=...)`, `check_memory(...)`;
@@ -21,7 +22,7 @@ from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.build import TiedEmbedding, build_layer, build_layers, placeholder_tokens, tied_embedding
 from mmpipe.model.hf.compose import spec_from_compose
 from mmpipe.model.hf.export import ExportReport, export, save_layer_states
-from mmpipe.model.hf.media import AudioInput, ImageInput, preprocess_audio, preprocess_image
+from mmpipe.model.hf.media import AudioInput, ImageInput, preprocess_audio, preprocess_image, preprocess_images
 from mmpipe.model.hf.memory import StageMemory, check_memory, estimate_memory, layer_params
 from mmpipe.model.hf.settings import spec_from_settings
 from mmpipe.model.hf.video import VideoInput, preprocess_video
@@ -29,6 +30,7 @@ from mmpipe.model.hf.weights import LOAD_LOG, LoadReport, stage_load_summary
 
 __all__ = ["AudioInput", "ExportReport", "ImageInput", "LOAD_LOG", "LoadReport", "StageMemory", "TiedEmbedding",
            "VideoInput", "build_layer", "build_layers", "check_memory", "estimate_memory", "export", "layer_params",
-           "placeholder_tokens", "preprocess_audio", "preprocess_image", "preprocess_video", "save_layer_states",
+           "placeholder_tokens", "preprocess_audio", "preprocess_image", "preprocess_images", "preprocess_video",
+           "save_layer_states",
            "spec_from_compose", "spec_from_config", "spec_from_folder", "spec_from_settings", "stage_load_summary",
            "tied_embedding"]

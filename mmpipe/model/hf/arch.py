@@ -22,13 +22,16 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from mmpipe.model.hf.anyres import ANYRES, anyres_vision, check_anyres, check_processor_settings
+from mmpipe.model.hf.anyres import default_processor as default_anyres_processor
 from mmpipe.model.hf.configs import ARCHITECTURES, config_from_dict, config_json
 from mmpipe.model.hf.media import make_feature_extractor, make_image_processor
+from mmpipe.model.hf.skeleton import LLAVA_TOWERS
 from mmpipe.model.hf.video import VIDEO_PROCESSORS, make_video_processor, read_video_processor_config, video_spec
 from mmpipe.model.spec import AudioSpec, HFSource, LLMSpec, ModelSpec, VisionSpec
 
 LLM_TYPES = ("llama", "mistral", "qwen2")
-"""Decoder families a LLaVA, Qwen2-Audio or composed model may use."""
+"""Decoder families a LLaVA (1.5, NeXT, OneVision), Qwen2-Audio or composed model may use."""
 VISION_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 """Vision towers a LLaVA or composed model may use (a full CLIP/SigLIP model gives its vision part)."""
 
@@ -104,7 +107,7 @@ def check_supported(config: PretrainedConfig, *, what: str = "model") -> str:
     if kind not in ARCHITECTURES:
         raise ValueError(f"{what}: model_type {kind!r} is not supported; supported: {_supported()}")
     _text(config, what)
-    if kind == "llava":
+    if kind in LLAVA_TOWERS:
         vtype = config.vision_config.model_type
         if vtype not in VISION_TYPES:
             raise ValueError(f"{what}: LLaVA vision tower {vtype!r} is not supported; use "
@@ -113,6 +116,8 @@ def check_supported(config: PretrainedConfig, *, what: str = "model") -> str:
             raise ValueError(f"{what}.vision_feature_select_strategy="
                              f"{config.vision_feature_select_strategy!r} is unknown; use default or full")
         _feature_layer(config, config.vision_config.num_hidden_layers, what)
+    if kind in ANYRES:
+        check_anyres(config, cls_token=VISION_TYPES[config.vision_config.model_type] == "clip", what=what)
     if kind == "qwen2_audio" and config.audio_config.model_type != "qwen2_audio_encoder":
         raise ValueError(f"{what}: audio tower {config.audio_config.model_type!r} is not supported; "
                          f"use qwen2_audio_encoder")
@@ -152,6 +157,12 @@ def _llava_vision(config: PretrainedConfig, ip: Mapping[str, Any] | None, what: 
         heads=vc.num_attention_heads, patch=vc.patch_size, resize="fixed", image_size=_fixed_side(ip, vc, what),
         merge=1, cls_token=VISION_TYPES[vc.model_type] == "clip", select=config.vision_feature_select_strategy,
         proj=(text.hidden_size, text.hidden_size), channels=vc.num_channels)
+
+
+def _anyres_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> VisionSpec:
+    vc = config.vision_config
+    return anyres_vision(config, ip, what, blocks=_feature_layer(config, vc.num_hidden_layers, what),
+                         cls_token=VISION_TYPES[vc.model_type] == "clip", side=_fixed_side(ip, vc, what))
 
 
 def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any], what: str) -> VisionSpec:
@@ -198,6 +209,8 @@ def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
         vc = config.vision_config
         return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": vc.patch_size,
                 "merge_size": vc.spatial_merge_size, "temporal_patch_size": vc.temporal_patch_size}
+    if config.model_type in ANYRES:
+        return default_anyres_processor(config, VISION_TYPES[config.vision_config.model_type])
     side = config.vision_config.image_size
     if VISION_TYPES[config.vision_config.model_type] == "clip":
         return {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": side},
@@ -252,6 +265,8 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
         vision = _llava_vision(config, image_processor, what)
     elif kind == "qwen2_vl":
         vision = _qwen2_vl_vision(config, image_processor, video_processor, what)
+    elif kind in ANYRES:
+        vision = _anyres_vision(config, image_processor, what)
     else:
         audio = _audio(config, feature_extractor, what)
     return ModelSpec(name=name, llm=llm, vision=vision, audio=audio, hf=src)
@@ -262,6 +277,9 @@ def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len
     """The spec of a checkpoint folder (its config.json, preprocessor files and weights)."""
     config = read_config(folder, what=what)
     check_supported(config, what=f"{what}={str(folder)!r}")
+    if config.model_type in ANYRES and (Path(folder) / "processor_config.json").is_file():
+        settings = json.loads((Path(folder) / "processor_config.json").read_text())
+        check_processor_settings(settings, config, f"{what}={str(folder)!r}")
     video = read_video_processor_config(folder, config.model_type) if config.model_type in VIDEO_PROCESSORS else None
     return spec_from_config(config, name=name or Path(folder).name, weights=(("model", str(folder)),),
                             image_processor=read_processor_config(folder, "image_processor"),

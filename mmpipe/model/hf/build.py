@@ -18,8 +18,16 @@ import torch
 from torch import nn
 
 from mmpipe.model.hf import layers as L
+from mmpipe.model.hf.anyres import ANYRES, AnyresVisionProj
 from mmpipe.model.hf.configs import hf_config
-from mmpipe.model.hf.skeleton import layer_parts, materialise, model_type, owned_keys, ties_embeddings
+from mmpipe.model.hf.skeleton import (
+    LLAVA_TOWERS,
+    layer_parts,
+    materialise,
+    model_type,
+    owned_keys,
+    ties_embeddings,
+)
 from mmpipe.model.hf.weights import checkpoint_index, load_layer
 from mmpipe.model.layers import layer_seed
 from mmpipe.model.spec import ModelSpec, layer_names
@@ -80,7 +88,9 @@ def _make(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
         if kind == "block":
             return L.HFLLMBlock(parts, mrope=kind_of == "qwen2_vl")
         return {"norm": L.HFLLMNorm, "head": L.HFLLMHead}[kind](parts)
-    if kind_of == "llava":
+    if kind_of in LLAVA_TOWERS:
+        if kind == "proj" and kind_of in ANYRES:
+            return AnyresVisionProj(parts, src=src, drop_first=spec.vision.select == "default")
         if kind == "proj":
             return L.LlavaVisionProj(parts, drop_first=spec.vision.select == "default")
         return {"embed": L.LlavaVisionEmbed, "block": L.LlavaVisionBlock}[kind](parts)

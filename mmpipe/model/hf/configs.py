@@ -16,6 +16,8 @@ ARCHITECTURES = {
     "llava": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
 }
 """model_type -> the transformers class mmpipe builds (and exports) for it."""
 

@@ -5,7 +5,7 @@ shipped shards' conversations with a chat template in its family's format (our o
 the processor config, all in one folder. Nothing is downloaded.
 
     folders = write_all(tmp)   # {"llava", "qwen2-vl", "qwen2-audio", "compose-vision", "compose-llm",
-                               #  "compose-projector"}
+                               #  "compose-projector", "llava-next", "llava-onevision"}
 
 The test suite trains and compares these; a user tries the real-model path on CPU with them:
 
@@ -49,6 +49,18 @@ QWEN2_VL_TEMPLATE = _chatml("{% if content['type'] == 'image' %}<|vision_start|>
                             "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>" + _TEXT)
 QWEN2_AUDIO_TEMPLATE = _chatml("{% if content['type'] == 'audio' %}{% set audio_count.value = audio_count.value + 1 %}"
                                "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n" + _TEXT)
+NEXT_TEMPLATE = (  # LLaVA-NeXT on Mistral: "[INST] <image>\n... [/INST] answer</s>", a message's images first
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{{ '\n\n' }}"
+    "{% elif m['role'] == 'user' %}[INST] {% for c in m['content'] if c['type'] == 'image' %}<image>\n{% endfor %}"
+    "{% for c in m['content'] if c['type'] == 'text' %}{{ c['text'] }}{% endfor %} [/INST]"
+    "{% else %} {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
+    "{% endfor %}")
+ONEVISION_TEMPLATE = (  # LLaVA-OneVision's ChatML (no default system message), a message's images first
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for c in m['content'] if c['type'] == 'image' %}<image>\n{% endfor %}"
+    "{% for c in m['content'] if c['type'] == 'text' %}{{ c['text'] }}{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEXT_TEMPLATE = (  # a text LLM's ChatML: string content only
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -123,13 +135,13 @@ def _save(model, tok, template: str, folder: Path, seed: int) -> Path:
 
 
 def _llm(kind: str, tok, **extra):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=len(tok) + 5, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     common.update(extra)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind](**common)
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind](**common)
 
 
 CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
@@ -150,6 +162,69 @@ def write_llava(root: Path, texts: list[str]) -> Path:
                       vision_feature_select_strategy="default", projector_hidden_act="gelu")
     folder = _save(LlavaForConditionalGeneration(cfg), tok, LLAVA_TEMPLATE, root / "llava", 41)
     CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+    return folder
+
+
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+"""LLaVA-NeXT's five grids (1x2, 2x1, 2x2, 1x3, 3x1 tiles), at a 28-px tile."""
+ONEVISION_PINPOINTS = [[28 * i, 28 * j] for i in range(1, 4) for j in range(1, 4)]
+"""OneVision's grids, to 3x3 tiles of 28 px; with anyres_max_4 the unpadded features of a grid
+larger than 4.84 tiles' worth are shrunk (the shipped images, 16 to 200 px, get all cases)."""
+
+
+def write_llava_next(root: Path, texts: list[str]) -> Path:
+    """CLIP (28-px tiles of 7-px patches, feature layer -2, `default`) + Mistral, the five NeXT grids,
+    Mistral's [INST] template; the processor (LlavaNextProcessor) saved whole."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+    )
+
+    torch.manual_seed(47)
+    tok = llama_tokenizer(texts + ["[INST] [/INST]"])
+    cfg = LlavaNextConfig(vision_config=CLIPVisionConfig(**CLIP),
+                          text_config=_llm("mistral", tok, bos_token_id=tok.bos_token_id, sliding_window=None),
+                          image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                          vision_feature_select_strategy="default", image_grid_pinpoints=NEXT_PINPOINTS)
+    folder = _save(LlavaNextForConditionalGeneration(cfg), tok, NEXT_TEMPLATE, root / "llava-next", 47)
+    image = LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                    image_grid_pinpoints=NEXT_PINPOINTS)
+    LlavaNextProcessor(image_processor=image, tokenizer=tok, patch_size=7, vision_feature_select_strategy="default",
+                       num_additional_image_tokens=1, chat_template=NEXT_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
+def write_llava_onevision(root: Path, texts: list[str]) -> Path:
+    """SigLIP (28-px tiles of 7-px patches, last layer, `full`) + Qwen2, grids to 3x3 tiles,
+    anyres_max_4, OneVision's ChatML; the processor (LlavaOnevisionProcessor) saved whole."""
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+        SiglipVisionConfig,
+    )
+
+    torch.manual_seed(48)
+    tok = qwen_tokenizer(texts, extra=("<image>", "<video>"),
+                         named={"image_token": "<image>", "video_token": "<video>"})
+    cfg = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(**CLIP, vision_use_head=False),
+        text_config=_llm("qwen2", tok, hidden_size=48, intermediate_size=96),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), video_token_id=tok.convert_tokens_to_ids("<video>"),
+        vision_feature_layer=-1, vision_feature_select_strategy="full", image_grid_pinpoints=ONEVISION_PINPOINTS,
+        vision_aspect_ratio="anyres_max_4")
+    folder = _save(LlavaOnevisionForConditionalGeneration(cfg), tok, ONEVISION_TEMPLATE, root / "llava-onevision", 48)
+    side = {"height": 28, "width": 28}
+    LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=side, image_grid_pinpoints=ONEVISION_PINPOINTS),
+        video_processor=LlavaOnevisionVideoProcessor(size=side), tokenizer=tok, num_image_tokens=16,
+        vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_4",
+        chat_template=ONEVISION_TEMPLATE).save_pretrained(folder)
     return folder
 
 
@@ -238,13 +313,15 @@ def write_all(root: Path) -> dict[str, Path]:
     root.mkdir(parents=True, exist_ok=True)
     texts = corpus()
     folders = {"llava": write_llava(root, texts), "qwen2-vl": write_qwen2_vl(root, texts),
-               "qwen2-audio": write_qwen2_audio(root, texts), **write_composition(root, texts)}
+               "qwen2-audio": write_qwen2_audio(root, texts), **write_composition(root, texts),
+               "llava-next": write_llava_next(root, texts),
+               "llava-onevision": write_llava_onevision(root, texts)}
     (root / MARKER).write_text(json.dumps({name: folder.name for name, folder in folders.items()}, indent=1) + "\n")
     return folders
 
 
-MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose")
-"""The four models the folders of write_all make."""
+MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose", "llava-next", "llava-onevision")
+"""The models the folders of write_all make."""
 
 
 def model_overrides(name: str, folders: dict[str, Path]) -> list[str]:

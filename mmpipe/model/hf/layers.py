@@ -30,7 +30,10 @@ class HFLayer(PipeLayer):
     def __init__(self, parts: dict[str, nn.Module]):
         super().__init__()
         for attr, module in parts.items():
-            self.add_module(attr, module)
+            if isinstance(module, nn.Parameter):  # a bare parameter of the model (LLaVA-NeXT's image_newline)
+                self.register_parameter(attr, module)
+            else:
+                self.add_module(attr, module)
         # parameters transformers itself keeps frozen (Qwen2-Audio's position table)
         self.frozen_params = frozenset(n for n, p in self.named_parameters() if not p.requires_grad)
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmpipe.model.geometry import audio_frames, image_grid
+from mmpipe.model import layout
+from mmpipe.model.geometry import anyres_image, audio_frames, image_grid, image_positions
 from mmpipe.model.spec import HFSource, ModelSpec
 
 
@@ -36,9 +37,12 @@ class ImageInput:
     """One image as the vision tower's first layer takes it."""
 
     pixels: np.ndarray
-    """float32: [C, S, S] (LLaVA towers) or [patches, C * T * p * p] (Qwen2-VL)."""
+    """float32: [C, S, S] (LLaVA towers), [tiles, C, S, S] (LLaVA-NeXT / OneVision: the whole
+    image, then the grid row by row) or [patches, C * T * p * p] (Qwen2-VL)."""
     grid: tuple[int, ...]
-    """Patch grid: (rows, cols) for LLaVA towers, (t, rows, cols) for Qwen2-VL."""
+    """Patch grid: (rows, cols) for LLaVA towers, (t, rows, cols) for Qwen2-VL; for LLaVA-NeXT /
+    OneVision (tiles, grid rows, grid cols, height, width): its tower passes, its tile grid (0, 0
+    without one) and the image's size, which the model unpads to (`image_sizes`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +56,8 @@ class AudioInput:
     """Valid mel frames (the feature extractor's attention mask), cut at 30 s."""
 
 
-IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "Qwen2VLImageProcessor")
+IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "Qwen2VLImageProcessor", "LlavaNextImageProcessor",
+                    "LlavaOnevisionImageProcessor")
 """Image processor classes (as config files name them, without a Fast/Pil suffix) mmpipe checks
 its geometry against."""
 
@@ -103,11 +108,41 @@ def _pil(image: bytes | Image.Image | np.ndarray) -> Image.Image:
     return image
 
 
-def preprocess_image(spec: ModelSpec, image: bytes | Image.Image | np.ndarray) -> ImageInput:
-    """An image (encoded bytes, PIL image, or uint8 [H, W, 3]) through the checkpoint's image
-    processor. Raises ValueError if its patch grid is not the one the planner counted."""
+def preprocess_images(spec: ModelSpec, images: Sequence[bytes | Image.Image | np.ndarray]) -> list[ImageInput]:
+    """The images of one sample through the checkpoint's image processor, called as the model's
+    processor calls it for one conversation (OneVision tiles an image only when it is its
+    sample's only one). Raises ValueError if a grid or tile count is not what the planner counted."""
+    if not images:
+        return []
     if spec.hf is None or spec.vision is None:
         raise ValueError(f"model {spec.name} has no Hugging Face vision tower")
+    if spec.vision.resize != "anyres":
+        return [preprocess_image(spec, image) for image in images]
+    imgs = [_pil(image) for image in images]
+    v = spec.vision
+    nested = [imgs] if v.anyres_single else imgs  # one conversation's images (transformers' batch_num_images)
+    out = image_processor(spec.hf)(images=nested, do_pad=False)  # unpadded: each image's own tiles
+    result = []
+    for img, pixels, size in zip(imgs, out["pixel_values"], out["image_sizes"]):
+        plan = anyres_image(v, img.height, img.width, alone=len(imgs) == 1)
+        pixels = np.asarray(pixels, dtype=np.float32)
+        got = (pixels.shape[0], *(int(x) for x in size))
+        if got != (plan.tiles, img.height, img.width) or pixels.shape[-2:] != (v.image_size, v.image_size):
+            raise ValueError(f"the image processor made {pixels.shape[0]} tiles of {tuple(pixels.shape[-2:])} px of a "
+                             f"{img.height}x{img.width} image but the model's geometry says {plan.tiles} of "
+                             f"{v.image_size} px; the processor config and the spec disagree")
+        result.append(ImageInput(pixels=pixels, grid=(plan.tiles, plan.rows, plan.cols, img.height, img.width)))
+    return result
+
+
+def preprocess_image(spec: ModelSpec, image: bytes | Image.Image | np.ndarray) -> ImageInput:
+    """An image (encoded bytes, PIL image, or uint8 [H, W, 3]) through the checkpoint's image
+    processor, as its sample's only image. Raises ValueError if its patch grid is not the one the
+    planner counted."""
+    if spec.hf is None or spec.vision is None:
+        raise ValueError(f"model {spec.name} has no Hugging Face vision tower")
+    if spec.vision.resize == "anyres":
+        return preprocess_images(spec, [image])[0]
     img = _pil(image)
     out = image_processor(spec.hf)(images=[img], return_tensors="np")
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
@@ -202,29 +237,42 @@ def sample_positions(spec: ModelSpec, input_ids: Sequence[int], images: Sequence
                            video_grids=[vid.grid for vid in videos])
 
 
+def image_segments(spec: ModelSpec, grid: Sequence[Sequence[int]]) -> list[int]:
+    """The attention segments (tower passes) of a micro-batch's images from the IMAGE_GRID slot:
+    every tile of a LLaVA-NeXT / OneVision image is one, of image_positions each."""
+    v = spec.vision
+    if v is None or v.resize != "anyres":
+        return layout.image_segments(grid)
+    return [image_positions(v, v.image_size, v.image_size)] * sum(int(g[0]) for g in grid)
+
+
 def carrier_media(spec: ModelSpec, images: Sequence[ImageInput], clips: Sequence[AudioInput],
                   videos: Sequence[Any] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The carrier's media slots of a micro-batch: (pixels, grid, features, frames).
 
-    LLaVA: pixels [N, C, S, S], grid [N, 2]; Qwen2-VL: pixels [patches, C*T*p*p] of all images
-    in order and then of all videos (VideoInput) in order, grid_thw [images + videos, 3] (the
-    carrier's VIDEOS slot says how many trailing rows are videos); Qwen2-Audio: features
+    LLaVA: pixels [N, C, S, S], grid [N, 2]; LLaVA-NeXT / OneVision: every tile [T, C, S, S],
+    grid [N, 5] (tiles, rows, cols, height, width); Qwen2-VL: pixels [patches, C*T*p*p] of all
+    images in order and then of all videos (VideoInput) in order, grid_thw [images + videos, 3]
+    (the carrier's VIDEOS slot says how many trailing rows are videos); Qwen2-Audio: features
     [clips, mel, F] zero-filled past each clip's own frames, frames [clips] (valid mel frames).
     """
     v, a = spec.vision, spec.audio
     if videos:
-        if v is None or v.resize == "fixed":
+        if v is None or v.resize in ("fixed", "anyres"):
             raise ValueError(f"model {spec.name} takes no video in its image slots")
         images = [*images, *videos]  # same patch layout: [t*rows*cols, C*T*p*p] with grid (t, rows, cols)
-    if images:
+    if images and v is not None and v.resize == "anyres":  # every tile of every image, in order
+        pixels = torch.from_numpy(np.concatenate([img.pixels for img in images]))
+        grid = torch.tensor([img.grid for img in images], dtype=torch.long)
+    elif images:
         if v is not None and v.resize == "fixed":
             pixels = torch.from_numpy(np.stack([img.pixels for img in images]))
         else:
             pixels = torch.from_numpy(np.concatenate([img.pixels for img in images]))
         grid = torch.tensor([img.grid for img in images], dtype=torch.long)
-    elif v is not None and v.resize == "fixed":
+    elif v is not None and v.resize in ("fixed", "anyres"):
         pixels = torch.zeros((0, v.channels, v.image_size, v.image_size))
-        grid = torch.zeros((0, 2), dtype=torch.long)
+        grid = torch.zeros((0, 5 if v.resize == "anyres" else 2), dtype=torch.long)
     else:
         width = v.channels * v.temporal_patch * v.patch ** 2 if v is not None else 0
         pixels, grid = torch.zeros((0, width)), torch.zeros((0, 3), dtype=torch.long)

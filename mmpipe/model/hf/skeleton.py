@@ -24,8 +24,14 @@ from mmpipe.model.spec import HFSource, ModelSpec, layer_names
 
 LM = "model.language_model"
 """Where every supported architecture keeps its decoder (transformers 5 module layout)."""
-TOWERS = {"llava": "model.vision_tower", "qwen2_vl": "model.visual", "qwen2_audio": "model.audio_tower"}
+TOWERS = {"llava": "model.vision_tower", "qwen2_vl": "model.visual", "qwen2_audio": "model.audio_tower",
+          "llava_next": "model.vision_tower",
+          "llava_onevision": "model.vision_tower"}
 PROJECTOR = "model.multi_modal_projector"
+LLAVA_TOWERS = ("llava", "llava_next", "llava_onevision")
+"""Architectures whose tower is LLaVA's CLIP / SigLIP (the last two tile any-resolution images)."""
+NEWLINE = "model.image_newline"
+"""LLaVA-NeXT / OneVision's learned row separator: a bare parameter of the model, not a module."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -50,13 +56,14 @@ def ties_embeddings(src: HFSource) -> bool:
 
 
 def _clip_tower(src: HFSource) -> bool:
-    return model_type(src) == "llava" and hf_config(src).vision_config.model_type == "clip_vision_model"
+    return model_type(src) in LLAVA_TOWERS and hf_config(src).vision_config.model_type == "clip_vision_model"
 
 
 def layer_parts(spec: ModelSpec, name: str) -> tuple[tuple[str, str], ...]:
     """(attribute in the pipeline layer, module path in the transformers model) of each module
-    a pipeline layer holds. Modules without parameters (rotary tables, pooling) may appear in
-    several layers; every parameter belongs to exactly one layer (tied ones aside)."""
+    a pipeline layer holds (a path may also name a bare parameter, LLaVA-NeXT's image_newline).
+    Modules without parameters (rotary tables, pooling) may appear in several layers; every
+    parameter belongs to exactly one layer (tied ones aside)."""
     src = _src(spec)
     if name not in layer_names(spec):
         raise ValueError(f"layer {name} does not exist in model {spec.name}")
@@ -69,12 +76,12 @@ def layer_parts(spec: ModelSpec, name: str) -> tuple[tuple[str, str], ...]:
                 "norm": (("norm", f"{LM}.norm"),),
                 "head": (("head", "lm_head"),)}[kind]
     tower = TOWERS[kind_of]
-    if kind_of == "llava":
+    if kind_of in LLAVA_TOWERS:
         embed = (("embeddings", f"{tower}.embeddings"),)
         if _clip_tower(src):
             embed += (("pre_layrnorm", f"{tower}.pre_layrnorm"),)
-        return {"embed": embed, "block": (("block", f"{tower}.encoder.layers.{i}"),),
-                "proj": (("projector", PROJECTOR),)}[kind]
+        proj = (("projector", PROJECTOR),) + ((("image_newline", NEWLINE),) if kind_of != "llava" else ())
+        return {"embed": embed, "block": (("block", f"{tower}.encoder.layers.{i}"),), "proj": proj}[kind]
     if kind_of == "qwen2_vl":
         return {"embed": (("patch_embed", f"{tower}.patch_embed"),),
                 "block": (("block", f"{tower}.blocks.{i}"), ("rotary", f"{tower}.rotary_pos_emb")),
@@ -101,9 +108,25 @@ def owned_keys(spec: ModelSpec, name: str) -> dict[str, str]:
     model = skeleton(src)
     out: dict[str, str] = {}
     for attr, path in layer_parts(spec, name):
+        if _is_parameter(model, path):
+            out[attr] = path
+            continue
         for key in model.get_submodule(path).state_dict():
             out[f"{attr}.{key}"] = f"{path}.{key}"
     return out
+
+
+def _newline(config: PretrainedConfig) -> nn.Parameter:
+    """A fresh `image_newline`, drawn as LlavaNextPreTrainedModel._init_weights draws it (normal,
+    std 1/sqrt(text hidden size)): that method reaches the bare parameter only through the whole
+    model, which no rank builds."""
+    hidden = config.get_text_config().hidden_size
+    return nn.Parameter(torch.randn(hidden) * hidden ** -0.5)
+
+
+def _is_parameter(model: nn.Module, path: str) -> bool:
+    module, _, leaf = path.rpartition(".")
+    return leaf in dict(model.get_submodule(module).named_parameters(recurse=False))
 
 
 def unowned_keys(spec: ModelSpec) -> list[str]:
@@ -164,6 +187,8 @@ def materialise(src: HFSource, path: str, *, init_weights: bool = True) -> nn.Mo
     left as allocated, which saves drawing billions of random numbers per 7B stage.
     """
     model = skeleton(src)
+    if _is_parameter(model, path):  # only LLaVA-NeXT / OneVision's image_newline
+        return _newline(hf_config(src))
     meta = model.get_submodule(path)
     memo = {id(c): c for c in _configs(model)}  # parts share the one config, as in the model
     part = copy.deepcopy(meta, memo)

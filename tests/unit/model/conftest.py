@@ -33,6 +33,18 @@ def llava_clip_mistral(hf_root):
 
 
 @pytest.fixture(scope="session")
+def llava_next(hf_root):
+    """LLaVA-NeXT: CLIP (feature layer -2, `default`) + Mistral, five tile grids."""
+    return H.write_llava_next(hf_root, seed=16)
+
+
+@pytest.fixture(scope="session")
+def llava_onevision(hf_root):
+    """LLaVA-OneVision: SigLIP (last layer, `full`) + Qwen2, grids to 3x3 tiles, anyres_max_4."""
+    return H.write_llava_onevision(hf_root, seed=17)
+
+
+@pytest.fixture(scope="session")
 def qwen2_vl(hf_root):
     return H.write_qwen2_vl(hf_root, seed=14)
 

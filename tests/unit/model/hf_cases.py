@@ -36,7 +36,7 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 
 from mmpipe.model.geometry import image_tokens
 from mmpipe.model.hf.demo import perturb
-from mmpipe.model.hf.media import preprocess_audio, preprocess_image
+from mmpipe.model.hf.media import preprocess_audio, preprocess_images
 from mmpipe.model.hf.skeleton import owned_keys
 from mmpipe.model.layers import run_layers, token_loss
 from mmpipe.runtime.batch import collate_hf
@@ -70,6 +70,54 @@ def write_llava(root: Path, *, vision: str, llm: str, layer: int, select: str, s
                               crop_size={"height": image_size, "width": image_size}).save_pretrained(folder)
     else:
         SiglipImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(folder)
+    return folder
+
+
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+"""LLaVA-NeXT's five grids (1x2, 2x1, 2x2, 1x3, 3x1 tiles) at a 28-px tile."""
+ONEVISION_PINPOINTS = [[28 * i, 28 * j] for i in range(1, 4) for j in range(1, 4)]
+"""OneVision's grids up to 3x3 tiles at a 28-px tile; with anyres_max_4, grids of more than
+4.84 tiles' worth of unpadded features are shrunk."""
+
+
+def write_llava_next(root: Path, *, seed: int) -> Path:
+    """CLIP (28-px tiles of 7-px patches: 16 features + the class token; feature layer -2,
+    `default`) + Mistral, the five NeXT grids."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor
+
+    torch.manual_seed(seed)
+    vc = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                          image_size=28, patch_size=7)
+    cfg = LlavaNextConfig(vision_config=vc, text_config=_llm("mistral", rms_norm_eps=1e-5), image_token_id=IMAGE,
+                          vision_feature_layer=-2, vision_feature_select_strategy="default",
+                          image_grid_pinpoints=NEXT_PINPOINTS)
+    model = LlavaNextForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "llava-next"
+    model.save_pretrained(folder)
+    LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                            image_grid_pinpoints=NEXT_PINPOINTS).save_pretrained(folder)
+    return folder
+
+
+def write_llava_onevision(root: Path, *, seed: int) -> Path:
+    """SigLIP (28-px tiles of 7-px patches: 16 features; last layer, `full`) + Qwen2, grids up to
+    3x3 tiles, anyres_max_4."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessor
+
+    torch.manual_seed(seed)
+    vc = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                            image_size=28, patch_size=7, vision_use_head=False)
+    cfg = LlavaOnevisionConfig(vision_config=vc, text_config=_llm("qwen2", hidden_size=48, intermediate_size=96),
+                               image_token_id=IMAGE, video_token_id=VIDEO, vision_feature_layer=-1,
+                               vision_feature_select_strategy="full", image_grid_pinpoints=ONEVISION_PINPOINTS,
+                               vision_aspect_ratio="anyres_max_4")
+    model = LlavaOnevisionForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "llava-onevision"
+    model.save_pretrained(folder)
+    LlavaOnevisionImageProcessor(size={"height": 28, "width": 28},
+                                 image_grid_pinpoints=ONEVISION_PINPOINTS).save_pretrained(folder)
     return folder
 
 
@@ -272,7 +320,7 @@ def compare(spec, layers, hf_model, hf_loss, samples, *, packings=(True, False))
     from mmpipe.model.hf.video import preprocess_video
 
     hf_loss.backward()
-    ours = [Sample(s.key, s.input_ids, s.labels, [preprocess_image(spec, b) for b in s.images],
+    ours = [Sample(s.key, s.input_ids, s.labels, preprocess_images(spec, s.images),
                    [preprocess_audio(spec, w, 16000) for w in s.audio],
                    [preprocess_video(spec, f, m, tuple(range(len(f)))) for f, m in s.videos]) for s in samples]
     for packed in packings:
@@ -293,6 +341,40 @@ def llava_samples(spec, rng):
     return [sample("a", [text(rng, 3), [IMAGE] * n, text(rng, 5), [IMAGE] * n, text(rng, 12)],
                      images=imgs[:2]),
             sample("b", [text(rng, 4), [IMAGE] * n, text(rng, 9)], images=imgs[2:])]
+
+
+ANYRES_SIZES = [[(40, 60), (90, 33)], [(120, 200)], [(200, 31)], [], [(20, 50)]]
+"""Images (height, width) of each sample of the any-resolution parity cases: two of different
+aspects in one sample (OneVision: one tile each), a large one (OneVision shrinks its grid), a tall
+narrow one (most of its grid unpadded away), a text-only sample and a small wide one (a 1x2 grid)."""
+
+
+def anyres_samples(spec, rng):
+    """Samples of ANYRES_SIZES with placeholders expanded by the geometry (the model itself refuses
+    any other count) and their encoded images."""
+    from mmpipe.model.geometry import sample_image_tokens
+
+    out = []
+    for k, sizes in enumerate(ANYRES_SIZES):
+        counts = sample_image_tokens(spec.vision, tuple(sizes))
+        pieces = [text(rng, 3)]
+        for n in counts:
+            pieces += [[IMAGE] * n, text(rng, int(rng.integers(2, 6)))]
+        pieces.append(text(rng, 8))
+        out.append(sample(f"s{k}", pieces, images=[random_image(rng, h, w) for h, w in sizes]))
+    return out
+
+
+def anyres_reference_inputs(folder, samples, *, nested: bool) -> dict:
+    """pixel_values, image_sizes (and OneVision's batch_num_images) from the folder's own image
+    processor as AutoImageProcessor loads it (its default backend), one conversation's images
+    nested for OneVision as its processor nests them."""
+    proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    pil = [[Image.open(io.BytesIO(b)).convert("RGB") for b in s.images] for s in samples]
+    images = [p for p in pil if p] if nested else [img for p in pil for img in p]
+    out = proc(images=images, return_tensors="pt")
+    keys = ("pixel_values", "image_sizes") + (("batch_num_images",) if nested else ())
+    return {k: out[k] for k in keys}
 
 
 def processed_images(folder, images: list[bytes]):

@@ -107,8 +107,9 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
 @pytest.mark.parametrize("config,message", [
     ({"model_type": "gpt2"}, r"model\.config: model_type 'gpt2' is not supported; supported: "
                              r"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, "
-                             r"Qwen2AudioForConditionalGeneration, or model=compose"),
-    ({"model_type": "llava_next"}, r"model_type 'llava_next' is not supported"),
+                             r"Qwen2AudioForConditionalGeneration, LlavaNextForConditionalGeneration, "
+                             r"LlavaOnevisionForConditionalGeneration, or model=compose"),
+    ({"model_type": "idefics3"}, r"model_type 'idefics3' is not supported"),
     ({"model_type": "nonsense"}, r"model\.config\.model_type='nonsense' is not a transformers model type"),
     ({**LLAVA_15_7B, "vision_feature_layer": [-2, -5]},
      r"model\.config\.vision_feature_layer=\[-2, -5\]: only a single layer index is supported"),
@@ -144,3 +145,68 @@ def test_settings_errors_name_the_key(tmp_path):
     spec = spec_from_settings({"name": "q", "config": QWEN2_VL_7B, "image_processor": QWEN2_VL_PROCESSOR,
                                "max_seq_len": 8192})
     assert spec.llm.max_seq_len == 8192 and spec.hf.architecture == "Qwen2VLForConditionalGeneration"
+
+
+def _preset_config(name) -> dict:
+    return yaml.safe_load((PACKAGE_ROOT / f"conf/model/{name}.yaml").read_text())
+
+
+def test_anyres_presets_build_from_their_configs_alone():
+    """The LLaVA-NeXT and OneVision presets: the Hub checkpoints' parameter counts (NeXT's 24th
+    CLIP block never runs), tiles and tokens of a 1080p image, and a 7B projector with its
+    image_newline built alone, without weights."""
+    onevision, nxt = _preset("llava-onevision-qwen2-7b"), _preset("llava-next-mistral-7b")
+    assert 8.02e9 < sum(layer_params(onevision).values()) < 8.04e9  # llava-onevision-qwen2-7b-ov-hf: 8.03 B
+    assert 7.54e9 < sum(layer_params(nxt).values()) < 7.56e9  # llava-v1.6-mistral-7b-hf: 7.57 B with that block
+    assert onevision.vision.blocks == 26 and nxt.vision.blocks == 23
+    hd = SampleMeta(text_tokens=10, images=((1080, 1920),))
+    assert features(onevision, hd).image_positions == (729,) * 16  # the whole image + a 3 x 5 grid of 384-px tiles
+    assert features(onevision, hd).image_tokens == (7269,)  # 729 + 90 x 72 shrunk to anyres_max_9, + 72 newlines
+    assert features(nxt, hd).image_positions == (577,) * 5 and features(nxt, hd).image_tokens == (1948,)
+    proj = build_layer(onevision, "vision.proj", seed=0)
+    assert proj.image_newline.shape == (3584,)
+    assert sum(p.numel() for p in proj.parameters()) == layer_params(onevision)["vision.proj"]
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("llava-next-mistral-7b", {"image_grid_pinpoints": [[336, 672], [336, 600]]},
+     r"model\.config\.image_grid_pinpoints holds \[336, 600\]; each must be \[height, width\] in multiples of "
+     r"the tower's image_size 336"),
+    ("llava-next-mistral-7b", {"vision_feature_select_strategy": "full"},
+     r"vision_feature_select_strategy='full' with a clip_vision_model tower leaves the class token per tile"),
+    ("llava-onevision-qwen2-7b", {"vision_feature_select_strategy": "default"},
+     r"vision_feature_select_strategy='default' with a siglip_vision_model tower leaves one feature too few"),
+    ("llava-onevision-qwen2-7b", {"vision_aspect_ratio": "pad"},
+     r"model\.config\.vision_aspect_ratio='pad' is not anyres_max_N"),
+])
+def test_anyres_configs_the_packing_cannot_run_are_one_line_errors(name, change, message):
+    group = _preset_config(name)
+    with pytest.raises(ValueError, match=message) as err:
+        spec_from_config({**group["config"], **change}, name="x", image_processor=group["image_processor"])
+    assert "\n" not in str(err.value)
+
+
+def test_an_anyres_processor_that_cuts_other_grids_is_refused():
+    group = _preset_config("llava-next-mistral-7b")
+    other = {**group["image_processor"], "image_grid_pinpoints": [[336, 672], [672, 336]]}
+    with pytest.raises(ValueError, match=r"the image processor's image_grid_pinpoints \[\[336, 672\], \[672, 336\]\] "
+                                         r"differ from the model's"):
+        spec_from_config(group["config"], name="x", image_processor=other)
+
+
+def test_a_folder_whose_processor_counts_other_placeholders_is_refused(hf_checkpoints, tmp_path):
+    """processor_config.json's num_image_tokens (OneVision) must be what the model makes (16 per
+    tile of the demo checkpoint); the folder as written loads."""
+    import json
+    import shutil
+
+    from mmpipe.model.hf.arch import spec_from_folder
+
+    folder = tmp_path / "ov"
+    shutil.copytree(hf_checkpoints["llava-onevision"], folder)
+    assert spec_from_folder(folder).vision.anyres_max == 4
+    settings = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({**settings, "num_image_tokens": 25}))
+    with pytest.raises(ValueError, match=r"processor_config\.json has num_image_tokens=25 but the model's config makes "
+                                         r"it 16; .* set num_image_tokens to 16"):
+        spec_from_folder(folder)

@@ -3,6 +3,10 @@ processors and models produce: patch grids, image tokens, valid audio frames, po
 
 from __future__ import annotations
 
+import itertools
+import json
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +18,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from mmpipe.model.geometry import (
     SampleMeta,
+    anyres_image,
     audio_frames,
     audio_positions,
     audio_tokens,
@@ -23,7 +28,7 @@ from mmpipe.model.geometry import (
     image_tokens,
 )
 from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
-from mmpipe.model.hf.media import image_processor, preprocess_audio, preprocess_image
+from mmpipe.model.hf.media import image_processor, preprocess_audio, preprocess_image, preprocess_images
 
 from . import hf_cases as H
 from .test_hf_arch import QWEN2_AUDIO_7B, QWEN2_VL_7B, QWEN2_VL_PROCESSOR, WHISPER_FE
@@ -134,3 +139,131 @@ def test_mrope_positions_are_get_rope_index(qwen2_vl):
         theirs, _ = model.get_rope_index(x, mm_token_type_ids=(x == H.IMAGE).int(),
                                          image_grid_thw=torch.tensor([grids[k] for k in images]) if images else None)
         assert np.array_equal(ours, theirs[:, 0].numpy()), images
+
+
+# ----------------------------------------------------------------------------- any-resolution tiles
+
+
+ANYRES_PRESETS = ("llava-next-mistral-7b", "llava-onevision-qwen2-7b")
+
+
+def _anyres_sizes(v, n: int = 400) -> list[tuple[int, int]]:
+    """Image sizes: log-uniform sides from 1 to 5000 px (aspect ratios to 1:5000), the pinpoints
+    and one pixel either side of them, and sizes where the unpadded height or width is x.5 before
+    rounding (where a floor, a ceil or a missing round(..., 7) would differ)."""
+    rng = np.random.default_rng(7)
+    sizes = {tuple(int(x) for x in np.exp(rng.uniform(0, np.log(5000), 2))) for _ in range(n)}
+    for h, w in v.grid_pinpoints:
+        sizes |= {(h + dh, w + dw) for dh in (-1, 0, 1) for dw in (-1, 0, 1)}
+    halves = [(h, w) for h in range(3, 400, 7) for w in range(3, 400, 11)
+              if any(abs((h * f / w) % 1 - 0.5) < 1e-9 or abs((w * f / h) % 1 - 0.5) < 1e-9
+                     for f in range(v.image_size // v.patch, 7 * v.image_size // v.patch))]
+    return sorted(sizes | set(halves[:60]))
+
+
+def _anyres_processor(spec, images=None):
+    """transformers' own processor object of the model (LlavaNextProcessor / LlavaOnevisionProcessor)
+    around `images` (an image processor; default: the spec's), with the settings the model's
+    processor_config.json holds."""
+    from transformers import LlavaNextProcessor, LlavaOnevisionProcessor
+
+    vocab = {f"w{i}": i for i in range(280)} | {"<image>": H.IMAGE, "<video>": 294, "<pad>": 0}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>",
+                                  extra_special_tokens={"image_token": "<image>", "video_token": "<video>"})
+    v = spec.vision
+    if v.anyres_single:
+        from transformers import LlavaOnevisionVideoProcessor
+
+        return LlavaOnevisionProcessor(image_processor=images or image_processor(spec.hf), tokenizer=tok,
+                                       video_processor=LlavaOnevisionVideoProcessor(),
+                                       num_image_tokens=(v.image_size // v.patch) ** 2,
+                                       vision_feature_select_strategy=v.select,
+                                       vision_aspect_ratio=f"anyres_max_{v.anyres_max}")
+    return LlavaNextProcessor(image_processor=images or image_processor(spec.hf), tokenizer=tok, patch_size=v.patch,
+                              vision_feature_select_strategy=v.select, num_additional_image_tokens=int(v.cls_token))
+
+
+def _model_features(spec, sizes) -> tuple[list[int], list[int]]:
+    """Tiles (transformers' image_size_to_num_patches) and LLM tokens (the length of its model's own
+    pack_image_features output, on features of width 1) of lone images of each size."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    from mmpipe.model.hf.skeleton import skeleton
+
+    v = spec.vision
+    config = json.loads(spec.hf.config)
+    pins = [list(p) for p in config["image_grid_pinpoints"]]
+    tiles = [image_size_to_num_patches(list(hw), pins, config["vision_config"]["image_size"]) for hw in sizes]
+    model = skeleton(spec.hf).model
+    feats = [torch.zeros(t, (v.image_size // v.patch) ** 2, 1) for t in tiles]
+    newline = torch.zeros(1)
+    kwargs = {"vision_aspect_ratio": config["vision_aspect_ratio"]} if v.anyres_single else \
+        {"vision_feature_select_strategy": v.select}
+    _, lengths = model.pack_image_features(feats, torch.tensor(sizes), image_newline=newline, **kwargs)
+    return tiles, lengths.tolist()
+
+
+@pytest.mark.parametrize("name", ANYRES_PRESETS)
+def test_anyres_tiles_and_tokens_are_transformers(name):
+    """For 500-odd sizes of a lone image, the geometry's tower passes equal the model's tile count,
+    its LLM tokens the processor's placeholder count and the length of the features the model
+    packs (unpadding, newline rows, OneVision's anyres_max_9 shrink)."""
+    from .test_hf_arch import _preset
+
+    spec = _preset(name)
+    v = spec.vision
+    proc = _anyres_processor(spec)
+    sizes = _anyres_sizes(v)
+    expected = proc._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
+    assert [anyres_image(v, h, w).tokens for h, w in sizes] == expected
+    tiles, lengths = _model_features(spec, sizes)
+    assert [anyres_image(v, h, w).tiles for h, w in sizes] == tiles
+    assert [anyres_image(v, h, w).tokens for h, w in sizes] == lengths
+    # the sweep covers what it claims: many grids, grids unpadded down to one row or none, and
+    # (OneVision) many shrunk by anyres_max_9
+    side = v.image_size // v.patch
+    assert len(sizes) > 450 and len(set(tiles)) >= (5 if v.anyres_max else 3)
+    plans = [anyres_image(v, h, w) for h, w in sizes]
+    assert any(p.tokens <= side * side + p.cols * side + 1 for p in plans)
+    if v.anyres_max:
+        unshrunk = replace(v, anyres_max=0)
+        assert sum(anyres_image(v, h, w).tokens < anyres_image(unshrunk, h, w).tokens for h, w in sizes) > 100
+    # the planner prices each tile as a tower pass of its own
+    f = features(spec, SampleMeta(text_tokens=5, images=((1080, 1920), (300, 400))))
+    assert f.image_tokens == tuple(anyres_image(v, h, w, alone=False).tokens for h, w in ((1080, 1920), (300, 400)))
+    passes = [anyres_image(v, h, w, alone=False).tiles for h, w in ((1080, 1920), (300, 400))]
+    assert f.image_positions == (image_positions(v, 1, 1),) * sum(passes)
+    assert image_positions(v, 1, 1) == (v.image_size // v.patch) ** 2 + int(v.cls_token)
+
+
+@pytest.mark.parametrize("case", ["llava_next", "llava_onevision"])
+def test_anyres_pixels_and_placeholders_are_the_processors(case, request):
+    """transformers' processor object around the folder's image processor as AutoImageProcessor
+    loads it, called as apply_chat_template calls it (one conversation's images, nested for
+    OneVision): its placeholder count per image is the geometry's, and
+    preprocess_images gives its pixel values, tile for tile, for lone images and for a sample of
+    three (OneVision: one padded tile each)."""
+    from transformers import AutoImageProcessor
+
+    folder = request.getfixturevalue(case)
+    spec = spec_from_folder(folder)
+    v = spec.vision
+    images = AutoImageProcessor.from_pretrained(folder, local_files_only=True)  # as a user loads it
+    assert type(images).__name__ == ("LlavaOnevisionImageProcessor" if v.anyres_single else "LlavaNextImageProcessor")
+    proc = _anyres_processor(spec, images)
+    rng = np.random.default_rng(11)
+    samples = [[(40, 60)], [(200, 31)], [(16, 18)], [(130, 197)], [(40, 60), (90, 33), (120, 200)]]
+    for sizes in samples:
+        imgs = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+        out = proc(text=[" w5 ".join(["<image>"] * len(imgs))], images=[imgs] if v.anyres_single else imgs,
+                   return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        runs = [len(list(g)) for k, g in itertools.groupby(ids) if k == H.IMAGE]
+        assert runs == [anyres_image(v, h, w, alone=len(sizes) == 1).tokens for h, w in sizes], sizes
+        ours = preprocess_images(spec, imgs)
+        for i, img in enumerate(ours):
+            np.testing.assert_array_equal(img.pixels, out["pixel_values"][i][:img.grid[0]].numpy())
+            assert img.grid[3:] == tuple(out["image_sizes"][i].tolist())
+            assert not out["pixel_values"][i][img.grid[0]:].any()  # past its own tiles, only the batch's padding

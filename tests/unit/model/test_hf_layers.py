@@ -1,6 +1,6 @@
 """Carrier rules for Hugging Face layers: a stage boundary may fall between any two layers
-(every float that crosses gets a gradient back; the rest travel as integers), and a micro-batch
-without images or clips runs no encoder work."""
+(every float that crosses gets a gradient back; the rest travel as integers; every slot is
+contiguous, as a send needs), and a micro-batch without images or clips runs no encoder work."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mmpipe.runtime.batch import collate_hf
 
 from . import hf_cases as H
 
-CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio"]
+CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio", "llava_next", "llava_onevision"]
 
 
 def media_sample(spec, rng):
@@ -60,6 +60,7 @@ def test_a_stage_boundary_may_fall_after_any_layer(case, frozen_towers, request)
                 x = layer(x)
             for t in x:  # what DeepSpeed sends: floats that need a gradient back, integers otherwise
                 assert not t.is_floating_point() or t.requires_grad, f"{case}: a float without grad after cut {cut}"
+                assert t.is_contiguous(), f"{case}: torch.distributed cannot send a non-contiguous slot (cut {cut})"
             received = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
             floats = [t for t in received if t.is_floating_point()]
             loss = token_loss(run_layers(layers[cut:], received), (mb.targets, torch.tensor([1.0])))

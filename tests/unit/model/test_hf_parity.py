@@ -4,6 +4,7 @@ gradients of the transformers model itself, on inputs made by the checkpoint's p
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,12 +12,14 @@ import torch
 from PIL import Image
 from transformers import (
     LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
+    LlavaOnevisionForConditionalGeneration,
     Qwen2AudioForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     WhisperFeatureExtractor,
 )
 
-from mmpipe.model.geometry import audio_tokens, image_tokens
+from mmpipe.model.geometry import anyres_image, audio_tokens, image_tokens
 from mmpipe.model.hf.arch import spec_from_folder
 from mmpipe.model.hf.build import build_layers
 
@@ -62,7 +65,7 @@ def test_qwen2_vl_video_layers_equal_transformers(qwen2_vl):
     """Videos and images in one sample, in both orders, a clip of an odd frame count: the pipeline
     layers (one tower pass over images and videos, video embeddings on the video tokens, M-RoPE
     over video tokens) give transformers' loss and gradients, packed and padded. Both sides get
-    the same pixel values (the folder's image processor, PIL backend, and its video processor)."""
+    the same pixel values (the folder's image processor and its video processor)."""
     from mmpipe.model.geometry import VideoMeta, video_tokens
     from mmpipe.model.hf.media import image_processor
     from mmpipe.model.hf.video import video_processor
@@ -113,3 +116,71 @@ def test_qwen2_audio_layers_equal_transformers(qwen2_audio):
              input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"],
              labels=H.padded(samples, "labels"))
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
+
+
+ANYRES = {"llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration}
+
+
+@pytest.mark.parametrize("case", list(ANYRES))
+def test_anyres_layers_equal_transformers(case, request):
+    """Any-resolution tiles (NeXT: CLIP + Mistral; OneVision: SigLIP + Qwen2): samples of one
+    image, of two (OneVision: one tile each, no grid), a text-only one; grids unpadded to the
+    image's aspect, OneVision's largest grid shrunk (anyres_max_4); packed into one row and padded."""
+    folder = request.getfixturevalue(case)
+    spec = spec_from_folder(folder)
+    samples = H.anyres_samples(spec, np.random.default_rng(3))
+    v, side = spec.vision, spec.vision.image_size // spec.vision.patch
+    images = [(h, w, len(sizes) == 1) for sizes in H.ANYRES_SIZES for h, w in sizes]
+    plans = [anyres_image(v, h, w, alone=alone) for h, w, alone in images]
+    unshrunk = [anyres_image(replace(v, anyres_max=0), h, w, alone=alone) for h, w, alone in images]
+    # the case covers what it claims: grids of several sizes, rows or columns unpadded away, and
+    # (OneVision) a shrunk grid and two images without one
+    assert len({p.tiles for p in plans}) >= 3
+    assert any(p.rows and p.tokens < side * side + p.rows * side * (p.cols * side + 1) for p in unshrunk)
+    if case == "llava_onevision":
+        assert [p.tiles for p in plans[:2]] == [1, 1]
+        assert any(p.tokens < q.tokens for p, q in zip(plans, unshrunk))
+    inputs = H.anyres_reference_inputs(folder, samples, nested=case == "llava_onevision")
+    hf = H.load_reference(ANYRES[case], folder)
+    out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples),
+             labels=H.padded(samples, "labels"), **inputs)
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
+
+
+@pytest.mark.parametrize("case", list(ANYRES))
+def test_a_micro_batch_without_images_accumulates_transformers_gradients(case, request):
+    """A step of two micro-batches, one without any image (as a pipeline step or a replica may
+    have): the micro-batch without images gives the projector and image_newline zero gradients
+    (not none: every replica's ZeRO-1 buckets then hold them) and the tower nothing but zeros; the
+    gradients summed over both micro-batches are transformers' on all the samples at once."""
+    from mmpipe.model.hf.media import preprocess_images
+    from mmpipe.model.layers import run_layers, token_loss
+    from mmpipe.runtime.batch import collate_hf
+
+    folder = request.getfixturevalue(case)
+    spec = spec_from_folder(folder)
+    samples = H.anyres_samples(spec, np.random.default_rng(5))
+    hf = H.load_reference(ANYRES[case], folder)
+    out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples),
+             labels=H.padded(samples, "labels"),
+             **H.anyres_reference_inputs(folder, samples, nested=case == "llava_onevision"))
+    out.loss.backward()
+    layers = build_layers(spec, seed=0)
+    ours = [H.Sample(s.key, s.input_ids, s.labels, preprocess_images(spec, s.images)) for s in samples]
+    text_only = [s for s in ours if not s.images]
+    with_images = [s for s in ours if s.images]
+    assert text_only and with_images
+    mbs = [collate_hf(part, spec=spec, packed=True, pad_id=0) for part in (text_only, with_images)]
+    scale = torch.tensor([1.0 / sum(mb.label_tokens for mb in mbs)])
+    for k, mb in enumerate(mbs):
+        token_loss(run_layers(layers, mb.carrier), (mb.targets, scale)).backward()
+        if k == 0:
+            for layer in layers:
+                if not layer.name.startswith("vision."):
+                    continue
+                for name, p in layer.named_parameters():
+                    assert p.grad is None or not p.grad.any(), f"{layer.name}.{name}"
+                    if layer.name == "vision.proj":
+                        assert p.grad is not None, f"{layer.name}.{name} got no gradient"
+    worst, count = H.grad_differences(spec, layers, hf)
+    assert count > 50 and worst < H.GRAD_RTOL, worst

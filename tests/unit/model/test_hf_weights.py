@@ -11,6 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (
     LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
+    LlavaOnevisionForConditionalGeneration,
     Qwen2AudioForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
 )
@@ -26,7 +28,8 @@ from mmpipe.model.spec import layer_names
 from . import hf_cases as H
 
 CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
-           "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration}
+           "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration,
+           "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration}
 
 
 def _differences(spec, layers, hf_model) -> list[str]:
@@ -42,6 +45,8 @@ def _differences(spec, layers, hf_model) -> list[str]:
             if not torch.equal(mine[local], theirs[key]):
                 bad.append(key)
         for attr, path in layer_parts(spec, layer.name):  # non-persistent buffers: rotary tables, position ids
+            if isinstance(getattr(layer, attr), torch.nn.Parameter):  # a bare parameter (image_newline)
+                continue
             for name, buf in getattr(layer, attr).named_buffers():
                 if not torch.equal(buf, buffers[f"{path}.{name}"]):
                     bad.append(f"{path}.{name}")
@@ -57,6 +62,8 @@ def test_a_built_layer_holds_the_checkpoints_tensors(case, request):
     # the same check fails when nothing is loaded: the perturbed norms and biases differ
     unloaded = _differences(spec, build_layers(spec, seed=0, load=False), hf)
     assert any("norm" in k for k in unloaded) and any(k.endswith("bias") for k in unloaded)
+    if "image_newline" in json.dumps(list(hf.state_dict())):  # LLaVA-NeXT / OneVision's bare parameter
+        assert "model.image_newline" in unloaded
 
 
 def test_a_layer_reads_only_its_own_tensors(llava_clip_llama, monkeypatch):

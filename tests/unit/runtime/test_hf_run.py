@@ -68,7 +68,8 @@ def test_an_unsupported_checkpoint_is_a_one_line_error(capsys, tmp_path):
     assert main(["train", "model=hf", f"model.path={tmp_path / 'gpt2'}", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
     assert _error(capsys) == (
         f"mmpipe train: error: model.path='{tmp_path / 'gpt2'}': model_type 'gpt2' is not supported; supported: "
-        f"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2AudioForConditionalGeneration, or "
+        f"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2AudioForConditionalGeneration, "
+        f"LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, or "
         f"model=compose of a CLIP/SigLIP vision model or a Whisper encoder with a llama/mistral/qwen2 causal LM")
     LlavaConfig(vision_feature_layer=[-2, -5]).save_pretrained(tmp_path / "layers")
     assert main(["train", "model=hf", f"model.path={tmp_path / 'layers'}"]) == 2
@@ -158,15 +159,18 @@ def test_an_image_the_processor_refuses_is_a_counted_skip(hf_checkpoints):
         make_record(raw, load_templater(rc), rc.model)
 
 
-def test_export_right_after_loading_is_the_source_bit_for_bit(capsys, tmp_path, hf_checkpoints):
+@pytest.mark.parametrize("name", ["llava", "llava-onevision"])
+def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_path, hf_checkpoints):
     """A checkpoint of the layers as every rank loads them, saved in the pipeline's layout, exports
-    to the very tensors of the source, loads with the original class with no missing or
-    unexpected key, and carries the source's tokenizer, chat template and processor config."""
-    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+    to the very tensors of the source (OneVision's image_newline too), loads with the original
+    class with no missing or unexpected key, and carries the source's tokenizer, chat template and
+    processor config (OneVision: the whole processor, which AutoProcessor loads back)."""
+    import transformers
+    from transformers import AutoProcessor, AutoTokenizer
 
-    source = hf_checkpoints["llava"]
+    source = hf_checkpoints[name]
     run = tmp_path / "run"
-    rc = load([*model_overrides("llava", hf_checkpoints), f"hydra.run.dir={run}"], job="test")
+    rc = load([*model_overrides(name, hf_checkpoints), f"hydra.run.dir={run}"], job="test")
     write_run_config(rc)
     save_layer_states(build_layers(rc.model, seed=rc.train.seed), rc.model, run / "checkpoints" / "step0")
     commit(run / "checkpoints" / "step0", step=0, files={}, topology={}, schedule={})  # as a finished save does
@@ -176,12 +180,15 @@ def test_export_right_after_loading_is_the_source_bit_for_bit(capsys, tmp_path, 
     assert set(ours) == set(theirs)
     for key, t in theirs.items():
         assert ours[key].dtype == t.dtype and torch.equal(ours[key], t), key
-    _, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "out", output_loading_info=True)
+    cls = getattr(transformers, rc.model.hf.architecture)
+    _, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok.chat_template == AutoTokenizer.from_pretrained(source).chat_template
-    config = "preprocessor_config.json"
+    config = "preprocessor_config.json" if name == "llava" else "processor_config.json"
     assert (tmp_path / "out" / config).read_text() == (source / config).read_text()
+    if name == "llava-onevision":
+        assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == "LlavaOnevisionProcessor"
 
 
 def test_export_errors_name_the_argument(capsys, tmp_path):
