@@ -4,7 +4,8 @@ template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProce
 and OneVision the folder's own processor from AutoProcessor, a conversation's images nested as
 apply_chat_template nests them; Qwen2VLProcessor with the folder's image processor (as
 AutoImageProcessor gives it: the torchvision backend) and video processor, a video decoded whole by
-transformers' own PyAV reader, `load_video`, and sampled by the processor), under the label convention of docs/data.md, written from that text. None of mmpipe's
+transformers' own PyAV reader, `load_video`, and sampled by the processor), under the label
+convention of docs/data.md, written from that text. None of mmpipe's
 data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
