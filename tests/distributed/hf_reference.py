@@ -103,10 +103,10 @@ class Reference:
         self.tok = AutoTokenizer.from_pretrained(text_folder)
         self.structured = kind != "compose"  # the composed LLM's template reads string content
         if kind in ("llava", "compose"):
-            from transformers import CLIPImageProcessorPil, LlavaProcessor
+            from transformers import AutoImageProcessor, LlavaProcessor
 
             media = folders["compose-vision"] if kind == "compose" else folders[kind]
-            self.processor = LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(media),
+            self.processor = LlavaProcessor(image_processor=AutoImageProcessor.from_pretrained(media),
                                             tokenizer=self.tok, patch_size=7, vision_feature_select_strategy="default",
                                             num_additional_image_tokens=1)
         elif kind == "qwen2-audio":
@@ -115,9 +115,9 @@ class Reference:
             self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
                 folders[kind]), tokenizer=self.tok)
         else:
-            from transformers import Qwen2VLImageProcessorPil
+            from transformers import AutoImageProcessor
 
-            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(folders[kind])
+            self.image_processor = AutoImageProcessor.from_pretrained(folders[kind])
         self.folders = folders
 
     # ------------------------------------------------------------------ inputs

@@ -2,9 +2,10 @@
 
 Images go through transformers' image processor of the checkpoint (its preprocessor config),
 audio through its Whisper feature extractor, so the arrays are exactly what the transformers
-model would be given. The processor classes are the PIL / NumPy backends, chosen on purpose:
-they need no torchvision (not installed; transformers' Qwen2-VL *processor* object does, for
-video), and transformers itself prefers the PIL backend where the two backends' outputs differ.
+model would be given. The image processor backend is the one transformers' AutoImageProcessor and
+the models' processor objects pick: torchvision where it is installed (a dependency of mmpipe),
+else PIL. The two backends resize differently (bicubic pixels differ by up to 2/255), which moves
+the patch embedding's gradient by about 1e-3 of itself, so mmpipe follows transformers' choice.
 Placeholder expansion and tokens are the text side's; these functions give each sample's arrays
 and the counts the placeholders must match (equal to `mmpipe.model.geometry` by construction,
 and checked).
@@ -62,13 +63,26 @@ def _import(path: str) -> Any:
 
 
 def make_image_processor(config: Mapping[str, Any]) -> Any:
-    """An image processor from its config (transformers' PIL backend of the class it names)."""
+    """An image processor from its config: the class it names, in the backend transformers'
+    AutoImageProcessor picks by default (torchvision where installed, else PIL)."""
     kind = str(config.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
     if kind not in _IMAGE_CLASSES:
         raise ValueError(f"image processor {config.get('image_processor_type')!r} is not supported; use "
                          f"{', '.join(_IMAGE_CLASSES)}")
     values = {k: v for k, v in config.items() if k not in ("image_processor_type", "processor_class")}
-    return _import(_IMAGE_CLASSES[kind])(**values)
+    return _backend_class(kind)(**values)
+
+
+def _backend_class(kind: str) -> type:
+    """transformers' default backend of an image processor class (AutoImageProcessor's rule:
+    torchvision when it is installed, unless transformers keeps the class on PIL)."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import DEFAULT_TO_PIL_BACKEND_IMAGE_PROCESSORS
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available() and kind not in DEFAULT_TO_PIL_BACKEND_IMAGE_PROCESSORS:
+        return getattr(transformers, kind)
+    return _import(_IMAGE_CLASSES[kind])
 
 
 def make_feature_extractor(config: Mapping[str, Any]) -> Any:
