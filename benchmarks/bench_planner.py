@@ -53,7 +53,8 @@ WORKLOADS = ROOT / "mmpipe" / "data" / "workloads"
 PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), ("llava-pretrain", "omni-7b"),
          ("llava-sft", "llava-1.5-7b"), ("llava-sft", "qwen2-vl-7b"), ("llava-sft", "omni-7b"),
          ("vision-dynamic", "llava-1.5-7b"), ("vision-dynamic", "qwen2-vl-7b"), ("vision-dynamic", "omni-7b"),
-         ("audio-caption", "qwen2-audio-7b"), ("audio-caption", "omni-7b")]
+         ("audio-caption", "qwen2-audio-7b"), ("audio-caption", "omni-7b"),
+         ("llava-pretrain", "qwen3-vl-8b"), ("llava-sft", "qwen3-vl-8b"), ("vision-dynamic", "qwen3-vl-8b")]
 TARGET = 0.78
 """Efficiency (lower bound / step time) the data-aware plan is meant to reach."""
 

@@ -26,6 +26,15 @@ import torch
 #        proj   | embeddings [N_tok, D]  |                             |                               | states [1, sum P, Da] -> [N_tok, D]
 # AUDIO_FRAMES  | [clips] mel frames     | (empty)                     | (empty)                       | [clips] valid mel frames L
 # LAYOUT        | int32 segment counts and cu_seqlens of the LLM row, the images and the clips (model/layout.py)
+# DEEPSTACK     | empty (long) for every model but Qwen3-VL (mmpipe/model/hf/qwen3.py), where it carries
+#               |   tower    states [j, P, Dv] of the first j DeepStack blocks run so far (their inputs to the
+#               |            DeepStack mergers, which vision.proj holds)
+#               |   proj     merged features [k, N_tok, D]: the k DeepStack features
+#               |   LLM      [k - j, N_tok, D] entering llm.block.j (j < k), which adds the first at the image
+#               |            tokens and passes the rest on; empty once llm.block.(k-1) has run
+#               | a float that requires grad travels as such and gets its gradient back from the LLM block
+#               | that adds it (text-only micro-batches carry [j, 0, D], kept in the graph); without grad
+#               | (a frozen tower) it travels as bits like any other float
 #
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
 # (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).
@@ -38,7 +47,8 @@ AUDIO = 5  # audio features (bits) -> audio states [1, A, Da] -> audio embedding
 AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
 HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)
 LAYOUT = 8  # int32 [3 + segments + 3]: each stream's segments, made once by collate (model/layout.py)
-NUM_SLOTS = 9
+DEEPSTACK = 9  # Qwen3-VL DeepStack features on their way to the LLM blocks that add them (see the table)
+NUM_SLOTS = 10
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -16,7 +16,7 @@ COMPONENTS = ("vision", "audio", "llm")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VisionSpec:
-    """A ViT-style image encoder (CLIP / SigLIP / Qwen2-VL)."""
+    """A ViT-style image encoder (CLIP / SigLIP / Qwen2-VL / Qwen3-VL)."""
 
     blocks: int
     """Transformer blocks in the encoder."""
@@ -54,9 +54,20 @@ class VisionSpec:
     the LLM hidden size."""
     channels: int = 3
     """Image channels."""
+    deepstack: tuple[int, ...] = ()
+    """Qwen3-VL's DeepStack: the encoder blocks (0-based, rising) whose outputs, each through its
+    own merger (as wide as the projector), are added to the LLM hidden states at the image
+    tokens after decoder blocks 0, 1, ... in that order. Empty: none."""
+    position_table: int = 0
+    """Entries of a learned position table interpolated to each image's grid (Qwen3-VL's
+    `num_position_embeddings`); 0: none beyond what `fixed` towers hold."""
 
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "patch", "merge", "channels", "temporal_patch")
+        if list(self.deepstack) != sorted(set(self.deepstack)) or any(
+                not isinstance(i, int) or not 0 <= i < self.blocks for i in self.deepstack):
+            raise ValueError(f"model.vision.deepstack={list(self.deepstack)} must be rising block indexes in "
+                             f"0..{self.blocks - 1}")
         if self.resize not in ("fixed", "native", "smart"):
             raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed, native or smart")
         if self.select not in ("patches", "default", "full"):
@@ -196,6 +207,9 @@ class ModelSpec:
                     f"model.{comp}.proj ends in {enc.proj[-1]} but model.llm.hidden={self.llm.hidden}; "
                     f"the projector must output the LLM width"
                 )
+        if self.vision is not None and len(self.vision.deepstack) > self.llm.blocks:
+            raise ValueError(f"model.vision.deepstack has {len(self.vision.deepstack)} features but the LLM has "
+                             f"{self.llm.blocks} blocks to add them to; give at most {self.llm.blocks}")
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -256,7 +270,7 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
     for key, value in dict(values).items():
         if key not in known:
             raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(known))}")
-        if key == "proj":
+        if key in ("proj", "deepstack"):
             value = tuple(int(v) for v in value)
         kwargs[key] = value
     try:

@@ -105,7 +105,7 @@ def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: 
     clips = [clip for s in samples for clip in s.audio]
     mels, frames = _stack_clips(clips)
     lay = _layout(samples, grid, frames, audio_stride)
-    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty(), lay]), tgt)
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty(), lay, C.empty()]), tgt)
 
 
 def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, pad_id: int,
@@ -135,7 +135,7 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
     pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
                                                 [clip for s in samples for clip in s.audio] if media else [])
     lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1)
-    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay]), tgt)
+    return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay, C.empty()]), tgt)
 
 
 def _patchify(images: list[np.ndarray], patch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "llava": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 """model_type -> the transformers class mmpipe builds (and exports) for it."""
 

@@ -197,8 +197,8 @@ def mrope_positions(input_ids: Sequence[int], grids: Sequence[Sequence[int]], *,
 
 
 def uses_mrope(spec: ModelSpec) -> bool:
-    """Whether the decoder takes Qwen2-VL's 3-D positions [3, B, T]."""
-    return spec.hf is not None and json.loads(spec.hf.config).get("model_type") == "qwen2_vl"
+    """Whether the decoder takes Qwen2-VL's (and Qwen3-VL's) 3-D positions [3, B, T]."""
+    return spec.hf is not None and json.loads(spec.hf.config).get("model_type") in ("qwen2_vl", "qwen3_vl")
 
 
 def sample_positions(spec: ModelSpec, input_ids: Sequence[int], images: Sequence[ImageInput]) -> np.ndarray:

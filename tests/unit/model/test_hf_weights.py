@@ -13,6 +13,7 @@ from transformers import (
     LlavaForConditionalGeneration,
     Qwen2AudioForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 from mmpipe.model.hf import weights as W
@@ -26,7 +27,8 @@ from mmpipe.model.spec import layer_names
 from . import hf_cases as H
 
 CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
-           "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration}
+           "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration,
+           "qwen3_vl": Qwen3VLForConditionalGeneration}
 
 
 def _differences(spec, layers, hf_model) -> list[str]:
