@@ -1,8 +1,8 @@
 """The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
-template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; Qwen2-VL's
-image processor with its `<|image_pad|>` rule, since its processor needs torchvision), under the
-label convention of docs/data.md, written from that text. None of mmpipe's data code is used.
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor,
+Qwen3VLProcessor; Qwen2-VL's image processor with its `<|image_pad|>` rule), under the label
+convention of docs/data.md, written from that text. None of mmpipe's data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
 content each `<image>` / `<audio>` placeholder is an item, whitespace between a placeholder and the
@@ -93,7 +93,7 @@ def waveform(data: bytes, rate: int) -> np.ndarray:
 
 
 class Reference:
-    """One architecture's processors and model (kind: llava, qwen2-vl, qwen2-audio, compose)."""
+    """One architecture's processors and model (kind: llava, qwen2-vl, qwen2-audio, compose, qwen3-vl)."""
 
     def __init__(self, kind: str, folders: dict[str, Path]):
         from transformers import AutoTokenizer
@@ -114,6 +114,10 @@ class Reference:
 
             self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
                 folders[kind]), tokenizer=self.tok)
+        elif kind == "qwen3-vl":
+            from transformers import Qwen3VLProcessor
+
+            self.processor = Qwen3VLProcessor.from_pretrained(folders[kind])
         else:
             from transformers import AutoImageProcessor
 
@@ -133,6 +137,12 @@ class Reference:
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"input_features": out.get("input_features"),
                                                   "feature_attention_mask": out.get("feature_attention_mask")}
+        if self.kind == "qwen3-vl":  # Qwen3VLProcessor expands each <|image_pad|> and marks image tokens
+            n = text.count("<|image_pad|>")
+            out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values"),
+                                                  "image_grid_thw": out.get("image_grid_thw"),
+                                                  "mm_token_type_ids": out["mm_token_type_ids"][0].tolist()}
         n = text.count("<|image_pad|>")
         extra = {}
         if n:  # Qwen2VLProcessor's rule: grid_t * grid_h * grid_w / merge^2 pads per image
@@ -178,6 +188,9 @@ class Reference:
         if self.kind == "qwen2-vl":
             image = self.tok.convert_tokens_to_ids("<|image_pad|>")
             out["mm_token_type_ids"] = (out["input_ids"] == image).int()
+        if self.kind == "qwen3-vl":  # the processor's own token types, padded as text
+            types = [s["mm_token_type_ids"] for s in samples]
+            out["mm_token_type_ids"] = torch.tensor([x + [0] * (t - len(x)) for x in types], dtype=torch.int32)
         return out
 
     # ------------------------------------------------------------------ model
@@ -190,7 +203,7 @@ class Reference:
         if self.kind == "compose" and folder is None:
             return self._composed()
         cls = {"llava": "LlavaForConditionalGeneration", "compose": "LlavaForConditionalGeneration",
-               "qwen2-vl": "Qwen2VLForConditionalGeneration",
+               "qwen2-vl": "Qwen2VLForConditionalGeneration", "qwen3-vl": "Qwen3VLForConditionalGeneration",
                "qwen2-audio": "Qwen2AudioForConditionalGeneration"}[self.kind]
         cls = getattr(transformers, cls)
         model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")

@@ -175,9 +175,9 @@ class Qwen3LLMBlock(HFLLMBlock):
         if where[0].numel() != feats.shape[1]:
             raise ValueError(f"{where[0].numel()} visual tokens for {feats.shape[1]} DeepStack features; the "
                              f"sample's media and its text disagree")
+        # (with no visual token, index_put still links the empty feature into the graph: a stage
+        # boundary that sent it gets its gradient back; test_hf_layers cuts after every layer)
         h = h.index_put(where, feats[0], accumulate=True)
-        if feats.requires_grad and feats.shape[1] == 0:
-            h = h + 0 * feats[0].sum()  # keep an empty feature in the graph: its stage boundary wants a gradient
         slots[C.HIDDEN] = h
         slots[C.DEEPSTACK] = feats[1:] if left > 1 else C.empty(ids)
 
