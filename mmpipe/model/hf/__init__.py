@@ -1,7 +1,8 @@
 """Models made of Hugging Face transformers classes, built, loaded and exported per pipeline layer.
 
 Supported: `LlavaForConditionalGeneration` (CLIP / SigLIP tower, Llama / Mistral / Qwen2),
-`Qwen2VLForConditionalGeneration`, `Qwen2AudioForConditionalGeneration`, and compositions of
+`Qwen2VLForConditionalGeneration`, `Qwen2AudioForConditionalGeneration`,
+`Qwen3VLForConditionalGeneration` (dense; qwen3.py), and compositions of
 unimodal checkpoints (`model=compose`). See docs/hf.md.
 
 What the runtime calls:
