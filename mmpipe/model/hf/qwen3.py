@@ -161,10 +161,7 @@ class Qwen3LLMBlock(HFLLMBlock):
         if left <= 0:
             return
         carried, ids = slots[C.DEEPSTACK], slots[C.INPUT_IDS]
-        visual = torch.zeros_like(ids, dtype=torch.bool)
-        for token in self.visual_tokens:
-            visual |= ids == token
-        where = visual.nonzero(as_tuple=True)
+        where = layout.per_batch(ids, ("qwen3_vl_visual", self.visual_tokens), self._visual)
         if carried.dim() != 3 and not where[0].numel():
             return  # no tower ran before this layer (the decoder alone) and there is nothing to add
         if carried.dim() != 3 or carried.shape[0] != left:
@@ -180,6 +177,13 @@ class Qwen3LLMBlock(HFLLMBlock):
         h = h.index_put(where, feats[0], accumulate=True)
         slots[C.HIDDEN] = h
         slots[C.DEEPSTACK] = feats[1:] if left > 1 else C.empty(ids)
+
+    def _visual(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Where the visual tokens are (one host sync per micro-batch and stage, not per layer)."""
+        visual = torch.zeros_like(ids, dtype=torch.bool)
+        for token in self.visual_tokens:
+            visual |= ids == token
+        return visual.nonzero(as_tuple=True)
 
 
 def make_layer(name: str, parts: dict[str, nn.Module], *, visual: nn.Module, deepstack: tuple[int, ...],
