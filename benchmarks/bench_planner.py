@@ -56,7 +56,8 @@ PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), 
          ("audio-caption", "qwen2-audio-7b"), ("audio-caption", "omni-7b"),
          ("llava-pretrain", "llava-onevision-qwen2-7b"), ("llava-sft", "llava-onevision-qwen2-7b"),
          ("vision-dynamic", "llava-onevision-qwen2-7b"), ("llava-pretrain", "llava-next-mistral-7b"),
-         ("llava-sft", "llava-next-mistral-7b"), ("vision-dynamic", "llava-next-mistral-7b")]
+         ("llava-sft", "llava-next-mistral-7b"), ("vision-dynamic", "llava-next-mistral-7b"),
+         ("llava-pretrain", "qwen3-vl-8b"), ("llava-sft", "qwen3-vl-8b"), ("vision-dynamic", "qwen3-vl-8b")]
 TARGET = 0.78
 """Efficiency (lower bound / step time) the data-aware plan is meant to reach."""
 

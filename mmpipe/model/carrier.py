@@ -28,6 +28,15 @@ from mmpipe.model.layout import host_list
 #        proj   | embeddings [N_tok, D]      |                             |                               | states [1, sum P, Da] -> [N_tok, D]
 # AUDIO_FRAMES  | [clips] mel frames         | (empty)                     | (empty)                       | [clips] valid mel frames L
 # LAYOUT        | int32 segment counts and cu_seqlens of the LLM row, the images and the clips (model/layout.py)
+# DEEPSTACK     | empty (long) for every model but Qwen3-VL (mmpipe/model/hf/qwen3.py), where it carries
+#               |   tower    states [j, P, Dv] of the first j DeepStack blocks run so far (their inputs to the
+#               |            DeepStack mergers, which vision.proj holds)
+#               |   proj     merged features [k, N_tok, D]: the k DeepStack features
+#               |   LLM      [k - j, N_tok, D] entering llm.block.j (j < k), which adds the first at the image
+#               |            tokens and passes the rest on; empty once llm.block.(k-1) has run
+#               | a float that requires grad travels as such and gets its gradient back from the LLM block
+#               | that adds it (text-only micro-batches carry [j, 0, D], kept in the graph); without grad
+#               | (a frozen tower) it travels as bits like any other float
 # VIDEOS        | [1] long: how many of the IMAGE_GRID items (the last ones) are videos; [0] without any
 #
 # Videos ride in the image slots ("visual items"): a micro-batch's images come first, in sample
@@ -64,7 +73,8 @@ AUDIO_FRAMES = 6  # [clips] long: mel frames of each clip
 HIDDEN = 7  # [B, T, D] LLM hidden states (empty until llm.embed)
 LAYOUT = 8  # int32 [3 + segments + 3]: each stream's segments, made once by collate (model/layout.py)
 VIDEOS = 9  # [1] long: the number of video items at the end of IMAGE_GRID (0 without video)
-NUM_SLOTS = 10
+DEEPSTACK = 10  # Qwen3-VL DeepStack features on their way to the LLM blocks that add them (see the table)
+NUM_SLOTS = 11
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

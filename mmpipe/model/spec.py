@@ -69,7 +69,7 @@ class VideoSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VisionSpec:
-    """A ViT-style image encoder (CLIP / SigLIP / Qwen2-VL)."""
+    """A ViT-style image encoder (CLIP / SigLIP / Qwen2-VL / Qwen3-VL)."""
 
     blocks: int
     """Transformer blocks in the encoder."""
@@ -122,8 +122,20 @@ class VisionSpec:
     """`anyres`: only a sample's lone image is tiled; every image of a sample with several is one
     tile, padded to a square (OneVision's multi-image rule, transformers' `batch_num_images`)."""
 
+    deepstack: tuple[int, ...] = ()
+    """Qwen3-VL's DeepStack: the encoder blocks (0-based, rising) whose outputs, each through its
+    own merger (as wide as the projector), are added to the LLM hidden states at the image
+    tokens after decoder blocks 0, 1, ... in that order. Empty: none."""
+    position_table: int = 0
+    """Entries of a learned position table interpolated to each image's grid (Qwen3-VL's
+    `num_position_embeddings`); 0: none beyond what `fixed` towers hold."""
+
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "patch", "merge", "channels", "temporal_patch")
+        if list(self.deepstack) != sorted(set(self.deepstack)) or any(
+                not isinstance(i, int) or not 0 <= i < self.blocks for i in self.deepstack):
+            raise ValueError(f"model.vision.deepstack={list(self.deepstack)} must be rising block indexes in "
+                             f"0..{self.blocks - 1}")
         if self.resize not in ("fixed", "native", "smart", "anyres"):
             raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed, native, smart or anyres")
         if self.resize == "anyres":
@@ -272,6 +284,9 @@ class ModelSpec:
                     f"model.{comp}.proj ends in {enc.proj[-1]} but model.llm.hidden={self.llm.hidden}; "
                     f"the projector must output the LLM width"
                 )
+        if self.vision is not None and len(self.vision.deepstack) > self.llm.blocks:
+            raise ValueError(f"model.vision.deepstack has {len(self.vision.deepstack)} features but the LLM has "
+                             f"{self.llm.blocks} blocks to add them to; give at most {self.llm.blocks}")
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -332,7 +347,7 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
     for key, value in dict(values).items():
         if key not in known:
             raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(known))}")
-        if key == "proj":
+        if key in ("proj", "deepstack"):
             value = tuple(int(v) for v in value)
         if key == "video" and value is not None:
             value = _dataclass_from(VideoSpec, f"{prefix}.video", value)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, is_trainable, layer_names
+from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, VisionSpec, is_trainable, layer_names
 from mmpipe.planner.hardware import HardwareSpec
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import STREAMS, SampleTable
@@ -210,12 +210,16 @@ def _layer_figures(m: ModelSpec, kind: str) -> tuple[int, float, float, int, boo
             conv = v.channels * v.patch * v.patch * h
             fixed = v.resize in ("fixed", "anyres")  # a learned table of one tile's positions
             pos = ((v.image_size // v.patch) ** 2 + int(v.cls_token)) * h if fixed else 0
-            return conv + h + pos, 2.0 * conv, 0.0, h, False
+            return conv + h + pos + v.position_table * h, 2.0 * conv, 0.0, h, False
         if kind == "vision.block":
             mat = 4 * h * h + 2 * h * v.mlp
             return mat + 9 * h + v.mlp, 2.0 * mat, 4.0 * h, h, True
+        # the projector, and Qwen3-VL's DeepStack mergers beside it (each as wide, with a norm over
+        # its merged input), all reading the image-token stream
         mat, bias = _mlp(v.proj_in, v.proj)
-        return mat + bias, 2.0 * mat, 0.0, m.llm.hidden, False
+        n = 1 + len(v.deepstack)
+        return (n * (mat + bias) + 2 * v.proj_in * len(v.deepstack), n * 2.0 * mat, 0.0,
+                n * m.llm.hidden, False)
     if kind.startswith("audio."):
         a = m.audio
         assert a is not None
@@ -289,7 +293,29 @@ def _cut_bytes(m: ModelSpec, b: int, kinds: list[str],
         fwd[c, 4] += b * m.llm.hidden
         if any(l.trainable for l in layers[:c]):
             bwd[c, 4] += b * m.llm.hidden
+    if m.vision is not None and m.vision.deepstack:
+        _deepstack_cut_bytes(m.vision, m.llm.hidden, b, [l.name for l in layers], layers, fwd, bwd)
     return fwd, bwd
+
+
+def _deepstack_cut_bytes(v: VisionSpec, llm_hidden: int, b: int, names: list[str], layers: list[LayerCost],
+                         fwd: np.ndarray, bwd: np.ndarray) -> None:
+    """Qwen3-VL's DeepStack features in the carrier (model/hf/qwen3.py): the output of block i
+    ([patches, hidden]) from vision.block.i to vision.proj, then its merged feature ([image
+    tokens, LLM hidden]) from vision.proj to the decoder block that adds it (the j-th feature:
+    llm.block.j). Each crosses every cut on its way, forward; its gradient comes back where it
+    requires one (a trainable layer of the tower up to where it was made)."""
+    first, proj = names.index("vision.embed"), names.index("vision.proj")
+    for j, i in enumerate(v.deepstack):
+        made = names.index(f"vision.block.{i}")
+        grad = any(l.trainable for l in layers[first:made + 1])
+        for c in range(made + 1, proj + 1):
+            fwd[c, 0] += b * v.hidden
+            bwd[c, 0] += b * v.hidden if grad else 0.0
+        grad = any(l.trainable for l in layers[first:proj + 1])
+        for c in range(proj + 1, names.index(f"llm.block.{j}") + 1):
+            fwd[c, 1] += b * llm_hidden
+            bwd[c, 1] += b * llm_hidden if grad else 0.0
 
 
 def _or_list(items: Sequence[str]) -> str:

@@ -116,7 +116,7 @@ def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: 
     mels, frames = _stack_clips(clips)
     lay = _layout(samples, grid, frames, audio_stride)
     return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, mels, frames, C.empty(), lay,
-                                         C.video_count(len(videos))]), tgt)
+                                         C.video_count(len(videos)), C.empty()]), tgt)
 
 
 def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, pad_id: int,
@@ -150,7 +150,7 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
     lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1,
                   image_segments(spec, grid.tolist()))
     return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay,
-                                         C.video_count(len(videos))]), tgt)
+                                         C.video_count(len(videos)), C.empty()]), tgt)
 
 
 def _patchify(images: list[np.ndarray], videos: list[np.ndarray], patch: int,

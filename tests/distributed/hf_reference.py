@@ -1,12 +1,11 @@
 """The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
-template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; for LLaVA-NeXT
-and OneVision the folder's own processor from AutoProcessor, a conversation's images nested as
-apply_chat_template nests them; Qwen2VLProcessor with the folder's image processor (as
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor, Qwen3VLProcessor;
+for LLaVA-NeXT and OneVision the folder's own processor from AutoProcessor, a conversation's images
+nested as apply_chat_template nests them; Qwen2VLProcessor with the folder's image processor (as
 AutoImageProcessor gives it: the torchvision backend) and video processor, a video decoded whole by
 transformers' own PyAV reader, `load_video`, and sampled by the processor), under the label
-convention of docs/data.md, written from that text. None of mmpipe's
-data code is used.
+convention of docs/data.md, written from that text. None of mmpipe's data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
 content each `<image>` / `<audio>` placeholder is an item, whitespace between a placeholder and the
@@ -111,7 +110,7 @@ def waveform(data: bytes, rate: int) -> np.ndarray:
 
 
 class Reference:
-    """One architecture's processors and model (kind: llava, qwen2-vl, qwen2-audio, compose)."""
+    """One architecture's processors and model (kind: llava, qwen2-vl, qwen2-audio, compose, qwen3-vl)."""
 
     def __init__(self, kind: str, folders: dict[str, Path]):
         from transformers import AutoTokenizer
@@ -137,6 +136,10 @@ class Reference:
 
             self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
                 folders[kind]), tokenizer=self.tok)
+        elif kind == "qwen3-vl":
+            from transformers import Qwen3VLProcessor
+
+            self.processor = Qwen3VLProcessor.from_pretrained(folders[kind])
         else:
             from transformers import AutoImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
@@ -164,6 +167,12 @@ class Reference:
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"input_features": out.get("input_features"),
                                                   "feature_attention_mask": out.get("feature_attention_mask")}
+        if self.kind == "qwen3-vl":  # Qwen3VLProcessor expands each <|image_pad|> and marks image tokens
+            n = text.count("<|image_pad|>")
+            out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values"),
+                                                  "image_grid_thw": out.get("image_grid_thw"),
+                                                  "mm_token_type_ids": out["mm_token_type_ids"][0].tolist()}
         n, v = text.count("<|image_pad|>"), text.count("<|video_pad|>")
         out = self.processor(text=text, images=images[:n] or None, videos=[f for f, _ in videos[:v]] or None,
                              video_metadata=[m for _, m in videos[:v]] or None, return_tensors="pt")
@@ -210,6 +219,9 @@ class Reference:
         if self.kind == "qwen2-vl":  # text 0, image 1, video 2 (what Qwen2VLProcessor returns)
             image, video_ = (self.tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
             out["mm_token_type_ids"] = (out["input_ids"] == image).int() + 2 * (out["input_ids"] == video_).int()
+        if self.kind == "qwen3-vl":  # the processor's own token types, padded as text
+            types = [s["mm_token_type_ids"] for s in samples]
+            out["mm_token_type_ids"] = torch.tensor([x + [0] * (t - len(x)) for x in types], dtype=torch.int32)
         return out
 
     # ------------------------------------------------------------------ model
@@ -222,7 +234,7 @@ class Reference:
         if self.kind == "compose" and folder is None:
             return self._composed()
         cls = {"llava": "LlavaForConditionalGeneration", "compose": "LlavaForConditionalGeneration",
-               "qwen2-vl": "Qwen2VLForConditionalGeneration",
+               "qwen2-vl": "Qwen2VLForConditionalGeneration", "qwen3-vl": "Qwen3VLForConditionalGeneration",
                "qwen2-audio": "Qwen2AudioForConditionalGeneration",
                "llava-next": "LlavaNextForConditionalGeneration",
                "llava-onevision": "LlavaOnevisionForConditionalGeneration"}[self.kind]

@@ -3,9 +3,10 @@ shipped shards) compute what transformers computes.
 
 For LLaVA, Qwen2-VL (pp=3; its step mixes video clips, one of an odd frame count, images and text
 from the shipped video mix), Qwen2-Audio, a composition (CLIP + a Qwen2 causal LM with tied
-embeddings + a projector from another folder), LLaVA-OneVision and LLaVA-NeXT (pp=3): one SGD step
-through the pipeline gives the loss of the transformers model's own forward on the same samples
-(`train.record_samples=true` says which),
+embeddings + a projector from another folder), LLaVA-OneVision, LLaVA-NeXT (pp=3) and Qwen3-VL
+(pp=3, cut between the tower's DeepStack blocks and between the decoder layers that add the
+DeepStack features): one SGD step through the pipeline gives the loss of the transformers model's
+own forward on the same samples (`train.record_samples=true` says which),
 and the same updated parameters as its own backward and step, read back through `mmpipe export`
 (so the export loads with the original class). The reference builds its inputs from the raw tar
 members with the checkpoint's processors and chat template (tests/distributed/hf_reference.py),
@@ -34,6 +35,10 @@ CASES = {  # model: its overrides (one launch each)
     "compose": ["parallel.pp=2", "train.steps=1"],
     "llava-onevision": ["parallel.pp=2", "train.steps=1"],  # tiles, anyres_max_4, one-tile multi-image samples
     "llava-next": ["parallel.pp=3", "train.steps=1"],  # a middle stage carries the tiles' states and image sizes
+    # block 0's DeepStack state crosses stages 0 -> 1 before its merger; the two merged features enter
+    # llm.block.0 and llm.block.1, on different stages, so one crosses stages 1 -> 2 (and its gradient back)
+    "qwen3-vl": ["parallel.pp=3", "train.steps=1",
+                 "plan.stages=[vision.embed:vision.block.1,vision.block.2:llm.block.0,llm.block.1:llm.head]"],
 }
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 5e-4  # fp32 summation order differs (micro-batches vs one batch); a wrong or missing tensor is O(1)
@@ -95,6 +100,9 @@ def test_one_pipeline_step_equals_transformers(kind, hf_checkpoints, run_mmpipe,
     print(f"\n{kind}: loss {ours:.7f} vs transformers {loss.item():.7f} (rel {rel:.1e}); largest gradient difference "
           f"{worst:.1e} ({where}) over {compared} tensors")
     assert compared > 20
+    towers = [n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().max() > 0
+              and any(t in n for t in ("visual", "vision_tower", "audio_tower"))]
+    assert towers, "the step held no image or clip: the tower's gradients compare nothing"
     assert worst < UPDATE_RTOL, f"{where}: the update differs by {worst:.2e} of the reference's"
 
     if kind == "llava":  # the exported step-1 model computes the run's step-2 loss on step 2's samples

@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from mmpipe.model.hf import qwen3
 from mmpipe.model.hf.anyres import ANYRES, anyres_vision, check_anyres, check_processor_settings
 from mmpipe.model.hf.anyres import default_processor as default_anyres_processor
 from mmpipe.model.hf.configs import ARCHITECTURES, config_from_dict, config_json
@@ -81,7 +82,7 @@ def read_processor_config(folder: str | Path, kind: str) -> dict[str, Any] | Non
 
 def _text(config: PretrainedConfig, what: str) -> PretrainedConfig:
     text = config.get_text_config()
-    if text.model_type not in (*LLM_TYPES, "qwen2_vl_text"):
+    if text.model_type not in (*LLM_TYPES, "qwen2_vl_text", "qwen3_vl_text"):
         raise ValueError(f"{what}: language model type {text.model_type!r} is not supported; "
                          f"use one of {', '.join(LLM_TYPES)}")
     return text
@@ -118,6 +119,8 @@ def check_supported(config: PretrainedConfig, *, what: str = "model") -> str:
         _feature_layer(config, config.vision_config.num_hidden_layers, what)
     if kind in ANYRES:
         check_anyres(config, cls_token=VISION_TYPES[config.vision_config.model_type] == "clip", what=what)
+    if kind == "qwen3_vl":
+        qwen3.check(config, what)
     if kind == "qwen2_audio" and config.audio_config.model_type != "qwen2_audio_encoder":
         raise ValueError(f"{what}: audio tower {config.audio_config.model_type!r} is not supported; "
                          f"use qwen2_audio_encoder")
@@ -205,7 +208,7 @@ def _audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) ->
 
 def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
     """The processor config transformers' own defaults give a tower (for an inline config)."""
-    if config.model_type == "qwen2_vl":
+    if config.model_type in ("qwen2_vl", "qwen3_vl"):
         vc = config.vision_config
         return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": vc.patch_size,
                 "merge_size": vc.spatial_merge_size, "temporal_patch_size": vc.temporal_patch_size}
@@ -267,6 +270,8 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
         vision = _qwen2_vl_vision(config, image_processor, video_processor, what)
     elif kind in ANYRES:
         vision = _anyres_vision(config, image_processor, what)
+    elif kind == "qwen3_vl":
+        vision = qwen3.vision_spec(config, image_processor, what)
     else:
         audio = _audio(config, feature_extractor, what)
     return ModelSpec(name=name, llm=llm, vision=vision, audio=audio, hf=src)

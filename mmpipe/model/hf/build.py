@@ -18,14 +18,17 @@ import torch
 from torch import nn
 
 from mmpipe.model.hf import layers as L
+from mmpipe.model.hf import qwen3 as Q
 from mmpipe.model.hf.anyres import ANYRES, AnyresVisionProj
 from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.hf.skeleton import (
     LLAVA_TOWERS,
+    TOWERS,
     layer_parts,
     materialise,
     model_type,
     owned_keys,
+    skeleton,
     ties_embeddings,
 )
 from mmpipe.model.hf.weights import checkpoint_index, load_layer
@@ -81,6 +84,9 @@ def _make(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
     src = spec.hf
     kind_of = model_type(src)
     comp, kind = name.split(".")[:2]
+    if kind_of == "qwen3_vl" and (comp == "vision" or kind == "block"):
+        return Q.make_layer(name, parts, visual=skeleton(src).get_submodule(TOWERS[kind_of]),
+                            deepstack=spec.vision.deepstack, image_token=placeholder_tokens(spec)[0])
     if comp == "llm":
         if kind == "embed":
             image, audio = placeholder_tokens(spec)

@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
     "llava_next": "LlavaNextForConditionalGeneration",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 """model_type -> the transformers class mmpipe builds (and exports) for it."""
 

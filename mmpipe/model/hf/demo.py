@@ -4,7 +4,7 @@ off its initial value so a tensor that is not loaded shows), a tokenizer trained
 shipped shards' conversations with a chat template in its family's format (our own wording), and
 the processor config, all in one folder. Nothing is downloaded.
 
-    folders = write_all(tmp)   # {"llava", "qwen2-vl", "qwen2-audio", "compose-vision", "compose-llm",
+    folders = write_all(tmp)   # {"llava", "qwen2-vl", "qwen2-audio", "qwen3-vl", "compose-vision", "compose-llm",
                                #  "compose-projector", "llava-next", "llava-onevision"}
 
 The test suite trains and compares these; a user tries the real-model path on CPU with them:
@@ -47,6 +47,11 @@ def _chatml(items: str) -> str:
 _TEXT = "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
 QWEN2_VL_TEMPLATE = _chatml("{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
                             "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>" + _TEXT)
+QWEN3_VL_TEMPLATE = (  # Qwen3-VL's ChatML: no default system message; an image item becomes its three markers
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>" + _TEXT + "{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QWEN2_AUDIO_TEMPLATE = _chatml("{% if content['type'] == 'audio' %}{% set audio_count.value = audio_count.value + 1 %}"
                                "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n" + _TEXT)
 NEXT_TEMPLATE = (  # LLaVA-NeXT on Mistral: "[INST] <image>\n... [/INST] answer</s>", a message's images first
@@ -257,6 +262,34 @@ def write_qwen2_vl(root: Path, texts: list[str]) -> Path:
     return folder
 
 
+def write_qwen3_vl(root: Path, texts: list[str]) -> Path:
+    """A 3-block Qwen3-VL tower (16-px patches, 2x2 merge, images of 4 to 16 tokens, a 3 x 3 learned
+    position table resampled to every grid, DeepStack features of blocks 0 and 2 added after
+    decoder layers 0 and 1) + a 3-layer Qwen3 decoder (q/k norms, head_dim 16, interleaved M-RoPE
+    with unequal sections)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(47)
+    tok = qwen_tokenizer(texts)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    cfg = Qwen3VLConfig(
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=9,
+                           deepstack_visual_indexes=[0, 2]),
+        text_config=dict(vocab_size=len(tok) + 3, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                         max_position_embeddings=2048, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id,
+                         rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 1e4,
+                                          "mrope_interleaved": True}),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    folder = _save(Qwen3VLForConditionalGeneration(cfg), tok, QWEN3_VL_TEMPLATE, root / "qwen3-vl", 47)
+    Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32 * 4,
+                          max_pixels=32 * 32 * 16, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    return folder
+
+
 def write_qwen2_audio(root: Path, texts: list[str]) -> Path:
     """A 2-block Qwen2-Audio tower over 16 mel bins, clips cut at 4 s, + a Qwen2 decoder."""
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
@@ -315,12 +348,13 @@ def write_all(root: Path) -> dict[str, Path]:
     folders = {"llava": write_llava(root, texts), "qwen2-vl": write_qwen2_vl(root, texts),
                "qwen2-audio": write_qwen2_audio(root, texts), **write_composition(root, texts),
                "llava-next": write_llava_next(root, texts),
-               "llava-onevision": write_llava_onevision(root, texts)}
+               "llava-onevision": write_llava_onevision(root, texts),
+               "qwen3-vl": write_qwen3_vl(root, texts)}
     (root / MARKER).write_text(json.dumps({name: folder.name for name, folder in folders.items()}, indent=1) + "\n")
     return folders
 
 
-MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose", "llava-next", "llava-onevision")
+MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose", "llava-next", "llava-onevision", "qwen3-vl")
 """The models the folders of write_all make."""
 
 

@@ -3,9 +3,10 @@
 Images go through transformers' image processor of the checkpoint (its preprocessor config),
 audio through its Whisper feature extractor, so the arrays are exactly what the transformers
 model would be given. The image processor class is the one transformers' AutoImageProcessor
-picks for the config's `image_processor_type`: with torchvision installed (a dependency of
-mmpipe) that is the torchvision backend, whose resize differs from the PIL backend's by a few
-units in the last place, so mmpipe gives the model what a transformers user's processor gives.
+picks for the config's `image_processor_type`: torchvision where it is installed (a dependency of
+mmpipe), else PIL. The two backends resize differently (bicubic pixels differ by up to 2/255),
+which moves the patch embedding's gradient by about 1e-3 of itself, so mmpipe follows
+transformers' choice and gives the model what a transformers user's processor gives.
 Videos go through the checkpoint's video processor (model/hf/video.py, on torchvision); their
 patches join the images' in the carrier (`carrier_media`) and their tokens get 3-D positions here.
 Placeholder expansion and tokens are the text side's; these functions give each sample's arrays
@@ -63,16 +64,28 @@ its geometry against."""
 
 
 def make_image_processor(config: Mapping[str, Any]) -> Any:
-    """An image processor from its config: the class transformers' AutoImageProcessor resolves
-    the config's `image_processor_type` to (the torchvision backend where torchvision loads)."""
-    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
-
+    """An image processor from its config: the class it names, in the backend transformers'
+    AutoImageProcessor picks by default (torchvision where installed, else PIL)."""
     kind = str(config.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
     if kind not in IMAGE_PROCESSORS:
         raise ValueError(f"image processor {config.get('image_processor_type')!r} is not supported; use "
                          f"{', '.join(IMAGE_PROCESSORS)}")
     values = {k: v for k, v in config.items() if k not in ("image_processor_type", "processor_class")}
-    return get_image_processor_class_from_name(kind)(**values)
+    return _backend_class(kind)(**values)
+
+
+def _backend_class(kind: str) -> type:
+    """transformers' default backend of an image processor class (AutoImageProcessor's rule:
+    torchvision when it is installed, unless transformers keeps the class on PIL)."""
+    from transformers.models.auto.image_processing_auto import (
+        DEFAULT_TO_PIL_BACKEND_IMAGE_PROCESSORS,
+        get_image_processor_class_from_name,
+    )
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available() and kind not in DEFAULT_TO_PIL_BACKEND_IMAGE_PROCESSORS:
+        return get_image_processor_class_from_name(kind)
+    return get_image_processor_class_from_name(kind + "Pil")
 
 
 def make_feature_extractor(config: Mapping[str, Any]) -> Any:
@@ -223,8 +236,8 @@ def mrope_positions(input_ids: Sequence[int], grids: Sequence[Sequence[int]], *,
 
 
 def uses_mrope(spec: ModelSpec) -> bool:
-    """Whether the decoder takes Qwen2-VL's 3-D positions [3, B, T]."""
-    return spec.hf is not None and json.loads(spec.hf.config).get("model_type") == "qwen2_vl"
+    """Whether the decoder takes Qwen2-VL's (and Qwen3-VL's) 3-D positions [3, B, T]."""
+    return spec.hf is not None and json.loads(spec.hf.config).get("model_type") in ("qwen2_vl", "qwen3_vl")
 
 
 def sample_positions(spec: ModelSpec, input_ids: Sequence[int], images: Sequence[ImageInput],

@@ -51,7 +51,7 @@ def spec_from_settings(group: Mapping[str, Any]) -> ModelSpec:
     if form == "path":
         if group["path"] in UNSET:
             raise ValueError("model.path is not set; give model.path=DIR, a local checkpoint folder written by "
-                             "save_pretrained (LLaVA, Qwen2-VL or Qwen2-Audio)")
+                             "save_pretrained (LLaVA, Qwen2-VL, Qwen2-Audio or Qwen3-VL)")
         return spec_from_folder(str(group["path"]), name=name, max_seq_len=max_len)
     if not isinstance(group.get("config"), Mapping):
         raise ValueError(f"model.config={group.get('config')!r} must be a mapping shaped like config.json")

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from mmpipe.model.attention import NAME as SEGMENT_ATTENTION
+from mmpipe.model.hf import qwen3
 from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.spec import HFSource, ModelSpec, layer_names
 
@@ -26,7 +27,8 @@ LM = "model.language_model"
 """Where every supported architecture keeps its decoder (transformers 5 module layout)."""
 TOWERS = {"llava": "model.vision_tower", "qwen2_vl": "model.visual", "qwen2_audio": "model.audio_tower",
           "llava_next": "model.vision_tower",
-          "llava_onevision": "model.vision_tower"}
+          "llava_onevision": "model.vision_tower",
+          "qwen3_vl": "model.visual"}
 PROJECTOR = "model.multi_modal_projector"
 LLAVA_TOWERS = ("llava", "llava_next", "llava_onevision")
 """Architectures whose tower is LLaVA's CLIP / SigLIP (the last two tile any-resolution images)."""
@@ -82,6 +84,8 @@ def layer_parts(spec: ModelSpec, name: str) -> tuple[tuple[str, str], ...]:
             embed += (("pre_layrnorm", f"{tower}.pre_layrnorm"),)
         proj = (("projector", PROJECTOR),) + ((("image_newline", NEWLINE),) if kind_of != "llava" else ())
         return {"embed": embed, "block": (("block", f"{tower}.encoder.layers.{i}"),), "proj": proj}[kind]
+    if kind_of == "qwen3_vl":
+        return qwen3.layer_parts(tower, kind, i)
     if kind_of == "qwen2_vl":
         return {"embed": (("patch_embed", f"{tower}.patch_embed"),),
                 "block": (("block", f"{tower}.blocks.{i}"), ("rotary", f"{tower}.rotary_pos_emb")),

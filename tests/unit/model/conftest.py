@@ -50,6 +50,11 @@ def qwen2_vl(hf_root):
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl(hf_root):
+    return H.write_qwen3_vl(hf_root, seed=16)
+
+
+@pytest.fixture(scope="session")
 def qwen2_audio(hf_root):
     return H.write_qwen2_audio(hf_root, seed=15)
 

@@ -27,6 +27,8 @@ from transformers import (
     Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
     SiglipVisionConfig,
     WhisperFeatureExtractor,
 )
@@ -141,6 +143,29 @@ def write_qwen2_vl(root: Path, *, seed: int) -> Path:
     folder = root / "qwen2-vl"
     model.save_pretrained(folder)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 12).save_pretrained(folder)
+    return folder
+
+
+def write_qwen3_vl(root: Path, *, seed: int) -> Path:
+    """3 tower blocks with DeepStack features from blocks 0 and 2 (added after decoder layers 0 and
+    1 of 3), a 3 x 3 learned position table resampled to every grid, 16-px patches (images of 4
+    to 12 tokens), and a Qwen3 decoder with head_dim 16 and unequal interleaved M-RoPE sections."""
+    torch.manual_seed(seed)
+    cfg = Qwen3VLConfig(
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=9,
+                           deepstack_visual_indexes=[0, 2]),
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 1e4,
+                                          "mrope_interleaved": True}),
+        image_token_id=IMAGE, video_token_id=294, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    model = Qwen3VLForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "qwen3-vl"
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 12,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
     return folder
 
 

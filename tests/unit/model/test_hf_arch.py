@@ -50,6 +50,22 @@ QWEN2_AUDIO_7B = {
 }
 WHISPER_FE = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "chunk_length": 30,
               "sampling_rate": 16000, "hop_length": 160}
+QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct's config.json (transformers 4.57 layout, as the Hub has it)
+    "model_type": "qwen3_vl", "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen3_vl_text", "vocab_size": 151936, "hidden_size": 4096,
+                    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "head_dim": 128,
+                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 5000000,
+                    "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
+    "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                      "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "out_hidden_size": 4096, "num_position_embeddings": 2304,
+                      "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"},
+}
+QWEN3_VL_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "temporal_patch_size": 2,
+                      "merge_size": 2, "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                      "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 def _preset(name):
@@ -89,6 +105,40 @@ def test_7b_presets_build_from_their_configs_alone():
     assert sum(p.numel() for p in block.parameters()) == layer_params(qwen)["vision.block.31"]
 
 
+def test_qwen3_vl_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers():
+    """The preset states the Hub config (max_pixels bounded, as its header says); the planner's
+    parameter counts of the tower, the projector with its DeepStack mergers, and the decoder are
+    the transformers model's own, and every cut carries the DeepStack features still alive there."""
+    from mmpipe.planner.cost import build_cost_model
+    from mmpipe.planner.hardware import hardware_from_dict
+
+    ours = spec_from_config(QWEN3_VL_8B, name="qwen3-vl-8b", image_processor=QWEN3_VL_PROCESSOR)
+    preset = _preset("qwen3-vl-8b")
+    _same_figures(ours.vision, preset.vision, ("blocks", "hidden", "mlp", "heads", "patch", "merge", "min_pixels",
+                                               "proj", "deepstack", "position_table", "temporal_patch"))
+    _same_figures(ours.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
+    assert ours.vision.max_pixels == 16384 * 32 * 32 and preset.vision.max_pixels == 1280 * 32 * 32
+    assert preset.vision.deepstack == (8, 16, 24) and preset.vision.proj == (4608, 4096)
+    counts = layer_params(preset)
+    assert 8.7e9 < sum(counts.values()) < 8.8e9  # Qwen3-VL-8B: 8.77 B parameters
+    hw = hardware_from_dict(yaml.safe_load((PACKAGE_ROOT / "conf/hardware/h100.yaml").read_text()))
+    cost = build_cost_model(model=preset, hardware=hw, trainable=("vision.proj", "llm"))
+    priced = {l.name: l.params for l in cost.layers}
+    for name in ("vision.block.0", "vision.proj", "llm.embed", "llm.head"):
+        assert priced[name] == pytest.approx(counts[name], rel=2e-5), name
+    assert priced["llm.block.0"] == pytest.approx(counts["llm.block.0"], rel=1e-4)
+    names = cost.names
+    b, d = 2, 4096  # bf16 bytes of one image token's feature
+    for layer, alive in (("llm.embed", 3), ("llm.block.0", 3), ("llm.block.1", 2), ("llm.block.2", 1),
+                         ("llm.block.3", 0)):
+        image_slot = 1 if layer == "llm.embed" else 0  # the merged image embeddings reach llm.embed too
+        assert cost.cut_fwd_bytes[names.index(layer), 1] == b * d * (alive + image_slot), layer
+        assert cost.cut_bwd_bytes[names.index(layer), 1] == b * d * (alive + image_slot), layer  # the mergers train
+    # block 8's state rides to vision.proj as patches (the frozen tower sends no gradient back)
+    assert cost.cut_fwd_bytes[names.index("vision.block.9"), 0] == 2 * b * 1152
+    assert cost.cut_bwd_bytes[names.index("vision.block.9"), 0] == 0
+
+
 def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
     spec = spec_from_config(LLAVA_15_7B, name="llava-1.5-7b")
     counts = layer_params(spec)
@@ -108,7 +158,8 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
     ({"model_type": "gpt2"}, r"model\.config: model_type 'gpt2' is not supported; supported: "
                              r"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, "
                              r"Qwen2AudioForConditionalGeneration, LlavaNextForConditionalGeneration, "
-                             r"LlavaOnevisionForConditionalGeneration, or model=compose"),
+                             r"LlavaOnevisionForConditionalGeneration, Qwen3VLForConditionalGeneration, or "
+                             r"model=compose"),
     ({"model_type": "idefics3"}, r"model_type 'idefics3' is not supported"),
     ({"model_type": "nonsense"}, r"model\.config\.model_type='nonsense' is not a transformers model type"),
     ({**LLAVA_15_7B, "vision_feature_layer": [-2, -5]},
@@ -120,6 +171,10 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
      r"language model type 'gemma' is not supported; use one of llama, mistral, qwen2"),
     ({**QWEN2_AUDIO_7B, "audio_config": {**QWEN2_AUDIO_7B["audio_config"], "encoder_layerdrop": 0.1}},
      r"encoder_layerdrop=0\.1: layer drop is not supported"),
+    ({**QWEN3_VL_8B, "vision_config": {**QWEN3_VL_8B["vision_config"], "deepstack_visual_indexes": [16, 8]}},
+     r"model\.config\.vision_config\.deepstack_visual_indexes=\[16, 8\]: mmpipe takes rising block indexes in "
+     r"0\.\.26"),
+    ({**QWEN3_VL_8B, "model_type": "qwen3_vl_moe"}, r"model_type 'qwen3_vl_moe' is not supported"),
 ])
 def test_unsupported_architectures_are_one_line_errors(config, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -31,7 +31,7 @@ from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.media import image_processor, preprocess_audio, preprocess_image, preprocess_images
 
 from . import hf_cases as H
-from .test_hf_arch import QWEN2_AUDIO_7B, QWEN2_VL_7B, QWEN2_VL_PROCESSOR, WHISPER_FE
+from .test_hf_arch import QWEN2_AUDIO_7B, QWEN2_VL_7B, QWEN2_VL_PROCESSOR, QWEN3_VL_8B, QWEN3_VL_PROCESSOR, WHISPER_FE
 
 SIZES = [(20, 20), (56, 90), (30, 120), (333, 500), (1000, 37), (3, 280), (1080, 1920)]
 
@@ -49,6 +49,21 @@ def test_qwen2_vl_grid_and_tokens_are_the_processors(h, w):
     assert (t, (gh, gw)) == (1, image_grid(spec.vision, h, w))
     assert out["pixel_values"].shape[0] == image_positions(spec.vision, h, w)  # the tower's sequence
     assert image_tokens(spec.vision, h, w) == t * gh * gw // 4  # what the merger emits, what the processor expands
+
+
+@pytest.mark.parametrize("h,w", SIZES)
+def test_qwen3_vl_grid_and_tokens_are_the_processors(h, w):
+    """Qwen3-VL-8B's Hub processor (16-px patches, factor 32, 64 to 16384 tokens) through transformers'
+    own image processor: the tower's sequence and the LLM tokens the planner counts, before decoding."""
+    from transformers import Qwen2VLImageProcessor
+
+    spec = spec_from_config(QWEN3_VL_8B, name="qwen3-vl-8b", image_processor=QWEN3_VL_PROCESSOR)
+    proc = Qwen2VLImageProcessor(**{k: v for k, v in QWEN3_VL_PROCESSOR.items() if k != "image_processor_type"})
+    out = proc(images=[_image(h, w)], return_tensors="np")
+    t, gh, gw = (int(x) for x in out["image_grid_thw"][0])
+    assert (t, (gh, gw)) == (1, image_grid(spec.vision, h, w))
+    assert out["pixel_values"].shape == (image_positions(spec.vision, h, w), 3 * 2 * 16 * 16)
+    assert image_tokens(spec.vision, h, w) == t * gh * gw // 4 >= 64
 
 
 def _llava_processor(folder):

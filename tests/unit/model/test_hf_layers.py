@@ -18,7 +18,8 @@ from mmpipe.runtime.batch import collate_hf
 
 from . import hf_cases as H
 
-CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio", "llava_next", "llava_onevision"]
+CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio", "llava_next", "llava_onevision",
+         "qwen3_vl"]
 
 
 def media_sample(spec, rng):

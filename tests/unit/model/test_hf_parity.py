@@ -16,6 +16,7 @@ from transformers import (
     LlavaOnevisionForConditionalGeneration,
     Qwen2AudioForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
     WhisperFeatureExtractor,
 )
 
@@ -97,6 +98,42 @@ def test_qwen2_vl_video_layers_equal_transformers(qwen2_vl):
              pixel_values_videos=videos["pixel_values_videos"], video_grid_thw=videos["video_grid_thw"],
              mm_token_type_ids=(ids == H.IMAGE).int() + 2 * (ids == H.VIDEO).int(), labels=H.padded(samples, "labels"))
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
+
+
+def qwen3_vl_samples(spec, rng):
+    """Two images of different sizes in one sample, one in another, and a text-only sample; the
+    images' grids differ from the 3 x 3 position table and from each other."""
+    sizes = [(56, 90), (30, 120), (100, 40)]
+    imgs = [H.random_image(rng, h, w) for h, w in sizes]
+    n = [image_tokens(spec.vision, h, w) for h, w in sizes]
+    assert len(set(n)) == 3
+
+    def img(k):
+        return [H.VSTART] + [H.IMAGE] * n[k] + [H.VEND]
+
+    return [H.sample("a", [H.text(rng, 4), img(0), H.text(rng, 3), img(1), H.text(rng, 11)], images=imgs[:2]),
+            H.sample("t", [H.text(rng, 5), H.text(rng, 8)]),
+            H.sample("b", [H.text(rng, 2), img(2), H.text(rng, 7)], images=imgs[2:])]
+
+
+def qwen3_vl_reference(folder, samples):
+    """transformers' Qwen3-VL on the samples (padded, its own 3-D positions from get_rope_index)."""
+    inputs = H.processed_images(folder, [b for s in samples for b in s.images])
+    ids = H.padded(samples, "input_ids")
+    hf = H.load_reference(Qwen3VLForConditionalGeneration, folder)
+    out = hf(input_ids=ids, attention_mask=H.mask(samples), pixel_values=inputs["pixel_values"],
+             image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(ids == H.IMAGE).int(),
+             labels=H.padded(samples, "labels"))
+    return hf, out.loss
+
+
+def test_qwen3_vl_layers_equal_transformers(qwen3_vl):
+    """DeepStack, learned positions resampled per image, interleaved M-RoPE: three samples (two
+    images, text only, one image) packed in one row, and padded."""
+    spec = spec_from_folder(qwen3_vl)
+    samples = qwen3_vl_samples(spec, np.random.default_rng(1))
+    hf, loss = qwen3_vl_reference(qwen3_vl, samples)
+    H.compare(spec, build_layers(spec, seed=0), hf, loss, samples)
 
 
 def test_qwen2_audio_layers_equal_transformers(qwen2_audio):

@@ -15,6 +15,7 @@ from transformers import (
     LlavaOnevisionForConditionalGeneration,
     Qwen2AudioForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 from mmpipe.model.hf import weights as W
@@ -29,7 +30,8 @@ from . import hf_cases as H
 
 CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
            "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration,
-           "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration}
+           "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration,
+           "qwen3_vl": Qwen3VLForConditionalGeneration}
 
 
 def _differences(spec, layers, hf_model) -> list[str]:

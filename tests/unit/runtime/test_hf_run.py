@@ -69,8 +69,9 @@ def test_an_unsupported_checkpoint_is_a_one_line_error(capsys, tmp_path):
     assert _error(capsys) == (
         f"mmpipe train: error: model.path='{tmp_path / 'gpt2'}': model_type 'gpt2' is not supported; supported: "
         f"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2AudioForConditionalGeneration, "
-        f"LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, or "
-        f"model=compose of a CLIP/SigLIP vision model or a Whisper encoder with a llama/mistral/qwen2 causal LM")
+        f"LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, "
+        f"Qwen3VLForConditionalGeneration, or model=compose of a CLIP/SigLIP vision model or a Whisper encoder with "
+        f"a llama/mistral/qwen2 causal LM")
     LlavaConfig(vision_feature_layer=[-2, -5]).save_pretrained(tmp_path / "layers")
     assert main(["train", "model=hf", f"model.path={tmp_path / 'layers'}"]) == 2
     assert "vision_feature_layer=[-2, -5]: only a single layer index is supported" in _error(capsys)
