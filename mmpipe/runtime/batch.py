@@ -78,10 +78,11 @@ def _micro_batch(samples: Sequence[SampleLike], carrier: tuple[torch.Tensor, ...
                       label_tokens=int((tgt != -100).sum()), tokens=sum(len(s.input_ids) for s in samples))
 
 
-def _layout(samples: Sequence[SampleLike], grid: torch.Tensor, frames: torch.Tensor, conv_stride: int) -> torch.Tensor:
+def _layout(samples: Sequence[SampleLike], grid: torch.Tensor, frames: torch.Tensor, conv_stride: int,
+            audio_window: int = 0) -> torch.Tensor:
     """The LAYOUT slot: every stream's segments, computed here once for all stages and layers."""
     return layout.encode([len(s.input_ids) for s in samples], layout.image_segments(grid.tolist()),
-                         layout.audio_segments(frames.tolist(), conv_stride))
+                         layout.audio_segments(frames.tolist(), conv_stride, audio_window))
 
 
 def collate(samples: Sequence[SampleLike], *, patch: int, packed: bool, pad_id: int,
@@ -134,7 +135,8 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
                 pos[:, i, :p.shape[1]] = p
     pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
                                                 [clip for s in samples for clip in s.audio] if media else [])
-    lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1)
+    a = spec.audio
+    lay = _layout(samples, grid, frames, a.conv_stride if a is not None else 1, a.window if a is not None else 0)
     return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay]), tgt)
 
 

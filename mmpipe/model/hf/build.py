@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from mmpipe.model.hf import layers as L
+from mmpipe.model.hf import omni, qwen25
 from mmpipe.model.hf.configs import hf_config
+from mmpipe.model.hf.media import MROPE_TYPES
 from mmpipe.model.hf.skeleton import layer_parts, materialise, model_type, owned_keys, ties_embeddings
 from mmpipe.model.hf.weights import checkpoint_index, load_layer
 from mmpipe.model.layers import layer_seed
@@ -70,8 +72,13 @@ def _make(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
             image, audio = placeholder_tokens(spec)
             return L.HFLLMEmbed(parts, image_token=image, audio_token=audio)
         if kind == "block":
-            return L.HFLLMBlock(parts, mrope=kind_of == "qwen2_vl")
+            return L.HFLLMBlock(parts, mrope=kind_of in MROPE_TYPES)
         return {"norm": L.HFLLMNorm, "head": L.HFLLMHead}[kind](parts)
+    if kind_of in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
+        index = int(name.split(".")[2]) if kind == "block" else -1
+        if comp == "vision":
+            return qwen25.vision_layer(kind, index, parts, hf_config(src))
+        return omni.audio_layer(kind, parts, hf_config(src))
     if kind_of == "llava":
         if kind == "proj":
             return L.LlavaVisionProj(parts, drop_first=spec.vision.select == "default")

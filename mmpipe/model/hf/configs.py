@@ -16,6 +16,8 @@ ARCHITECTURES = {
     "llava": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
 }
 """model_type -> the transformers class mmpipe builds (and exports) for it."""
 
