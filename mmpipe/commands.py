@@ -79,6 +79,11 @@ def check_train(rc: RunConfig) -> None:
     memory = check_model(rc)  # a planner-only preset, a model this machine cannot hold: before anything runs
     if memory and os.environ.get("RANK", "0") == "0":
         print(f"mmpipe: {memory}", flush=True)
+    if rc.model.hf is not None and os.environ.get("RANK", "0") == "0":
+        from mmpipe.model.hf.omni import source_note
+
+        if note := source_note(rc.model):  # a full Qwen2.5-Omni folder: what of it trains
+            print(f"mmpipe: {note}", flush=True)
     check_loggers(rc.train.loggers)
     check_data(rc)
     require_tested_deepspeed()

@@ -1,8 +1,10 @@
 """The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
-template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor; Qwen2-VL's
-image processor with its `<|image_pad|>` rule, since its processor needs torchvision), under the
-label convention of docs/data.md, written from that text. None of mmpipe's data code is used.
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor,
+Qwen2_5_VLProcessor, Qwen2_5OmniProcessor; Qwen2-VL's image processor with its `<|image_pad|>`
+rule), under the label convention of docs/data.md, written from that text. None of mmpipe's data
+code is used. Image processors are the PIL backend (what mmpipe uses; with torchvision installed,
+transformers' auto classes pick the torchvision backend, whose resize differs by about a pixel level).
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
 content each `<image>` / `<audio>` placeholder is an item, whitespace between a placeholder and the
@@ -114,6 +116,22 @@ class Reference:
 
             self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
                 folders[kind]), tokenizer=self.tok)
+        elif kind in ("qwen2.5-vl", "qwen2.5-omni"):
+            from transformers import (
+                Qwen2_5_VLProcessor,
+                Qwen2_5OmniProcessor,
+                Qwen2VLImageProcessorPil,
+                Qwen2VLVideoProcessor,
+                WhisperFeatureExtractor,
+            )
+
+            parts = dict(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folders[kind]),
+                         video_processor=Qwen2VLVideoProcessor.from_pretrained(folders[kind]), tokenizer=self.tok)
+            if kind == "qwen2.5-vl":
+                self.processor = Qwen2_5_VLProcessor(**parts)
+            else:
+                self.processor = Qwen2_5OmniProcessor(
+                    **parts, feature_extractor=WhisperFeatureExtractor.from_pretrained(folders[kind]))
         else:
             from transformers import Qwen2VLImageProcessorPil
 
@@ -133,6 +151,12 @@ class Reference:
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"input_features": out.get("input_features"),
                                                   "feature_attention_mask": out.get("feature_attention_mask")}
+        if self.kind in ("qwen2.5-vl", "qwen2.5-omni"):
+            n = text.count(self.processor.image_token)
+            m = text.count("<|AUDIO|>") if self.kind == "qwen2.5-omni" else 0
+            out = self.processor(text=text, images=images[:n] or None, audio=clips[:m] or None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {k: out.get(k) for k in (
+                "pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")}
         n = text.count("<|image_pad|>")
         extra = {}
         if n:  # Qwen2VLProcessor's rule: grid_t * grid_h * grid_w / merge^2 pads per image
@@ -175,7 +199,7 @@ class Reference:
             parts = [s[key] for s in samples if s.get(key) is not None]
             if parts:
                 out[key] = torch.cat(parts)
-        if self.kind == "qwen2-vl":
+        if self.kind in ("qwen2-vl", "qwen2.5-vl"):  # the Qwen-VL get_rope_index reads image runs from these
             image = self.tok.convert_tokens_to_ids("<|image_pad|>")
             out["mm_token_type_ids"] = (out["input_ids"] == image).int()
         return out
@@ -191,7 +215,9 @@ class Reference:
             return self._composed()
         cls = {"llava": "LlavaForConditionalGeneration", "compose": "LlavaForConditionalGeneration",
                "qwen2-vl": "Qwen2VLForConditionalGeneration",
-               "qwen2-audio": "Qwen2AudioForConditionalGeneration"}[self.kind]
+               "qwen2-audio": "Qwen2AudioForConditionalGeneration",
+               "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen2.5-omni": "Qwen2_5OmniThinkerForConditionalGeneration"}[self.kind]
         cls = getattr(transformers, cls)
         model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")
         with torch.device("meta"):
