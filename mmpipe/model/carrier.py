@@ -27,6 +27,11 @@ import torch
 # AUDIO_FRAMES  | [clips] mel frames     | (empty)                     | (empty)                       | [clips] valid mel frames L
 # LAYOUT        | int32 segment counts and cu_seqlens of the LLM row, the images and the clips (model/layout.py)
 #
+# Qwen2.5-VL / Qwen2.5-Omni vision: as Qwen2-VL, the tower states in window order (model/hf/qwen25.py).
+# Qwen2.5-Omni audio: features [clips, mel, F] holding each clip's valid frames, frames [clips];
+# states [A, D] over every n_window chunk's positions; the layout's audio segments are the chunks
+# (model/hf/omni.py). Both towers' slots travel side by side until llm.embed.
+#
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
 # (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).
 INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio placeholders expanded)

@@ -200,8 +200,9 @@ def write_qwen2_audio(root: Path, texts: list[str]) -> Path:
 
 QWEN25_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=14,
                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
-"""A 3-block Qwen2.5-VL tower: windows of 4 x 4 patches (56 px), so the shipped images (up to 112 x
-112 after resizing) span up to four; block 1 attends over each whole image, blocks 0 and 2 per window."""
+"""A 3-block Qwen2.5-VL tower: windows of 4 x 4 patches (56 px), so the shipped images (16 to 140 px a
+side, resized to 56 to 168) span up to nine; block 1 attends over each whole image, blocks 0 and 2 per
+window."""
 
 
 def _qwen25_text(tok, **extra):
@@ -214,7 +215,7 @@ def _qwen25_text(tok, **extra):
 def _image_processor():
     from transformers import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    return Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 36)
 
 
 def write_qwen2_5_vl(root: Path, texts: list[str]) -> Path:
