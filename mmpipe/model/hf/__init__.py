@@ -1,8 +1,10 @@
 """Models made of Hugging Face transformers classes, built, loaded and exported per pipeline layer.
 
 Supported: `LlavaForConditionalGeneration` (CLIP / SigLIP tower, Llama / Mistral / Qwen2),
-`Qwen2VLForConditionalGeneration`, `Qwen2AudioForConditionalGeneration`, and compositions of
-unimodal checkpoints (`model=compose`). See docs/hf.md.
+`Qwen2VLForConditionalGeneration`, `Qwen2AudioForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`, `Qwen2_5OmniThinkerForConditionalGeneration` (a thinker or a
+full Qwen2.5-Omni folder), and compositions of unimodal checkpoints (`model=compose`). See
+docs/hf.md.
 
 What the runtime calls:
 - spec: `spec_from_settings(model_group)`, or `spec_from_folder(DIR)`, `spec_from_config(dict,

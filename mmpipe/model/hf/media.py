@@ -2,9 +2,9 @@
 
 Images go through transformers' image processor of the checkpoint (its preprocessor config),
 audio through its Whisper feature extractor, so the arrays are exactly what the transformers
-model would be given. The processor classes are the PIL / NumPy backends, chosen on purpose:
-they need no torchvision (not installed; transformers' Qwen2-VL *processor* object does, for
-video), and transformers itself prefers the PIL backend where the two backends' outputs differ.
+model would be given. The processor classes are the PIL / NumPy backends, chosen on purpose
+(they need no torchvision); with torchvision installed, transformers' auto classes pick the
+torchvision backend, whose resize differs by about one pixel level (docs/hf.md, Processors).
 Placeholder expansion and tokens are the text side's; these functions give each sample's arrays
 and the counts the placeholders must match (equal to `mmpipe.model.geometry` by construction,
 and checked).
