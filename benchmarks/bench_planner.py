@@ -2,7 +2,7 @@
 search, and speed.
 
     python benchmarks/bench_planner.py [--trainable vision.proj,llm] [--hardware h100]
-        [--headroom 0.08] [--skip-layouts] [--skip-scaling]
+        [--headroom 0.08] [--skip-layouts] [--skip-scaling] [--pairs omni-mix:qwen2.5-omni-7b,...]
 
 Part 1 (efficiency table): every public workload x each model preset it fits, pp=4 dp=2
 global_batch=256 micro_batches=8, plan.memory_headroom in force: mean simulated step time of
@@ -57,7 +57,10 @@ PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), 
          ("llava-pretrain", "llava-onevision-qwen2-7b"), ("llava-sft", "llava-onevision-qwen2-7b"),
          ("vision-dynamic", "llava-onevision-qwen2-7b"), ("llava-pretrain", "llava-next-mistral-7b"),
          ("llava-sft", "llava-next-mistral-7b"), ("vision-dynamic", "llava-next-mistral-7b"),
-         ("llava-pretrain", "qwen3-vl-8b"), ("llava-sft", "qwen3-vl-8b"), ("vision-dynamic", "qwen3-vl-8b")]
+         ("llava-pretrain", "qwen3-vl-8b"), ("llava-sft", "qwen3-vl-8b"), ("vision-dynamic", "qwen3-vl-8b"),
+         ("llava-pretrain", "qwen2.5-vl-7b"), ("llava-sft", "qwen2.5-vl-7b"), ("vision-dynamic", "qwen2.5-vl-7b"),
+         ("vision-dynamic", "qwen2.5-omni-7b"), ("audio-caption", "qwen2.5-omni-7b"), ("omni-mix", "qwen2.5-omni-7b"),
+         ("omni-mix", "omni-7b")]
 TARGET = 0.78
 """Efficiency (lower bound / step time) the data-aware plan is meant to reach."""
 
@@ -70,7 +73,7 @@ def trainable_for(mname: str, trainable: str) -> tuple[str, ...]:
     tr = tuple(trainable.split(","))
     if mname == "qwen2-audio-7b":
         tr = tuple(t.replace("vision", "audio") for t in tr)
-    elif mname == "omni-7b" and "vision.proj" in tr:
+    elif mname in ("omni-7b", "qwen2.5-omni-7b") and "vision.proj" in tr:
         tr = tr + ("audio.proj",)
     return tr
 
@@ -83,7 +86,9 @@ def main() -> None:
     ap.add_argument("--workloads", default=str(WORKLOADS))
     ap.add_argument("--skip-layouts", action="store_true")
     ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument("--pairs", default="", help="only these workload:model pairs, comma-separated")
     args = ap.parse_args()
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else PAIRS
     hw = hardware_from_dict(load("hardware", args.hardware))
     wl = Path(args.workloads)
     print(f"pp=4 dp=2 global_batch=256 micro_batches=8 hardware={hw.name} trainable=[{args.trainable}] "
@@ -91,7 +96,7 @@ def main() -> None:
     print(f"{'workload':<15} {'model':<24} {'data-aware':>10} {'ds-default':>10} {'llava-grp':>10} "
           f"{'packed-ffd':>10} {'lower bd':>9} {'ratio':>6} {'eff.':>5} {'beats all':>9} {'plan ms/step':>12}")
     rows = []
-    for trace, mname in PAIRS:
+    for trace, mname in pairs:
         m = model_from_group(load("model", mname)).spec
         tr = trainable_for(mname, args.trainable)
         plan = run_plan(model=m, hardware=hw, pp=4, dp=2, global_batch=256, micro_batches=8,

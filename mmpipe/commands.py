@@ -92,6 +92,11 @@ def _check_model(rc: RunConfig) -> None:
     memory = check_model(rc)
     if memory and os.environ.get("RANK", "0") == "0":
         print(f"mmpipe: {memory}", flush=True)
+    if rc.model.hf is not None and os.environ.get("RANK", "0") == "0":
+        from mmpipe.model.hf.omni import source_note
+
+        if note := source_note(rc.model):  # a full Qwen2.5-Omni folder: what of it trains
+            print(f"mmpipe: {note}", flush=True)
 
 
 def _check_pipeline(rc: RunConfig) -> None:

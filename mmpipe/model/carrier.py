@@ -61,6 +61,11 @@ from mmpipe.model.layout import host_list
 # (tiles, grid rows, grid cols, height, width), the last two the image's own size, which the model unpads
 # to (transformers' image_sizes); LAYOUT's image stream has one segment per tile.
 #
+# Qwen2.5-VL / Qwen2.5-Omni vision: as Qwen2-VL, the tower states in window order (model/hf/qwen25.py).
+# Qwen2.5-Omni audio: features [clips, mel, F] holding each clip's valid frames, frames [clips];
+# states [A, D] over every n_window chunk's positions; the layout's audio segments are the chunks
+# (model/hf/omni.py). Both towers' slots travel side by side until llm.embed.
+#
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
 # (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).
 INPUT_IDS = 0  # [B, T] long: LLM tokens (image/audio/video placeholders expanded)

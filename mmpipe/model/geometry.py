@@ -93,6 +93,12 @@ class SampleFeatures:
     def video_positions(self) -> tuple[int, ...]:
         """Vision-encoder positions of each video (all its temporal patches)."""
         return tuple(n * length for n, length in self.video_segments)
+    image_windows: tuple[int, ...] = ()
+    """Vision-encoder positions of every attention window of the windowed blocks, over all
+    images (Qwen2.5-VL's window attention); empty when the tower has no windowed blocks."""
+    audio_chunks: tuple[int, ...] = ()
+    """Audio-encoder positions of every attention chunk, over all clips (Qwen2.5-Omni's
+    `n_window` chunks); empty when each clip attends as a whole."""
 
     @property
     def llm_len(self) -> int:
@@ -355,6 +361,45 @@ def _video_spec(v: VisionSpec) -> VideoSpec:
     return v.video
 
 
+# ----------------------------------------------------------------------------- windowed attention
+# Qwen2.5-VL's vision tower attends within windows in most blocks, and Qwen2.5-Omni's audio tower
+# within chunks of a clip in every block. The planner prices those blocks' attention over these
+# segments (sum of squared lengths), and the layers attend over the same segments.
+
+
+def _pieces(n: int, size: int) -> list[int]:
+    """n cut into consecutive pieces of `size`, the last one shorter."""
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
+def image_windows(v: VisionSpec, height: int, width: int) -> tuple[int, ...]:
+    """Patches of each attention window of an image's windowed blocks, row by row of windows
+    (transformers' `get_vision_window_index`: windows of window // merge // patch merged tokens a
+    side, the last row and column of windows shorter); () when the tower has no windowed blocks."""
+    if not v.window:
+        return ()
+    gh, gw = image_grid(v, height, width)
+    side = v.window // v.merge // v.patch * v.merge  # in patches: whole merge units
+    return tuple(r * c for r in _pieces(gh, side) for c in _pieces(gw, side))
+
+
+def chunk_positions(frames: int, *, window: int, conv_stride: int) -> list[int]:
+    """Encoder positions of each attention chunk of a clip of `frames` valid mel frames:
+    chunks of window * conv_stride frames (the last shorter), each convolved on its own, so a
+    chunk of c frames has ceil(c / conv_stride) positions (transformers' Qwen2.5-Omni
+    `chunk_and_pad_features` / `get_audio_cu_seqlens`); one chunk, the whole clip, for window 0."""
+    if not window:
+        return [-(-frames // conv_stride)]
+    return [-(-c // conv_stride) for c in _pieces(frames, window * conv_stride)]
+
+
+def audio_chunks(a: AudioSpec, seconds: float) -> tuple[int, ...]:
+    """Encoder positions of each attention chunk of a clip; () when a clip attends as a whole."""
+    if not a.window:
+        return ()
+    return tuple(chunk_positions(audio_frames(a, seconds), window=a.window, conv_stride=a.conv_stride))
+
+
 def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> SampleFeatures:
     """Features of one sample under a model; `where` names it in errors (e.g. 'trace line 7')."""
     if meta.images and spec.vision is None:
@@ -376,6 +421,8 @@ def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> Sam
         text_tokens=meta.text_tokens,
         video_segments=tuple(seg for seg, _ in vids),
         video_tokens=tuple(tok for _, tok in vids),
+        image_windows=tuple(n for h, w in meta.images for n in image_windows(v, h, w)) if v else (),
+        audio_chunks=tuple(n for s in meta.audio_seconds for n in audio_chunks(a, s)) if a else (),
     )
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from mmpipe.model.geometry import chunk_positions
+
 STREAMS = ("llm", "image", "audio")
 """The packed sequences of a micro-batch, in the order the LAYOUT slot stores them."""
 
@@ -59,11 +61,12 @@ def image_segments(grid: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-def audio_segments(frames: Sequence[int], conv_stride: int) -> list[int]:
-    """Encoder positions of clips with `frames` valid mel frames: ceil(frames / stride). This is
-    Whisper's and Qwen2-Audio's (L - 1) // 2 + 1 for their stride 2, and mmpipe's tiny model's
-    conv front for any stride."""
-    return [-(-int(f) // conv_stride) for f in frames]
+def audio_segments(frames: Sequence[int], conv_stride: int, window: int = 0) -> list[int]:
+    """Attention segments of clips with `frames` valid mel frames: a clip's encoder positions,
+    ceil(frames / stride) (Whisper's and Qwen2-Audio's (L - 1) // 2 + 1 for their stride 2, and
+    mmpipe's tiny model's conv front for any stride); with a `window` (Qwen2.5-Omni's n_window),
+    each chunk's positions, clip after clip (model/geometry.py: chunk_positions)."""
+    return [n for f in frames for n in chunk_positions(int(f), window=window, conv_stride=conv_stride)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,7 @@ class Layout:
     image: Stream
     """Images (Qwen2-VL: temporal frames) over all patches."""
     audio: Stream
-    """Clips over all audio-encoder positions."""
+    """Clips (Qwen2.5-Omni: each clip's chunks) over all audio-encoder positions."""
 
 
 class _PerBatch:

@@ -129,6 +129,16 @@ class VisionSpec:
     position_table: int = 0
     """Entries of a learned position table interpolated to each image's grid (Qwen3-VL's
     `num_position_embeddings`); 0: none beyond what `fixed` towers hold."""
+    window: int = 0
+    """Side in pixels of the attention windows of windowed blocks (Qwen2.5-VL's `window_size`):
+    the patches of each window attend to each other only; 0: every block attends over the whole
+    image."""
+    full_blocks: tuple[int, ...] = ()
+    """With `window`, the blocks that still attend over the whole image (Qwen2.5-VL's
+    `fullatt_block_indexes`); every other block is windowed."""
+    mlp_gated: bool = False
+    """The block MLP is gated (SwiGLU: gate, up and down matrices, as Qwen2.5-VL's), not two
+    matrices."""
 
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "patch", "merge", "channels", "temporal_patch")
@@ -151,10 +161,21 @@ class VisionSpec:
             )
         if not self.proj:
             raise ValueError("model.vision.proj is empty; give the projector widths, e.g. [4096, 4096]")
+        if self.window and (not isinstance(self.window, int) or self.window < self.patch * self.merge):
+            raise ValueError(f"model.vision.window={self.window!r} must be 0 (no windowed blocks) or at least "
+                             f"patch * merge = {self.patch * self.merge} pixels")
+        bad = [b for b in self.full_blocks if not isinstance(b, int) or not 0 <= b < self.blocks]
+        if bad:
+            raise ValueError(f"model.vision.full_blocks={list(self.full_blocks)} names block {bad[0]!r}, but the "
+                             f"encoder has blocks 0..{self.blocks - 1}")
 
     @property
     def proj_in(self) -> int:
         return self.hidden * self.merge * self.merge
+
+    def windowed(self, block: int) -> bool:
+        """Whether block `block` attends within windows (not over the whole image)."""
+        return bool(self.window) and block not in self.full_blocks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,6 +207,10 @@ class AudioSpec:
     """Clips are cut at this length."""
     proj: tuple[int, ...] = ()
     """Projector output widths; input width is hidden; the last must equal the LLM hidden."""
+    window: int = 0
+    """Encoder positions per attention chunk (Qwen2.5-Omni's `n_window`): a clip is cut into
+    chunks of window * conv_stride mel frames, each convolved and attended on its own; 0: a clip
+    attends as a whole."""
 
     def __post_init__(self) -> None:
         _positive(self, "blocks", "hidden", "mlp", "heads", "mel_bins", "sample_rate",
@@ -198,6 +223,9 @@ class AudioSpec:
             raise ValueError("model.audio.proj is empty; give the projector widths, e.g. [4096]")
         if self.max_seconds <= 0:
             raise ValueError(f"model.audio.max_seconds={self.max_seconds} must be > 0")
+        if not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"model.audio.window={self.window!r} must be 0 (whole clips) or a positive number of "
+                             f"encoder positions per chunk")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -347,7 +375,7 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
     for key, value in dict(values).items():
         if key not in known:
             raise ValueError(f"{prefix}.{key} is not a setting; known: {', '.join(sorted(known))}")
-        if key in ("proj", "deepstack"):
+        if key in ("proj", "deepstack", "full_blocks"):
             value = tuple(int(v) for v in value)
         if key == "video" and value is not None:
             value = _dataclass_from(VideoSpec, f"{prefix}.video", value)

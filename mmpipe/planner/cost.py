@@ -37,11 +37,12 @@ DEFAULT_HEADROOM = 0.08
 """plan.memory_headroom's default: the share of usable memory no plan fills (docs/planner.md
 says why 8%)."""
 KINDS = ("vision.embed", "vision.block", "vision.proj", "audio.embed", "audio.block",
-         "audio.proj", "llm.embed", "llm.block", "llm.norm", "llm.head")
-"""Layer kinds with a cost; any other layer name is free."""
+         "audio.proj", "llm.embed", "llm.block", "llm.norm", "llm.head", "vision.window")
+"""Layer kinds with a cost; any other layer name is free. `vision.window` is a vision block
+that attends within windows (model.vision.window, full_blocks)."""
 KIND_STREAM = {"vision.embed": 0, "vision.block": 0, "vision.proj": 1, "audio.embed": 2,
                 "audio.block": 2, "audio.proj": 3, "llm.embed": 4, "llm.block": 4,
-                "llm.norm": 4, "llm.head": 4}
+                "llm.norm": 4, "llm.head": 4, "vision.window": 5}
 """The stream (index into STREAMS) each layer kind reads."""
 
 
@@ -152,7 +153,7 @@ def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Seq
     scale = precision.activation_scale
     names = layer_names(model)
     flags = [is_trainable(n, trainable) for n in names]
-    kinds = [_kind(n) for n in names]
+    kinds = [_kind(n, model) for n in names]
     # A gradient crosses a layer when something trainable lies upstream in the data flow:
     # earlier layers of the same encoder, or (for the LLM) any encoder or earlier LLM layer.
     seen = {"vision": False, "audio": False, "llm": False}
@@ -194,9 +195,11 @@ def check_headroom(memory_headroom: float) -> None:
                          f"memory in [0, 1), e.g. 0.08")
 
 
-def _kind(name: str) -> str:
+def _kind(name: str, model: ModelSpec) -> str:
     parts = name.split(".")
     kind = ".".join(parts[:2])
+    if kind == "vision.block" and model.vision is not None and model.vision.windowed(int(parts[2])):
+        return "vision.window"  # same weights and FLOPs per token; attention over its windows
     return kind if kind in KIND_STREAM else "other"
 
 
@@ -211,8 +214,9 @@ def _layer_figures(m: ModelSpec, kind: str) -> tuple[int, float, float, int, boo
             fixed = v.resize in ("fixed", "anyres")  # a learned table of one tile's positions
             pos = ((v.image_size // v.patch) ** 2 + int(v.cls_token)) * h if fixed else 0
             return conv + h + pos + v.position_table * h, 2.0 * conv, 0.0, h, False
-        if kind == "vision.block":
-            mat = 4 * h * h + 2 * h * v.mlp
+        if kind in ("vision.block", "vision.window"):
+            mlp = (3 if v.mlp_gated else 2) * h * v.mlp  # SwiGLU: gate, up, down
+            mat = 4 * h * h + mlp
             return mat + 9 * h + v.mlp, 2.0 * mat, 4.0 * h, h, True
         # the projector, and Qwen3-VL's DeepStack mergers beside it (each as wide, with a norm over
         # its merged input), all reading the image-token stream
@@ -226,8 +230,9 @@ def _layer_figures(m: ModelSpec, kind: str) -> tuple[int, float, float, int, boo
         h = a.hidden
         if kind == "audio.embed":
             conv1, conv2 = 3 * a.mel_bins * h, 3 * h * h
-            # conv1 runs at the mel frame rate (conv_stride frames per encoder position)
-            positions = int(a.max_seconds * a.frames_per_s / a.conv_stride)
+            # conv1 runs at the mel frame rate (conv_stride frames per encoder position); a chunked
+            # tower (Qwen2.5-Omni) adds fixed sinusoidal positions per chunk: no learned table
+            positions = 0 if a.window else int(a.max_seconds * a.frames_per_s / a.conv_stride)
             return (conv1 + conv2 + 2 * h + positions * h,
                     2.0 * (conv1 * a.conv_stride + conv2), 0.0, h, False)
         if kind == "audio.block":

@@ -33,6 +33,8 @@ GB = 1e9
 RUN_STATE_KEYS = ("trainable_param_bytes", "sharded_param_bytes", "frozen_param_bytes",
                   "boundary_bytes_per_hidden")
 """Keys older hardware files carried for what is now the run's precision (planner.precision)."""
+KIND_FALLBACK = {"vision.window": "vision.block"}
+"""A layer kind without measured figures of its own takes those of this kind (the same module)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,12 +120,15 @@ class HardwareSpec:
         return self.link_gbps * GB
 
     def efficiency_max(self, kind: str) -> float:
-        """Top of the efficiency curve for a layer kind such as `llm.block`."""
-        return float(self.kind_efficiency.get(kind, self.max_efficiency))
+        """Top of the efficiency curve for a layer kind such as `llm.block` (a windowed vision
+        block, `vision.window`, runs at a vision block's measured figure unless it has its own)."""
+        fallback = self.kind_efficiency.get(KIND_FALLBACK.get(kind, kind), self.max_efficiency)
+        return float(self.kind_efficiency.get(kind, fallback))
 
     def overhead(self, kind: str) -> float:
         """Per-pass fixed time of a layer kind."""
-        return float(self.kind_overhead_s.get(kind, self.op_overhead_s))
+        fallback = self.kind_overhead_s.get(KIND_FALLBACK.get(kind, kind), self.op_overhead_s)
+        return float(self.kind_overhead_s.get(kind, fallback))
 
     def replica_seconds(self, makespan: float, micro_batches: int) -> float:
         """A replica's step time: its simulated makespan plus the runtime's fixed cost per

@@ -15,9 +15,10 @@ import numpy as np
 
 from mmpipe.model.geometry import SampleFeatures
 
-STREAMS = ("vpos", "vtok", "apos", "atok", "llm")
+STREAMS = ("vpos", "vtok", "apos", "atok", "llm", "vwin")
 """Per-micro-batch token streams: vision positions, vision LLM tokens, audio positions,
-audio LLM tokens, LLM sequence."""
+audio LLM tokens, LLM sequence, and the vision positions again as the windowed blocks of a
+Qwen2.5-VL-style tower see them (the same tokens, attention per window)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,12 +61,14 @@ def sample_table(samples: Sequence[SampleFeatures]) -> SampleTable:
     mx = np.zeros_like(tok)
     for i, f in enumerate(samples):
         vpos, vtok = vision_sequences(f) if f.video_segments else (f.image_positions, f.image_tokens)
-        for k, seqs in enumerate((vpos, vtok, f.audio_positions, f.audio_tokens, (f.llm_len,))):
+        for k, seqs in enumerate((vpos, vtok, f.audio_positions, f.audio_tokens, (f.llm_len,), f.image_windows)):
             if seqs:
                 tok[i, k] = sum(seqs)
                 sq[i, k] = sum(s * s for s in seqs)
                 cnt[i, k] = len(seqs)
                 mx[i, k] = max(seqs)
+        if f.audio_chunks:  # every audio block attends per chunk (Qwen2.5-Omni), not per clip
+            sq[i, 2] = sum(s * s for s in f.audio_chunks)
     return SampleTable(tokens=tok, squares=sq, seqs=cnt, longest=mx)
 
 

@@ -79,12 +79,12 @@ def _micro_batch(samples: Sequence[SampleLike], carrier: tuple[torch.Tensor, ...
 
 
 def _layout(samples: Sequence[SampleLike], grid: torch.Tensor, frames: torch.Tensor, conv_stride: int,
-            images: list[int] | None = None) -> torch.Tensor:
+            images: list[int] | None = None, audio_window: int = 0) -> torch.Tensor:
     """The LAYOUT slot: every stream's segments, computed here once for all stages and layers
     (`images`: the image segments, if not the grid's own)."""
     images = layout.image_segments(grid.tolist()) if images is None else images
     return layout.encode([len(s.input_ids) for s in samples], images,
-                         layout.audio_segments(frames.tolist(), conv_stride))
+                         layout.audio_segments(frames.tolist(), conv_stride, audio_window))
 
 
 def _videos(samples: Sequence[SampleLike]) -> list:
@@ -147,8 +147,9 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
     videos = _videos(samples) if media else []
     pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
                                                 [clip for s in samples for clip in s.audio] if media else [], videos)
-    lay = _layout(samples, grid, frames, spec.audio.conv_stride if spec.audio is not None else 1,
-                  image_segments(spec, grid.tolist()))
+    a = spec.audio
+    lay = _layout(samples, grid, frames, a.conv_stride if a is not None else 1, image_segments(spec, grid.tolist()),
+                  a.window if a is not None else 0)
     return _micro_batch(samples, C.pack([ids, pos, seg, pixels, grid, feats, frames, C.empty(), lay,
                                          C.video_count(len(videos)), C.empty()]), tgt)
 

@@ -1,11 +1,12 @@
 """The reference of test_hf_train.py: the transformers model's own forward and backward on the raw
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
-template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor, Qwen3VLProcessor;
-for LLaVA-NeXT and OneVision the folder's own processor from AutoProcessor, a conversation's images
-nested as apply_chat_template nests them; Qwen2VLProcessor with the folder's image processor (as
-AutoImageProcessor gives it: the torchvision backend) and video processor, a video decoded whole by
-transformers' own PyAV reader, `load_video`, and sampled by the processor), under the label
-convention of docs/data.md, written from that text. None of mmpipe's data code is used.
+template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor, Qwen3VLProcessor,
+Qwen2_5_VLProcessor, Qwen2_5OmniProcessor; for LLaVA-NeXT and OneVision the folder's own processor
+from AutoProcessor, a conversation's images nested as apply_chat_template nests them;
+Qwen2VLProcessor with the folder's image processor (as AutoImageProcessor gives it: the torchvision
+backend) and video processor, a video decoded whole by transformers' own PyAV reader, `load_video`,
+and sampled by the processor), under the label convention of docs/data.md, written from that text.
+None of mmpipe's data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
 content each `<image>` / `<audio>` placeholder is an item, whitespace between a placeholder and the
@@ -110,7 +111,7 @@ def waveform(data: bytes, rate: int) -> np.ndarray:
 
 
 class Reference:
-    """One architecture's processors and model (kind: llava, qwen2-vl, qwen2-audio, compose, qwen3-vl)."""
+    """One architecture's processors and model (kind: one of mmpipe.model.hf.demo.MODELS)."""
 
     def __init__(self, kind: str, folders: dict[str, Path]):
         from transformers import AutoTokenizer
@@ -136,6 +137,22 @@ class Reference:
 
             self.processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor.from_pretrained(
                 folders[kind]), tokenizer=self.tok)
+        elif kind in ("qwen2.5-vl", "qwen2.5-omni"):
+            from transformers import (
+                AutoImageProcessor,
+                Qwen2_5_VLProcessor,
+                Qwen2_5OmniProcessor,
+                Qwen2VLVideoProcessor,
+                WhisperFeatureExtractor,
+            )
+
+            parts = dict(image_processor=AutoImageProcessor.from_pretrained(folders[kind]),
+                         video_processor=Qwen2VLVideoProcessor.from_pretrained(folders[kind]), tokenizer=self.tok)
+            if kind == "qwen2.5-vl":
+                self.processor = Qwen2_5_VLProcessor(**parts)
+            else:
+                self.processor = Qwen2_5OmniProcessor(
+                    **parts, feature_extractor=WhisperFeatureExtractor.from_pretrained(folders[kind]))
         elif kind == "qwen3-vl":
             from transformers import Qwen3VLProcessor
 
@@ -167,6 +184,12 @@ class Reference:
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"input_features": out.get("input_features"),
                                                   "feature_attention_mask": out.get("feature_attention_mask")}
+        if self.kind in ("qwen2.5-vl", "qwen2.5-omni"):
+            n = text.count(self.processor.image_token)
+            m = text.count("<|AUDIO|>") if self.kind == "qwen2.5-omni" else 0
+            out = self.processor(text=text, images=images[:n] or None, audio=clips[:m] or None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {k: out.get(k) for k in (
+                "pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")}
         if self.kind == "qwen3-vl":  # Qwen3VLProcessor expands each <|image_pad|> and marks image tokens
             n = text.count("<|image_pad|>")
             out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
@@ -216,7 +239,7 @@ class Reference:
                 parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
             if parts:
                 out[key] = torch.cat(parts)
-        if self.kind == "qwen2-vl":  # text 0, image 1, video 2 (what Qwen2VLProcessor returns)
+        if self.kind in ("qwen2-vl", "qwen2.5-vl"):  # text 0, image 1, video 2 (what the Qwen-VL processors return)
             image, video_ = (self.tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
             out["mm_token_type_ids"] = (out["input_ids"] == image).int() + 2 * (out["input_ids"] == video_).int()
         if self.kind == "qwen3-vl":  # the processor's own token types, padded as text
@@ -237,7 +260,9 @@ class Reference:
                "qwen2-vl": "Qwen2VLForConditionalGeneration", "qwen3-vl": "Qwen3VLForConditionalGeneration",
                "qwen2-audio": "Qwen2AudioForConditionalGeneration",
                "llava-next": "LlavaNextForConditionalGeneration",
-               "llava-onevision": "LlavaOnevisionForConditionalGeneration"}[self.kind]
+               "llava-onevision": "LlavaOnevisionForConditionalGeneration",
+               "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen2.5-omni": "Qwen2_5OmniThinkerForConditionalGeneration"}[self.kind]
         cls = getattr(transformers, cls)
         model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")
         with torch.device("meta"):

@@ -3,24 +3,32 @@ shipped shards) compute what transformers computes.
 
 For LLaVA, Qwen2-VL (pp=3; its step mixes video clips, one of an odd frame count, images and text
 from the shipped video mix), Qwen2-Audio, a composition (CLIP + a Qwen2 causal LM with tied
-embeddings + a projector from another folder), LLaVA-OneVision, LLaVA-NeXT (pp=3) and Qwen3-VL
-(pp=3, cut between the tower's DeepStack blocks and between the decoder layers that add the
-DeepStack features): one SGD step through the pipeline gives the loss of the transformers model's
-own forward on the same samples (`train.record_samples=true` says which),
-and the same updated parameters as its own backward and step, read back through `mmpipe export`
-(so the export loads with the original class). The reference builds its inputs from the raw tar
-members with the checkpoint's processors and chat template (tests/distributed/hf_reference.py),
-never with mmpipe's data code. For LLaVA the exported step-1 model also reproduces the run's step-2
-loss on step 2's samples. A short run shows the loss falling.
+embeddings + a projector from another folder), LLaVA-OneVision, LLaVA-NeXT (pp=3), Qwen3-VL (pp=3,
+cut between the tower's DeepStack blocks and between the decoder layers that add the DeepStack
+features), Qwen2.5-VL (pp=2, cut between a full-attention and a windowed vision block) and the
+Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on different stages): one SGD step
+through the pipeline gives the loss of the transformers model's own forward on the same samples
+(`train.record_samples=true` says which), and the same updated parameters as its own backward and
+step, read back through `mmpipe export` (so the export loads with the original class). The
+reference builds its inputs from the raw tar members with the checkpoint's processors and chat
+template (tests/distributed/hf_reference.py), never with mmpipe's data code. For LLaVA and Omni
+the exported step-1 model also reproduces the run's step-2 loss on step 2's samples. Omni at pp=2 x
+dp=2 with ZeRO-1, one replica reading only samples without audio, gives the same step. A short
+Omni run shows the loss falling.
 """
 
 from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from mmpipe.model.hf.demo import model_overrides
-from tests.distributed.hf_reference import Reference, raw_samples
+from tests.distributed.hf_reference import SHARDS, Reference, raw_samples
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +47,15 @@ CASES = {  # model: its overrides (one launch each)
     # llm.block.0 and llm.block.1, on different stages, so one crosses stages 1 -> 2 (and its gradient back)
     "qwen3-vl": ["parallel.pp=3", "train.steps=1",
                  "plan.stages=[vision.embed:vision.block.1,vision.block.2:llm.block.0,llm.block.1:llm.head]"],
+    # the cut falls after a full-attention vision block, before a windowed one: the window order crosses
+    "qwen2.5-vl": ["parallel.pp=2", "train.steps=1",
+                   "plan.stages=[vision.embed:vision.block.1,vision.block.2:llm.head]"],
+    # each tower on its own stage; + the exported step-1 model's loss on step 2
+    "qwen2.5-omni": ["parallel.pp=3", "train.steps=2",
+                     "plan.stages=[vision.embed:vision.proj,audio.embed:llm.block.0,llm.block.1:llm.head]"],
 }
+NEXT_LOSS = ("llava", "qwen2.5-omni")
+"""Cases whose exported step-1 model must reproduce the run's step-2 loss."""
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 5e-4  # fp32 summation order differs (micro-batches vs one batch); a wrong or missing tensor is O(1)
 """Largest |pipeline - reference| of an updated tensor, relative to the reference's largest update
@@ -47,7 +63,12 @@ of that tensor (LR x its largest gradient, at least LR x 1e-4): the gradient dif
 
 
 def _step_keys(run, step: int) -> list[str]:
-    return [k for mb in run.samples(0)[step - 1]["micro_batches"] for k in mb]
+    """The keys of a step's samples, over every data-reading rank (each replica's), once each."""
+    keys: dict[str, None] = {}
+    for path in sorted(run.run_dir.glob("samples_rank*.jsonl")):
+        rank = int(path.stem.removeprefix("samples_rank"))
+        keys.update((k, None) for mb in run.samples(rank)[step - 1]["micro_batches"] for k in mb)
+    return list(keys)
 
 
 def _reference_step(ref: Reference, model, keys: list[str]):
@@ -70,7 +91,11 @@ def test_one_pipeline_step_equals_transformers(kind, hf_checkpoints, run_mmpipe,
     assert run.code == 0, run.out[-3000:]
     assert "load: stage 0 (rank 0) loaded" in run.out
     assert all(d["load"]["peak_rss_mb"] > 0 and d["load"]["layers_loaded"] > 0 for d in run.stage_files())
+    _check_step(kind, hf_checkpoints, run, tmp_path, next_loss=kind in NEXT_LOSS)
 
+
+def _check_step(kind, hf_checkpoints, run, tmp_path, *, next_loss=False):
+    """Step 1's loss and updated parameters (the gradients) equal transformers' on its samples."""
     ref = Reference(kind, hf_checkpoints)
     model = ref.model()
     keys = _step_keys(run, 1)
@@ -105,18 +130,55 @@ def test_one_pipeline_step_equals_transformers(kind, hf_checkpoints, run_mmpipe,
     assert towers, "the step held no image or clip: the tower's gradients compare nothing"
     assert worst < UPDATE_RTOL, f"{where}: the update differs by {worst:.2e} of the reference's"
 
-    if kind == "llava":  # the exported step-1 model computes the run's step-2 loss on step 2's samples
+    if next_loss:  # the exported step-1 model computes the run's step-2 loss on step 2's samples
         with torch.no_grad():
             again = _reference_step(ref, _exported(ref, run, 1, tmp_path), _step_keys(run, 2))
         assert run.metrics()[1]["loss"] == pytest.approx(again.item(), rel=LOSS_RTOL)
-        print(f"llava: exported step-1 model on step 2's samples {again.item():.7f} vs the run's "
+        print(f"{kind}: exported step-1 model on step 2's samples {again.item():.7f} vs the run's "
               f"{run.metrics()[1]['loss']:.7f}")
 
 
+def _omni_shards(out: Path) -> str:
+    """Two shards of the shipped samples: the first (replica 0 of 2) without any audio clip, the
+    second with clips (and images beside some of them)."""
+    shards = sorted(SHARDS.glob("train-*.tar"))
+    groups: dict[str, list[tuple[tarfile.TarInfo, bytes]]] = {}
+    with tarfile.open(shards[0]) as tar:
+        for m in tar.getmembers():
+            groups.setdefault(m.name.split(".")[0], []).append((m, tar.extractfile(m).read()))
+    by_audio: dict[bool, list[str]] = {False: [], True: []}
+    for key, members in groups.items():
+        meta = json.loads(next(data for m, data in members if m.name.endswith(".json")))["meta"]
+        by_audio[bool(meta["audio_seconds"])].append(key)
+    out.mkdir()
+    for i, audio in enumerate((False, True)):
+        with tarfile.open(out / f"train-{i:06d}.tar", "w") as tar:
+            for key in by_audio[audio][:24]:
+                for m, data in groups[key]:
+                    tar.addfile(m, io.BytesIO(data))
+    return str(out / "train-{000000..000001}.tar")
+
+
+def test_omni_zero1_replica_without_clips(hf_checkpoints, run_mmpipe, tmp_path):
+    """Qwen2.5-Omni at pp=2 x dp=2 under ZeRO-1, replica 0's step holding no clip (its audio tower
+    gets no gradient of its own): the step still equals transformers' on all its samples, the
+    replicas' gradients summed (nothing hangs, the audio tower learns from replica 1's clips only)."""
+    path = _omni_shards(tmp_path / "shards")
+    run = run_mmpipe("train", *model_overrides("qwen2.5-omni", hf_checkpoints), "parallel.pp=2", "parallel.dp=2",
+                     "train.zero_stage=1", "train.steps=1", f"data.path='{path}'", *COMMON, timeout=600)
+    assert run.code == 0, run.out[-3000:]
+    assert "ZeRO-1 (optimizer state sharded over 2 replicas)" in run.out
+    raws = raw_samples(set(_step_keys(run, 1)))
+    fed = [{k for mb in run.samples(int(p.stem.removeprefix("samples_rank")))[0]["micro_batches"] for k in mb}
+           for p in run.run_dir.glob("samples_rank*.jsonl")]  # each replica's first and last stage
+    assert {any(raws[k]["audio"] for k in keys) for keys in fed} == {False, True}  # one replica: no clip
+    _check_step("qwen2.5-omni", hf_checkpoints, run, tmp_path)
+
+
 def test_a_checkpoint_learns(hf_checkpoints, run_mmpipe):
-    """Qwen2-Audio from its checkpoint, pp=2, AdamW: the loss falls by half a nat within 12 steps
-    (from about ln(703) = 6.56, chance over its vocabulary)."""
-    run = run_mmpipe("train", *model_overrides("qwen2-audio", hf_checkpoints), "train.steps=12", "train.lr=3e-3",
+    """The Qwen2.5-Omni thinker from its checkpoint (images, clips, both, text), pp=2, AdamW: the
+    loss falls by half a nat within 12 steps (from about ln(vocabulary) = 6.6, chance)."""
+    run = run_mmpipe("train", *model_overrides("qwen2.5-omni", hf_checkpoints), "train.steps=12", "train.lr=3e-3",
                      "train.warmup_steps=2", timeout=600)
     assert run.code == 0, run.out[-3000:]
     losses = [m["loss"] for m in run.metrics()]

@@ -50,8 +50,10 @@ def test_help_lists_commands_and_config_groups(capsys):
     out = capsys.readouterr().out
     for command in ("train", "plan", "simulate", "profile", "bench", "shards", "bench-data", "report", "export"):
         assert f"\n  {command} " in out
-    assert "model: compose, hf, llava-1.5-7b, omni-7b, qwen2-audio-7b, qwen2-vl-7b, qwen3-vl-8b, tiny" in out
-    assert ("recipes: llava-stage1, llava-stage2, plan-qwen2-vl-h100, qwen2-vl-sft, qwen3-vl-sft, tiny-pp2-dp2, "
+    assert ("model: compose, hf, llava-1.5-7b, llava-next-mistral-7b, llava-onevision-qwen2-7b, omni-7b, "
+            "qwen2-audio-7b, qwen2-vl-7b, qwen2.5-omni-7b, qwen2.5-vl-7b, qwen3-vl-8b, tiny") in out
+    assert ("recipes: llava-next-sft, llava-stage1, llava-stage2, onevision-sft, plan-qwen2-vl-h100, "
+            "plan-qwen2.5-omni-h100, qwen2-vl-sft, qwen2.5-omni-sft, qwen2.5-vl-sft, qwen3-vl-sft, tiny-pp2-dp2, "
             "tiny-pp4") in out
 
 

@@ -61,7 +61,8 @@ def test_every_recipe_composes_and_validates(trace, request):
         folders = re.findall(r"(model\.(?:\w+\.)?path)=\S+", launch)
         if folders:
             f = request.getfixturevalue("hf_checkpoints")
-            mine = {"model.path": f["qwen2-vl"], "model.vision.path": f["compose-vision"],
+            mine = {"model.path": f["qwen2.5-omni" if "omni" in path.stem else "qwen2-vl"],
+                    "model.vision.path": f["compose-vision"],
                     "model.llm.path": f["compose-llm"], "model.projector.path": f["compose-projector"]}
             extra += [f"{key}={mine[key]}" for key in folders]
         rc = load([f"recipes={path.stem}", *extra], job="test")

@@ -80,9 +80,17 @@ def read_processor_config(folder: str | Path, kind: str) -> dict[str, Any] | Non
 # ----------------------------------------------------------------------------- checks
 
 
+QWEN_TEXT_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen2_5_omni_text", "qwen3_vl_text")
+"""The M-RoPE decoders of the Qwen-VL and Qwen-Omni classes (each only inside its own class)."""
+VISION_KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "llava_next", "llava_onevision", "qwen3_vl")
+"""Supported model types with a vision tower."""
+AUDIO_KINDS = ("qwen2_audio", "qwen2_5_omni_thinker")
+"""Supported model types with an audio tower."""
+
+
 def _text(config: PretrainedConfig, what: str) -> PretrainedConfig:
     text = config.get_text_config()
-    if text.model_type not in (*LLM_TYPES, "qwen2_vl_text", "qwen3_vl_text"):
+    if text.model_type not in (*LLM_TYPES, *QWEN_TEXT_TYPES):
         raise ValueError(f"{what}: language model type {text.model_type!r} is not supported; "
                          f"use one of {', '.join(LLM_TYPES)}")
     return text
@@ -108,6 +116,8 @@ def check_supported(config: PretrainedConfig, *, what: str = "model") -> str:
     if kind not in ARCHITECTURES:
         raise ValueError(f"{what}: model_type {kind!r} is not supported; supported: {_supported()}")
     _text(config, what)
+    if kind in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
+        check_qwen25(config, what)
     if kind in LLAVA_TOWERS:
         vtype = config.vision_config.model_type
         if vtype not in VISION_TYPES:
@@ -206,9 +216,67 @@ def _audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) ->
                      max_seconds=fe.n_samples / rate, proj=(text.hidden_size,))
 
 
+# ----------------------------------------------------------------------------- Qwen2.5-VL and Qwen2.5-Omni
+
+
+def unwrap_omni(config: PretrainedConfig) -> PretrainedConfig:
+    """A full Qwen2.5-Omni config (model_type qwen2_5_omni: thinker, talker, token2wav) as the
+    thinker's, which is what mmpipe trains; any other config unchanged."""
+    return config.thinker_config if config.model_type == "qwen2_5_omni" else config
+
+
+def check_qwen25(config: PretrainedConfig, what: str) -> None:
+    """What the Qwen2.5-VL / Qwen2.5-Omni towers need that mmpipe checks before launch."""
+    vc = config.vision_config
+    if vc.window_size // vc.spatial_merge_size // vc.patch_size < 1:
+        raise ValueError(f"{what}.vision_config.window_size={vc.window_size} is smaller than one merged token "
+                         f"(spatial_merge_size x patch_size = {vc.spatial_merge_size * vc.patch_size} pixels)")
+    if config.model_type == "qwen2_5_omni_thinker":
+        ac = config.audio_config
+        if not 0 < ac.n_window <= ac.max_source_positions:
+            raise ValueError(f"{what}.audio_config.n_window={ac.n_window} must be in 1..max_source_positions="
+                             f"{ac.max_source_positions} (each chunk's positions index the sinusoidal table)")
+
+
+def _qwen25_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> VisionSpec:
+    """Qwen2.5-VL's tower (also Qwen2.5-Omni's): RMSNorm + SwiGLU blocks, windowed attention in all
+    blocks but `fullatt_block_indexes`, out_hidden_size into the LLM."""
+    vc = config.vision_config
+    proc = make_image_processor(ip)
+    for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
+                      ("temporal_patch_size", vc.temporal_patch_size)):
+        if getattr(proc, key) != ours:
+            raise ValueError(f"{what}: the image processor has {key}={getattr(proc, key)} but the vision tower {ours}")
+    merged = vc.hidden_size * vc.spatial_merge_size ** 2
+    return VisionSpec(
+        blocks=vc.depth, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_heads, patch=vc.patch_size,
+        resize="smart", min_pixels=int(proc.size.shortest_edge), max_pixels=int(proc.size.longest_edge),
+        merge=vc.spatial_merge_size, temporal_patch=vc.temporal_patch_size, proj=(merged, vc.out_hidden_size),
+        channels=vc.in_channels, window=int(vc.window_size), mlp_gated=True,
+        full_blocks=tuple(int(b) for b in vc.fullatt_block_indexes))
+
+
+def _omni_audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) -> AudioSpec:
+    """Qwen2.5-Omni's audio tower: Whisper-style blocks attending within chunks of n_window
+    positions (2 * n_window mel frames), pooled by 2 per clip, ln_post, linear into the LLM.
+    The feature extractor's length (its chunk_length) cuts clips; the chunks need no 30-s cap."""
+    ac = config.audio_config
+    fe = make_feature_extractor(fe_config)
+    rate, hop = fe.sampling_rate, fe.hop_length
+    if rate % hop:
+        raise ValueError(f"{what}: feature extractor hop_length={hop} does not divide sampling_rate={rate}")
+    if fe.feature_size != ac.num_mel_bins:
+        raise ValueError(f"{what}: the feature extractor makes {fe.feature_size} mel bins but the audio tower "
+                         f"takes num_mel_bins={ac.num_mel_bins}")
+    return AudioSpec(blocks=ac.encoder_layers, hidden=ac.d_model, mlp=ac.encoder_ffn_dim,
+                     heads=ac.encoder_attention_heads, mel_bins=ac.num_mel_bins, sample_rate=rate,
+                     frames_per_s=rate // hop, conv_stride=2, pool=2, pool_ceil=False,
+                     max_seconds=fe.n_samples / rate, proj=(ac.output_dim,), window=int(ac.n_window))
+
+
 def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
     """The processor config transformers' own defaults give a tower (for an inline config)."""
-    if config.model_type in ("qwen2_vl", "qwen3_vl"):
+    if config.model_type in ("qwen2_vl", "qwen3_vl", "qwen2_5_vl", "qwen2_5_omni_thinker"):
         vc = config.vision_config
         return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": vc.patch_size,
                 "merge_size": vc.spatial_merge_size, "temporal_patch_size": vc.temporal_patch_size}
@@ -223,8 +291,10 @@ def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
 
 def default_feature_extractor(config: PretrainedConfig) -> dict[str, Any]:
     ac = config.audio_config
+    # Qwen2.5-Omni's chunked tower takes clips of any length; its Hub preprocessor pads to 300 s
+    seconds = 300 if config.model_type == "qwen2_5_omni_thinker" else 2 * ac.max_source_positions * 160 // 16000
     return {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": ac.num_mel_bins,
-            "chunk_length": 2 * ac.max_source_positions * 160 // 16000, "sampling_rate": 16000, "hop_length": 160}
+            "chunk_length": seconds, "sampling_rate": 16000, "hop_length": 160}
 
 
 def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
@@ -247,18 +317,19 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
     """
     if not isinstance(config, PretrainedConfig):
         config = config_from_dict(config, what=what)
+    config = unwrap_omni(config)
     kind = check_supported(config, what=what)
-    if kind != "qwen2_audio":
+    if kind in VISION_KINDS:
         image_processor = dict(image_processor or default_image_processor(config))
-    if kind == "qwen2_audio":
+    if kind in AUDIO_KINDS:
         feature_extractor = dict(feature_extractor or default_feature_extractor(config))
     if kind in VIDEO_PROCESSORS:
         video_processor = dict(video_processor or image_processor)
     arch = ARCHITECTURES[kind]
     config.architectures = [arch]
     src = HFSource(architecture=arch, config=config_json(config), weights=tuple(weights),
-                   image_processor=json.dumps(image_processor, sort_keys=True) if kind != "qwen2_audio" else "",
-                   feature_extractor=json.dumps(feature_extractor, sort_keys=True) if kind == "qwen2_audio" else "",
+                   image_processor=json.dumps(image_processor, sort_keys=True) if kind in VISION_KINDS else "",
+                   feature_extractor=json.dumps(feature_extractor, sort_keys=True) if kind in AUDIO_KINDS else "",
                    video_processor=json.dumps(video_processor, sort_keys=True) if kind in VIDEO_PROCESSORS else "")
     from mmpipe.model.hf.skeleton import ties_embeddings  # builds the model on the meta device
 
@@ -272,15 +343,19 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
         vision = _anyres_vision(config, image_processor, what)
     elif kind == "qwen3_vl":
         vision = qwen3.vision_spec(config, image_processor, what)
-    else:
+    elif kind in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
+        vision = _qwen25_vision(config, image_processor, what)
+    if kind == "qwen2_audio":
         audio = _audio(config, feature_extractor, what)
+    elif kind == "qwen2_5_omni_thinker":
+        audio = _omni_audio(config, feature_extractor, what)
     return ModelSpec(name=name, llm=llm, vision=vision, audio=audio, hf=src)
 
 
 def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len: int | None = None,
                      what: str = "model.path") -> ModelSpec:
     """The spec of a checkpoint folder (its config.json, preprocessor files and weights)."""
-    config = read_config(folder, what=what)
+    config = unwrap_omni(read_config(folder, what=what))
     check_supported(config, what=f"{what}={str(folder)!r}")
     if config.model_type in ANYRES and (Path(folder) / "processor_config.json").is_file():
         settings = json.loads((Path(folder) / "processor_config.json").read_text())

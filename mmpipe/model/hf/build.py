@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from mmpipe.model.hf import layers as L
+from mmpipe.model.hf import omni, qwen25
 from mmpipe.model.hf import qwen3 as Q
 from mmpipe.model.hf.anyres import ANYRES, AnyresVisionProj
 from mmpipe.model.hf.configs import hf_config
+from mmpipe.model.hf.media import MROPE_TYPES
 from mmpipe.model.hf.skeleton import (
     LLAVA_TOWERS,
     TOWERS,
@@ -92,8 +94,13 @@ def _make(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
             image, audio = placeholder_tokens(spec)
             return L.HFLLMEmbed(parts, image_token=image, audio_token=audio, video_token=video_token(spec))
         if kind == "block":
-            return L.HFLLMBlock(parts, mrope=kind_of == "qwen2_vl")
+            return L.HFLLMBlock(parts, mrope=kind_of in MROPE_TYPES)
         return {"norm": L.HFLLMNorm, "head": L.HFLLMHead}[kind](parts)
+    if kind_of in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
+        index = int(name.split(".")[2]) if kind == "block" else -1
+        if comp == "vision":
+            return qwen25.vision_layer(kind, index, parts, hf_config(src))
+        return omni.audio_layer(kind, parts, hf_config(src))
     if kind_of in LLAVA_TOWERS:
         if kind == "proj" and kind_of in ANYRES:
             return AnyresVisionProj(parts, src=src, drop_first=spec.vision.select == "default")

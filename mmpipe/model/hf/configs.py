@@ -19,6 +19,8 @@ ARCHITECTURES = {
     "llava_next": "LlavaNextForConditionalGeneration",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
 }
 """model_type -> the transformers class mmpipe builds (and exports) for it."""
 

@@ -5,7 +5,7 @@ shipped shards' conversations with a chat template in its family's format (our o
 the processor config, all in one folder. Nothing is downloaded.
 
     folders = write_all(tmp)   # {"llava", "qwen2-vl", "qwen2-audio", "qwen3-vl", "compose-vision", "compose-llm",
-                               #  "compose-projector", "llava-next", "llava-onevision"}
+                               #  "compose-projector", "llava-next", "llava-onevision", "qwen2.5-vl", "qwen2.5-omni"}
 
 The test suite trains and compares these; a user tries the real-model path on CPU with them:
 
@@ -66,6 +66,9 @@ ONEVISION_TEMPLATE = (  # LLaVA-OneVision's ChatML (no default system message), 
     "{% for c in m['content'] if c['type'] == 'image' %}<image>\n{% endfor %}"
     "{% for c in m['content'] if c['type'] == 'text' %}{{ c['text'] }}{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+OMNI_TEMPLATE = _chatml(  # Qwen2.5-Omni's markers around each image and clip
+    "{% if content['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>" + _TEXT)
 TEXT_TEMPLATE = (  # a text LLM's ChatML: string content only
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -73,6 +76,10 @@ TEXT_TEMPLATE = (  # a text LLM's ChatML: string content only
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
+OMNI_SPECIALS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+                 "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                 "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+"""The named tokens Qwen2.5-Omni's tokenizer (and its processor) has."""
 
 
 def perturb(model: torch.nn.Module, seed: int = 1) -> None:
@@ -308,6 +315,80 @@ def write_qwen2_audio(root: Path, texts: list[str]) -> Path:
     return folder
 
 
+QWEN25_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+"""A 3-block Qwen2.5-VL tower: windows of 4 x 4 patches (56 px), so the shipped images (16 to 140 px a
+side, resized to 56 to 168) span up to nine; block 1 attends over each whole image, blocks 0 and 2 per
+window."""
+
+
+def _qwen25_text(tok, **extra):
+    return dict(vocab_size=len(tok) + 3, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4}, **extra)
+
+
+def _image_processor():
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 36)
+
+
+def write_qwen2_5_vl(root: Path, texts: list[str]) -> Path:
+    """The Qwen2.5-VL tower above + its M-RoPE decoder, ChatML with Qwen2-VL's image markers; the
+    processor (image and video processors, tokenizer, template) saved by Qwen2_5_VLProcessor."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    torch.manual_seed(47)
+    tok = qwen_tokenizer(texts)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    cfg = Qwen2_5_VLConfig(vision_config=QWEN25_VISION, text_config=_qwen25_text(tok),
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    folder = _save(Qwen2_5_VLForConditionalGeneration(cfg), tok, QWEN2_VL_TEMPLATE, root / "qwen2.5-vl", 47)
+    Qwen2_5_VLProcessor(image_processor=_image_processor(), video_processor=Qwen2VLVideoProcessor(), tokenizer=tok,
+                        chat_template=QWEN2_VL_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
+def write_qwen2_5_omni(root: Path, texts: list[str]) -> Path:
+    """A Qwen2.5-Omni thinker: the Qwen2.5-VL tower above, a 2-block audio tower over 16 mel bins
+    attending within chunks of 25 positions (0.5 s: the shipped clips of 0.3 to 5.4 s span 1 to 11),
+    clips cut at 8 s, the M-RoPE decoder; Omni's markers in ChatML; the processor saved by
+    Qwen2_5OmniProcessor (image, video and feature extractor, tokenizer, template)."""
+    from transformers import (
+        Qwen2_5OmniProcessor,
+        Qwen2_5OmniThinkerConfig,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        Qwen2VLVideoProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    torch.manual_seed(48)
+    tok = qwen_tokenizer(texts, extra=("<|IMAGE|>", "<|VIDEO|>", "<|vision_bos|>", "<|vision_eos|>"),
+                         named=OMNI_SPECIALS)
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in OMNI_SPECIALS.items()}
+    cfg = Qwen2_5OmniThinkerConfig(
+        vision_config=QWEN25_VISION, text_config=_qwen25_text(tok),
+        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                          max_source_positions=100, n_window=25, output_dim=48),
+        image_token_index=ids["image_token"], audio_token_index=ids["audio_token"],
+        video_token_index=ids["video_token"], vision_start_token_id=ids["vision_bos_token"],
+        vision_end_token_id=ids["vision_eos_token"], audio_start_token_id=ids["audio_bos_token"],
+        audio_end_token_id=ids["audio_eos_token"])
+    folder = _save(Qwen2_5OmniThinkerForConditionalGeneration(cfg), tok, OMNI_TEMPLATE, root / "qwen2.5-omni", 48)
+    Qwen2_5OmniProcessor(image_processor=_image_processor(), video_processor=Qwen2VLVideoProcessor(),
+                         feature_extractor=WhisperFeatureExtractor(feature_size=16, chunk_length=8), tokenizer=tok,
+                         chat_template=OMNI_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
 def write_composition(root: Path, texts: list[str]) -> dict[str, Path]:
     """A CLIP vision model, a Qwen2 causal LM (tied embeddings, a string-content ChatML template,
     `<image>` added to its tokenizer), and a folder holding a projector for the two (a LLaVA
@@ -349,12 +430,14 @@ def write_all(root: Path) -> dict[str, Path]:
                "qwen2-audio": write_qwen2_audio(root, texts), **write_composition(root, texts),
                "llava-next": write_llava_next(root, texts),
                "llava-onevision": write_llava_onevision(root, texts),
-               "qwen3-vl": write_qwen3_vl(root, texts)}
+               "qwen3-vl": write_qwen3_vl(root, texts),
+               "qwen2.5-vl": write_qwen2_5_vl(root, texts), "qwen2.5-omni": write_qwen2_5_omni(root, texts)}
     (root / MARKER).write_text(json.dumps({name: folder.name for name, folder in folders.items()}, indent=1) + "\n")
     return folders
 
 
-MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose", "llava-next", "llava-onevision", "qwen3-vl")
+MODELS = ("llava", "qwen2-vl", "qwen2-audio", "compose", "llava-next", "llava-onevision", "qwen3-vl", "qwen2.5-vl",
+          "qwen2.5-omni")
 """The models the folders of write_all make."""
 
 

@@ -10,6 +10,11 @@ the source checkpoint, so `from_pretrained` finds every key; a tied LM head is l
 `save_pretrained` leaves it out. Each tensor is written in the dtype its source stored (the
 config's dtype for one without a source), so an export right after loading is bit-identical.
 config.json and the tokenizer / processor files come from the source folders.
+
+A thinker trained from a full Qwen2.5-Omni folder exports as that full folder again: the thinker's
+tensors under `thinker.`, the talker's and token2wav's copied unchanged from the source with its
+config.json and speaker file, so `Qwen2_5OmniForConditionalGeneration` (and the thinker class
+alone) load it.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from mmpipe.model.hf.build import tied_embedding
 from mmpipe.model.hf.configs import hf_config
+from mmpipe.model.hf.omni import SPEAKER_FILES, full_omni_folder
 from mmpipe.model.hf.skeleton import materialise, owned_keys, skeleton, unowned_keys
-from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype
+from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype, stored_keys
 from mmpipe.model.layers import layer_seed
 from mmpipe.model.spec import HFSource, ModelSpec, layer_names
 
@@ -123,7 +129,8 @@ def _copy_files(spec: ModelSpec, out: Path, tokenizer: str | Path | None) -> Non
         config.save_pretrained(out)
     media_from = whole or folders.get("vision") or folders.get("audio")
     text_from = tokenizer or whole or folders.get("llm")
-    for folder, names in ((text_from, _TEXT_FILES + ("generation_config.json",)), (media_from, _MEDIA_FILES)):
+    for folder, names in ((text_from, _TEXT_FILES + ("generation_config.json",)), (media_from, _MEDIA_FILES),
+                          (full_omni_folder(spec), SPEAKER_FILES)):
         for name in names:
             if folder is not None and (Path(folder) / name).is_file():
                 shutil.copy2(Path(folder) / name, out / name)
@@ -161,6 +168,12 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
     tie = tied_embedding(spec)
     writer = _ShardWriter(out, shard_bytes)
     count = 0
+    full = full_omni_folder(spec)
+    prefix = "thinker." if full is not None else ""  # the thinker inside a full Qwen2.5-Omni folder
+
+    def saved(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {prefix + k: v for k, v in _saved_names(src, tensors).items()}
+
     for i, name in enumerate(layer_names(spec)):
         if tie is not None and name == tie.layers[1]:
             continue  # the tied head is the embedding's weight, saved with llm.embed
@@ -174,7 +187,7 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
             raise ValueError(f"{path} does not hold layer {name} of {src.architecture} (keys differ: {extra}); "
                              f"is it a checkpoint of this model?")
         tensors = {key: state[local].to(_dtype(src, key, index)) for local, key in keys.items()}
-        writer.add(_saved_names(src, tensors))
+        writer.add(saved(tensors))
         count += len(tensors)
         del state, tensors
     copied = unowned_keys(spec)
@@ -189,8 +202,14 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
                     torch.manual_seed(layer_seed(seed, module_path))
                     fresh[module_path] = materialise(src, module_path)
             t = getattr(fresh[module_path], attr).detach().to(_dtype(src, key, index))
-        writer.add(_saved_names(src, {key: t}))
+        writer.add(saved({key: t}))
         count += 1
+    if full is not None:  # the talker and token2wav, as the source holds them
+        for key, file in sorted(stored_keys(full).items()):
+            if not key.startswith(prefix):
+                writer.add({key: read_tensor(TensorRef(file=file, key=key, folder=str(full)))})
+                copied.append(key)
+                count += 1
     shards = writer.finish()
     _copy_files(spec, out, tokenizer)
     return ExportReport(folder=str(out), tensors=count, bytes=writer.total, shards=shards, copied=tuple(copied),

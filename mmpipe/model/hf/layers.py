@@ -38,7 +38,7 @@ class HFLayer(PipeLayer):
         self.frozen_params = frozenset(n for n, p in self.named_parameters() if not p.requires_grad)
 
 
-def _empty_like_output(x: torch.Tensor, module: nn.Module, *shape: int) -> torch.Tensor:
+def empty_like_output(x: torch.Tensor, module: nn.Module, *shape: int) -> torch.Tensor:
     """An empty activation that still carries the module's parameters in its graph, so a stage
     boundary after it gets the gradient DeepSpeed expects (zero, here)."""
     out = x.new_zeros(shape)
@@ -162,7 +162,7 @@ class AudioEmbed(HFLayer):
             x = F.gelu(self.conv2(x))[0, :, :p].transpose(0, 1)
             out.append(x + self.embed_positions.weight[:p])
         if not out:
-            slots[C.AUDIO] = _empty_like_output(feats, self, 1, 0, self.conv2.out_channels)
+            slots[C.AUDIO] = empty_like_output(feats, self, 1, 0, self.conv2.out_channels)
             return
         slots[C.AUDIO] = F.dropout(torch.cat(out)[None], p=self.dropout, training=self.training)
 

@@ -52,7 +52,8 @@ class AudioInput:
 
     features: np.ndarray
     """float32 [mel, F]: the feature extractor's log-mel frames the valid positions need
-    (F = min(2P + 1, all frames) for P = (frames - 1) // 2 + 1 positions; see AudioEmbed)."""
+    (F = min(2P + 1, all frames) for P = (frames - 1) // 2 + 1 positions; see AudioEmbed); a
+    chunked tower (Qwen2.5-Omni) convolves its valid frames only: F = frames."""
     frames: int
     """Valid mel frames (the feature extractor's attention mask), cut at 30 s."""
 
@@ -197,7 +198,9 @@ def preprocess_audio(spec: ModelSpec, waveform: np.ndarray, sample_rate: int) ->
         raise ValueError(f"the feature extractor marked {valid} valid frames of a {len(x)}-sample clip but the "
                          f"model's geometry says {frames}")
     positions = (valid - 1) // 2 + 1
-    keep = min(2 * positions + 1, fe.nb_max_frames)
+    # a chunked tower (Qwen2.5-Omni) convolves each chunk of the valid frames on its own, zeros past
+    # the chunk's end: it reads the valid frames and nothing else
+    keep = valid if spec.audio.window else min(2 * positions + 1, fe.nb_max_frames)
     return AudioInput(features=np.ascontiguousarray(out["input_features"][0][:, :keep], dtype=np.float32),
                       frames=valid)
 
@@ -235,18 +238,28 @@ def mrope_positions(input_ids: Sequence[int], grids: Sequence[Sequence[int]], *,
     return np.concatenate(parts, axis=1).astype(np.int64) if parts else np.zeros((3, 0), dtype=np.int64)
 
 
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "qwen3_vl")
+"""Decoders that take 3-D M-RoPE positions. For images (and text, and Qwen2.5-Omni's audio tokens,
+which advance one position each like text) all of them compute them as Qwen2-VL does: the
+Qwen2.5-VL and Omni rules differ only for video (time-scaled temporal axis), which mmpipe does not
+train yet; tests compare each with its class's own get_rope_index."""
+
+
 def uses_mrope(spec: ModelSpec) -> bool:
-    """Whether the decoder takes Qwen2-VL's (and Qwen3-VL's) 3-D positions [3, B, T]."""
-    return spec.hf is not None and json.loads(spec.hf.config).get("model_type") in ("qwen2_vl", "qwen3_vl")
+    """Whether the decoder takes 3-D M-RoPE positions [3, B, T]."""
+    return spec.hf is not None and json.loads(spec.hf.config).get("model_type") in MROPE_TYPES
 
 
 def sample_positions(spec: ModelSpec, input_ids: Sequence[int], images: Sequence[ImageInput],
                      videos: Sequence[Any] = ()) -> np.ndarray:
-    """A Qwen2-VL sample's M-RoPE positions [3, n] from its tokens, processed images and videos."""
-    config = json.loads(spec.hf.config)
-    video_token = config.get("video_token_id", -1) if videos else -1
-    return mrope_positions(input_ids, [img.grid for img in images], image_token=config["image_token_id"],
-                           merge=spec.vision.merge, video_token=video_token,
+    """A sample's M-RoPE positions [3, n] from its tokens, processed images and videos."""
+    from mmpipe.model.hf.configs import hf_config
+
+    config = hf_config(spec.hf)
+    image_token = config.image_token_id  # Omni's config names it image_token_index
+    video_token = getattr(config, "video_token_id", None) if videos else None
+    return mrope_positions(input_ids, [img.grid for img in images], image_token=image_token,
+                           merge=spec.vision.merge, video_token=-1 if video_token is None else video_token,
                            video_grids=[vid.grid for vid in videos])
 
 

@@ -28,7 +28,10 @@ LM = "model.language_model"
 TOWERS = {"llava": "model.vision_tower", "qwen2_vl": "model.visual", "qwen2_audio": "model.audio_tower",
           "llava_next": "model.vision_tower",
           "llava_onevision": "model.vision_tower",
-          "qwen3_vl": "model.visual"}
+          "qwen3_vl": "model.visual",
+          "qwen2_5_vl": "model.visual", "qwen2_5_omni_thinker": "model.visual"}
+"""Each model type's (vision, else audio) tower; Qwen2.5-Omni's audio tower is OMNI_AUDIO."""
+OMNI_AUDIO = "model.audio_tower"
 PROJECTOR = "model.multi_modal_projector"
 LLAVA_TOWERS = ("llava", "llava_next", "llava_onevision")
 """Architectures whose tower is LLaVA's CLIP / SigLIP (the last two tile any-resolution images)."""
@@ -77,6 +80,8 @@ def layer_parts(spec: ModelSpec, name: str) -> tuple[tuple[str, str], ...]:
                 "block": (("block", f"{LM}.layers.{i}"), ("rotary", f"{LM}.rotary_emb")),
                 "norm": (("norm", f"{LM}.norm"),),
                 "head": (("head", "lm_head"),)}[kind]
+    if kind_of in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
+        return _qwen25_parts(comp, kind, i)
     tower = TOWERS[kind_of]
     if kind_of in LLAVA_TOWERS:
         embed = (("embeddings", f"{tower}.embeddings"),)
@@ -95,6 +100,20 @@ def layer_parts(spec: ModelSpec, name: str) -> tuple[tuple[str, str], ...]:
             "block": (("block", f"{tower}.layers.{i}"),),
             "proj": (("avg_pooler", f"{tower}.avg_pooler"), ("layer_norm", f"{tower}.layer_norm"),
                      ("projector", PROJECTOR))}[kind]
+
+
+def _qwen25_parts(comp: str, kind: str, i: str) -> tuple[tuple[str, str], ...]:
+    """Qwen2.5-VL's (and Qwen2.5-Omni's) vision tower; Qwen2.5-Omni's audio tower. Omni's
+    `audio_bos_eos_token` is in no layer: the thinker's forward never reads it (export carries it)."""
+    if comp == "vision":
+        tower = "model.visual"
+        return {"embed": (("patch_embed", f"{tower}.patch_embed"),),
+                "block": (("block", f"{tower}.blocks.{i}"), ("rotary", f"{tower}.rotary_pos_emb")),
+                "proj": (("merger", f"{tower}.merger"),)}[kind]
+    return {"embed": (("conv1", f"{OMNI_AUDIO}.conv1"), ("conv2", f"{OMNI_AUDIO}.conv2"),
+                      ("positions", f"{OMNI_AUDIO}.positional_embedding")),
+            "block": (("block", f"{OMNI_AUDIO}.layers.{i}"),),
+            "proj": (("ln_post", f"{OMNI_AUDIO}.ln_post"), ("proj", f"{OMNI_AUDIO}.proj"))}[kind]
 
 
 def _src(spec: ModelSpec) -> HFSource:

@@ -60,6 +60,16 @@ def qwen2_audio(hf_root):
 
 
 @pytest.fixture(scope="session")
+def qwen2_5_vl(hf_root):
+    return H.write_qwen2_5_vl(hf_root, seed=16)
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_omni(hf_root):
+    return H.write_qwen2_5_omni(hf_root, seed=17)
+
+
+@pytest.fixture(scope="session")
 def unimodal(hf_root):
     """Unimodal checkpoints by kind, written on first use."""
     made = {}

@@ -8,6 +8,7 @@ tensor that is not loaded shows up as a difference.
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from mmpipe.model.layers import run_layers, token_loss
 from mmpipe.runtime.batch import collate_hf
 
 VOCAB, IMAGE, AUDIO, VSTART, VEND, VIDEO = 300, 290, 291, 292, 293, 294
+ASTART, AEND = 295, 296  # Qwen2.5-Omni's audio bos / eos
 TEXT = (10, 280)
 
 
@@ -166,6 +168,76 @@ def write_qwen3_vl(root: Path, *, seed: int) -> Path:
     model.save_pretrained(folder)
     Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 12,
                              image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    return folder
+
+
+QWEN25_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+"""A 3-block Qwen2.5-VL tower: windows of 4x4 patches (56 px), block 1 attends over each image."""
+QWEN25_TEXT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+                   rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4})
+
+
+def write_qwen2_5_vl(root: Path, *, seed: int) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = Qwen2_5_VLConfig(vision_config=QWEN25_VISION, text_config=QWEN25_TEXT, image_token_id=IMAGE,
+                           video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    perturb(model, seed)
+    folder = root / "qwen2.5-vl"
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 12).save_pretrained(folder)
+    return folder
+
+
+def omni_thinker_config(**extra):
+    """A Qwen2.5-Omni thinker: the Qwen2.5-VL tower above, a 2-block audio tower over 16 mel bins
+    attending within chunks of 8 positions (16 frames), the M-RoPE decoder."""
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    return Qwen2_5OmniThinkerConfig(
+        vision_config=QWEN25_VISION, text_config=QWEN25_TEXT,
+        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                          max_source_positions=100, n_window=8, output_dim=48),
+        image_token_index=IMAGE, audio_token_index=AUDIO, video_token_index=VIDEO, vision_start_token_id=VSTART,
+        vision_end_token_id=VEND, audio_start_token_id=ASTART, audio_end_token_id=AEND, **extra)
+
+
+def write_qwen2_5_omni(root: Path, *, seed: int, full: bool = False) -> Path:
+    """A Qwen2.5-Omni thinker folder, or (`full`) a whole Qwen2.5-Omni with a tiny talker and
+    token2wav (`thinker.*`, `talker.*`, `token2wav.*` tensors), as the Hub folder is."""
+    from transformers import (
+        Qwen2_5OmniConfig,
+        Qwen2_5OmniForConditionalGeneration,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+    )
+
+    torch.manual_seed(seed)
+    if full:
+        talker = dict(vocab_size=64, embedding_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4})
+        token2wav = dict(dit_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                                         emb_dim=16, enc_emb_dim=16, enc_dim=16, enc_channels=[16, 16, 16, 16, 32],
+                                         enc_attention_channels=8, enc_se_channels=8, num_embeds=64, mel_dim=16,
+                                         look_ahead_layers=[0], look_backward_layers=[0]),
+                         bigvgan_config=dict(mel_dim=16, upsample_initial_channel=32, upsample_rates=[2, 2],
+                                             upsample_kernel_sizes=[4, 4]))
+        model = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(
+            thinker_config=omni_thinker_config().to_dict(), talker_config=talker, token2wav_config=token2wav))
+    else:
+        model = Qwen2_5OmniThinkerForConditionalGeneration(omni_thinker_config())
+    perturb(model, seed)
+    folder = root / ("qwen2.5-omni-full" if full else "qwen2.5-omni")
+    model.save_pretrained(folder)
+    # one flat preprocessor_config.json holding both processors' keys, as the Hub folder has it
+    merged = {**Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 12).to_dict(),
+              **WhisperFeatureExtractor(feature_size=16, chunk_length=4).to_dict()}
+    merged["image_processor_type"] = "Qwen2VLImageProcessor"
+    (folder / "preprocessor_config.json").write_text(json.dumps(merged, indent=1))
     return folder
 
 
@@ -403,6 +475,7 @@ def anyres_reference_inputs(folder, samples, *, nested: bool) -> dict:
 
 
 def processed_images(folder, images: list[bytes]):
-    """What the folder's own image processor (transformers' AutoImageProcessor) makes of the images."""
+    """What the folder's own image processor (transformers' AutoImageProcessor, in the backend it
+    picks by default: torchvision) makes of the images."""
     proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     return proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")

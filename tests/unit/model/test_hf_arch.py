@@ -157,9 +157,7 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
 @pytest.mark.parametrize("config,message", [
     ({"model_type": "gpt2"}, r"model\.config: model_type 'gpt2' is not supported; supported: "
                              r"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, "
-                             r"Qwen2AudioForConditionalGeneration, LlavaNextForConditionalGeneration, "
-                             r"LlavaOnevisionForConditionalGeneration, Qwen3VLForConditionalGeneration, or "
-                             r"model=compose"),
+                             r"Qwen2AudioForConditionalGeneration, .*or model=compose"),
     ({"model_type": "idefics3"}, r"model_type 'idefics3' is not supported"),
     ({"model_type": "nonsense"}, r"model\.config\.model_type='nonsense' is not a transformers model type"),
     ({**LLAVA_15_7B, "vision_feature_layer": [-2, -5]},
@@ -265,3 +263,68 @@ def test_a_folder_whose_processor_counts_other_placeholders_is_refused(hf_checkp
     with pytest.raises(ValueError, match=r"processor_config\.json has num_image_tokens=25 but the model's config makes "
                                          r"it 16; .* set num_image_tokens to 16"):
         spec_from_folder(folder)
+
+
+# Qwen/Qwen2.5-VL-7B-Instruct's config.json and preprocessor figures; Qwen/Qwen2.5-Omni-7B's
+# thinker_config and preprocessor figures (written again here, apart from the presets).
+QWEN25_VL_7B = {
+    "model_type": "qwen2_5_vl", "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2},
+}
+QWEN25_PROCESSOR = {**QWEN2_VL_PROCESSOR, "max_pixels": 1003520}
+QWEN25_OMNI_7B = {
+    "model_type": "qwen2_5_omni_thinker", "audio_token_index": 151646, "image_token_index": 151655,
+    "video_token_index": 151656, "vision_start_token_id": 151652, "audio_start_token_id": 151647,
+    "audio_end_token_id": 151648,
+    "audio_config": {"d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
+                     "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 100, "output_dim": 3584},
+    "vision_config": {**QWEN25_VL_7B["vision_config"], "tokens_per_second": 25},
+    "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                    "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+                    "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default"}, "rope_theta": 1e6},
+}
+OMNI_FE = {**WHISPER_FE, "chunk_length": 300}
+
+
+def test_qwen25_presets_build_from_their_configs_alone():
+    vl = spec_from_config(QWEN25_VL_7B, name="qwen2.5-vl-7b", image_processor=QWEN25_PROCESSOR)
+    omni = spec_from_config(QWEN25_OMNI_7B, name="qwen2.5-omni-7b", image_processor=QWEN25_PROCESSOR,
+                            feature_extractor=OMNI_FE)
+    for ours, name in ((vl, "qwen2.5-vl-7b"), (omni, "qwen2.5-omni-7b")):
+        preset = _preset(name)
+        _same_figures(ours.vision, preset.vision, ("blocks", "hidden", "mlp", "heads", "patch", "merge", "min_pixels",
+                                                   "max_pixels", "proj", "window", "full_blocks", "mlp_gated"))
+        _same_figures(ours.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len"))
+    _same_figures(omni.audio, _preset("qwen2.5-omni-7b").audio, ("blocks", "hidden", "mlp", "heads", "mel_bins",
+                                                                "frames_per_s", "pool_ceil", "max_seconds", "proj",
+                                                                "window"))
+    assert 8.2e9 < sum(layer_params(vl).values()) < 8.4e9  # Qwen2.5-VL-7B: 8.29 B parameters
+    assert omni.audio.max_seconds == 300 and omni.audio.window == 100
+    # a 10-s clip: 1000 frames in 5 chunks of 100 positions, 250 LLM tokens
+    f = features(omni, SampleMeta(text_tokens=3, audio_seconds=(10.0,), images=((448, 448),)))
+    assert f.audio_tokens == (250,) and f.audio_chunks == (100,) * 5
+    assert f.image_positions == (1024,) and f.image_windows == (64,) * 16  # 32 x 32 patches, windows of 8 x 8
+
+
+def test_a_full_omni_config_plans_its_thinker():
+    full = {"model_type": "qwen2_5_omni", "thinker_config": QWEN25_OMNI_7B}
+    spec = spec_from_config(full, name="omni", image_processor=QWEN25_PROCESSOR, feature_extractor=OMNI_FE)
+    assert spec.hf.architecture == "Qwen2_5OmniThinkerForConditionalGeneration" and spec.audio.window == 100
+
+
+@pytest.mark.parametrize("config,message", [
+    ({**QWEN25_VL_7B, "vision_config": {**QWEN25_VL_7B["vision_config"], "window_size": 20}},
+     r"model\.config\.vision_config\.window_size=20 is smaller than one merged token \(spatial_merge_size x "
+     r"patch_size = 28 pixels\)"),
+    ({**QWEN25_OMNI_7B, "audio_config": {**QWEN25_OMNI_7B["audio_config"], "n_window": 2000}},
+     r"model\.config\.audio_config\.n_window=2000 must be in 1\.\.max_source_positions=1500"),
+])
+def test_qwen25_configs_mmpipe_cannot_run_are_one_line_errors(config, message):
+    with pytest.raises(ValueError, match=message) as err:
+        spec_from_config(config, name="x")
+    assert "\n" not in str(err.value)

@@ -22,13 +22,21 @@ from mmpipe.model.geometry import (
     audio_frames,
     audio_positions,
     audio_tokens,
+    chunk_positions,
     features,
     image_grid,
     image_positions,
     image_tokens,
+    image_windows,
 )
 from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
-from mmpipe.model.hf.media import image_processor, preprocess_audio, preprocess_image, preprocess_images
+from mmpipe.model.hf.media import (
+    feature_extractor,
+    image_processor,
+    preprocess_audio,
+    preprocess_image,
+    preprocess_images,
+)
 
 from . import hf_cases as H
 from .test_hf_arch import QWEN2_AUDIO_7B, QWEN2_VL_7B, QWEN2_VL_PROCESSOR, QWEN3_VL_8B, QWEN3_VL_PROCESSOR, WHISPER_FE
@@ -282,3 +290,121 @@ def test_anyres_pixels_and_placeholders_are_the_processors(case, request):
             np.testing.assert_array_equal(img.pixels, out["pixel_values"][i][:img.grid[0]].numpy())
             assert img.grid[3:] == tuple(out["image_sizes"][i].tolist())
             assert not out["pixel_values"][i][img.grid[0]:].any()  # past its own tiles, only the batch's padding
+
+
+# ----------------------------------------------------------------------------- Qwen2.5-VL and Qwen2.5-Omni
+
+
+def _omni_7b():
+    from .test_hf_arch import OMNI_FE, QWEN25_OMNI_7B, QWEN25_PROCESSOR
+
+    return spec_from_config(QWEN25_OMNI_7B, name="omni", image_processor=QWEN25_PROCESSOR, feature_extractor=OMNI_FE)
+
+
+def test_qwen25_windows_are_transformers_window_index():
+    """The windows the planner prices for a windowed block are the segments transformers' own
+    get_vision_window_index cuts an image into (112-px windows: 8 x 8 patches)."""
+    from transformers.vision_utils import get_vision_window_index
+
+    v = _omni_7b().vision
+    for h, w in SIZES:
+        t, gh, gw = 1, *image_grid(v, h, w)
+        _, cu = get_vision_window_index(torch.tensor([[t, gh, gw]]), spatial_merge_size=2, window_size=112,
+                                        patch_size=14)
+        assert list(np.diff(cu.numpy())) == list(image_windows(v, h, w)), (h, w)
+    assert len(image_windows(v, 1080, 1920)) > 1 and image_windows(v, 100, 100) == (image_positions(v, 100, 100),)
+
+
+def test_omni_audio_chunks_are_transformers_chunks():
+    """Chunk positions of clips (model/geometry.py: chunk_positions) are the attention segments
+    transformers' Qwen2.5-Omni audio tower makes of their valid frames."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import chunk_and_pad_features, get_audio_cu_seqlens
+
+    frames = [1, 2, 199, 200, 201, 999, 30000]
+    _, chunk_lengths = chunk_and_pad_features(torch.zeros(128, sum(frames)), torch.tensor(frames), 100)
+    ours = [n for f in frames for n in chunk_positions(f, window=100, conv_stride=2)]
+    assert list(np.diff(get_audio_cu_seqlens(chunk_lengths).numpy())) == ours
+
+
+def _omni_processor(spec):
+    """transformers' own Qwen2.5-Omni processor around the 7B preset's image processor and feature
+    extractor (and a word-level tokenizer holding its placeholder tokens)."""
+    from transformers import Qwen2_5OmniProcessor, Qwen2VLVideoProcessor
+
+    named = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+             "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+             "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+    vocab = {f"w{i}": i for i in range(20)} | {t: 20 + i for i, t in enumerate(named.values())} | {"<pad>": 40}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", extra_special_tokens=named)
+    return Qwen2_5OmniProcessor(image_processor=image_processor(spec.hf), video_processor=Qwen2VLVideoProcessor(),
+                                feature_extractor=feature_extractor(spec.hf), tokenizer=tok), tok
+
+
+def test_omni_tokens_are_its_processors():
+    """Qwen2_5OmniProcessor itself (not only its parts): image tokens and grids of images above and
+    below 128 * 28^2 pixels (the minimum it forces on video frames is not applied to images: images
+    follow the image processor's own min_pixels), audio tokens and valid frames of clips up to and
+    past its 300-s cut."""
+    spec = _omni_7b()
+    proc, tok = _omni_processor(spec)
+    for h, w in SIZES:
+        out = proc(text=["w2 <|IMAGE|> w3"], images=[_image(h, w)], return_tensors="np")
+        assert int((out["input_ids"] == tok.image_token_id).sum()) == image_tokens(spec.vision, h, w), (h, w)
+        assert tuple(out["image_grid_thw"][0][1:]) == image_grid(spec.vision, h, w)
+    assert image_grid(spec.vision, 20, 20) == (4, 4)  # 56 x 56 = 4 * 28^2 pixels, not 128 * 28^2
+    lengths = [1, 161, 19_745, 16000 * 301]
+    out = proc(text=["w2 <|AUDIO|> w3 <|AUDIO|> w4 <|AUDIO|> <|AUDIO|>"],
+               audio=[np.zeros(n, np.float32) for n in lengths], return_tensors="np")
+    assert int((out["input_ids"] == tok.audio_token_id).sum()) == sum(audio_tokens(spec.audio, n / 16000)
+                                                                     for n in lengths)
+    assert out["feature_attention_mask"].sum(-1).tolist() == [audio_frames(spec.audio, n / 16000) for n in lengths]
+
+
+def test_omni_audio_features_are_the_processors(qwen2_5_omni):
+    """The Omni tower reads every valid frame: preprocess_audio keeps them all, the same numbers
+    as the feature extractor's padding to its full length gives."""
+    spec = spec_from_folder(qwen2_5_omni)
+    fe = WhisperFeatureExtractor.from_pretrained(qwen2_5_omni, local_files_only=True)
+    rng = np.random.default_rng(4)
+    for n in (800, 33_333, 63_999, 90_000):
+        clip = rng.standard_normal(n).astype(np.float32)
+        ours = preprocess_audio(spec, clip, 16000)
+        full = fe(clip, sampling_rate=16000, padding="max_length", return_attention_mask=True, return_tensors="np")
+        assert ours.features.shape[1] == ours.frames == int(full["attention_mask"].sum())
+        np.testing.assert_allclose(ours.features, full["input_features"][0][:, :ours.frames], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["qwen2_5_vl", "qwen2_5_omni"])
+def test_mrope_positions_are_the_classes_get_rope_index(case, request):
+    """Qwen2.5-VL's and Qwen2.5-Omni's 3-D positions of samples with images (and Omni's clips
+    framed by <|audio_bos|>/<|audio_eos|>, which advance one position per token) equal each class's
+    own get_rope_index."""
+    from mmpipe.model.hf.media import mrope_positions
+    from mmpipe.model.hf.skeleton import skeleton
+
+    spec = spec_from_folder(request.getfixturevalue(case))
+    model = skeleton(spec.hf).model
+    rng = np.random.default_rng(9)
+    grids = [(1, 4, 6), (1, 8, 2), (1, 2, 2)]
+    clips = [50, 333]  # mel frames
+    for images, audio in (([], [0]), ([0], []), ([1, 2], [1, 0]), ([2, 0, 1], [1])):
+        ids, order = H.text(rng, 3), []
+        for k in images:
+            t, h, w = grids[k]
+            ids += [H.VSTART] + [H.IMAGE] * (t * h * w // 4) + [H.VEND] + H.text(rng, int(rng.integers(1, 5)))
+        if spec.audio is not None:
+            for k in audio:
+                p = (clips[k] - 1) // 2 + 1
+                ids += [H.ASTART] + [H.AUDIO] * ((p - 2) // 2 + 1) + [H.AEND] + H.text(rng, 2)
+                order.append(clips[k])
+        ours = mrope_positions(ids, [grids[k] for k in images], image_token=H.IMAGE, merge=2)
+        x = torch.tensor([ids])
+        grid = torch.tensor([grids[k] for k in images]) if images else None
+        if case == "qwen2_5_vl":
+            theirs, _ = model.get_rope_index(x, mm_token_type_ids=(x == H.IMAGE).int(), image_grid_thw=grid)
+        else:
+            theirs, _ = model.get_rope_index(x, image_grid_thw=grid, attention_mask=torch.ones_like(x),
+                                             audio_seqlens=torch.tensor(order) if order else None)
+        assert np.array_equal(ours, theirs[:, 0].numpy()), (images, audio)

@@ -19,19 +19,21 @@ from mmpipe.runtime.batch import collate_hf
 from . import hf_cases as H
 
 CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio", "llava_next", "llava_onevision",
-         "qwen3_vl"]
+         "qwen3_vl", "qwen2_5_vl", "qwen2_5_omni"]
 
 
 def media_sample(spec, rng):
+    """A sample with a clip (audio towers) and an image (vision towers): both for Qwen2.5-Omni."""
+    pieces, images, clips = [H.text(rng, 3)], [], []
     if spec.audio is not None:
         clip = rng.standard_normal(12_345).astype(np.float32)
-        n = audio_tokens(spec.audio, len(clip) / 16000)
-        return H.Sample("m", *_ids([H.text(rng, 3), [H.AUDIO] * n, H.text(rng, 6)]), [],
-                        [preprocess_audio(spec, clip, 16000)])
-    img = H.random_image(rng, 45, 70)
-    n = image_tokens(spec.vision, 45, 70)
-    return H.Sample("m", *_ids([H.text(rng, 3), [H.VSTART] + [H.IMAGE] * n + [H.VEND], H.text(rng, 6)]),
-                    [preprocess_image(spec, img)], [])
+        pieces += [[H.AUDIO] * audio_tokens(spec.audio, len(clip) / 16000), H.text(rng, 2)]
+        clips.append(preprocess_audio(spec, clip, 16000))
+    if spec.vision is not None:
+        img = H.random_image(rng, 45, 70)
+        pieces += [[H.VSTART] + [H.IMAGE] * image_tokens(spec.vision, 45, 70) + [H.VEND]]
+        images.append(preprocess_image(spec, img))
+    return H.Sample("m", *_ids(pieces + [H.text(rng, 6)]), images, clips)
 
 
 def _ids(pieces):

@@ -13,6 +13,8 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaNextForConditionalGeneration,
     LlavaOnevisionForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5OmniThinkerForConditionalGeneration,
     Qwen2AudioForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
@@ -31,7 +33,8 @@ from . import hf_cases as H
 CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
            "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration,
            "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration,
-           "qwen3_vl": Qwen3VLForConditionalGeneration}
+           "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+           "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration}
 
 
 def _differences(spec, layers, hf_model) -> list[str]:
@@ -184,3 +187,34 @@ def test_export_refuses_a_checkpoint_of_another_model(llava_clip_llama, qwen2_vl
     with pytest.raises(ValueError, match=r"layer_00-model_states\.pt does not hold layer vision\.embed of "
                                          r"LlavaForConditionalGeneration"):
         export(spec, tmp_path / "ckpt", tmp_path / "out")
+
+
+def test_a_full_omni_folder_trains_its_thinker_and_exports_whole(hf_root, tmp_path):
+    """A full Qwen2.5-Omni folder (thinker, talker, token2wav): the layers hold the thinker's
+    tensors as transformers' thinker class loads them from that folder; the export is the full
+    folder again (talker, token2wav and speaker file copied), bit-identical after loading."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from mmpipe.model.hf.omni import source_note
+
+    folder = H.write_qwen2_5_omni(hf_root, seed=18, full=True)
+    torch.save({"Chelsie": {"bos_token": 3}}, folder / "spk_dict.pt")  # read by the full class's from_pretrained
+    spec = spec_from_folder(folder)
+    assert spec.hf.architecture == "Qwen2_5OmniThinkerForConditionalGeneration"
+    assert "talker and token2wav are not loaded" in source_note(spec)
+    thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(folder, local_files_only=True)
+    assert _differences(spec, build_layers(spec, seed=0), thinker) == []
+    save_layer_states(build_layers(spec, seed=0), spec, tmp_path / "ckpt")
+    report = export(spec, tmp_path / "ckpt", tmp_path / "export", shard_bytes=40_000)
+    # (this class's from_pretrained cannot return loading info: it loads its speakers into the tuple)
+    back = Qwen2_5OmniForConditionalGeneration.from_pretrained(tmp_path / "export", local_files_only=True)
+    theirs = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder, local_files_only=True).state_dict()
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        written = set(json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())["weight_map"])
+        assert written == set(f.keys())  # every tensor of the source, under its own name
+    for key, value in back.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+    assert any(k.startswith("talker.") for k in report.copied)
+    assert any(k.startswith("token2wav.") for k in report.copied)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "qwen2_5_omni"
+    assert (tmp_path / "export" / "spk_dict.pt").read_bytes() == (folder / "spk_dict.pt").read_bytes()

@@ -108,3 +108,40 @@ def test_validate_trainable_error_text():
     assert validate_trainable(["vision.proj", "llm"], m) == ("vision.proj", "llm")
     with pytest.raises(ValueError, match="audio"):
         validate_trainable(["audio"], m)
+
+
+def test_windowed_vision_blocks_price_attention_per_window():
+    """Qwen2.5-VL: a windowed block's attention is priced over its 8 x 8-patch windows, a full
+    block's (fullatt_block_indexes) over the whole image. On a big image the windowed block costs
+    less; on an image inside one window the two cost the same."""
+    from mmpipe.model.geometry import SampleMeta, features
+
+    m, hw = model("qwen2.5-vl-7b"), hardware("h100")
+    c = build_cost_model(model=m, hardware=hw, trainable=("all",), dp=1)
+    assert _layer(c, "vision.block.6").kind == "vision.window" and _layer(c, "vision.block.7").kind == "vision.block"
+    assert _layer(c, "vision.block.6").params == _layer(c, "vision.block.7").params  # the same module
+    names = c.names
+    w, f = names.index("vision.block.6"), names.index("vision.block.7")
+    sc = stage_costs(c, [(0, w), (w, f), (f, f + 1), (f + 1, len(names))])
+
+    def block_times(h, w_):
+        t = sample_table([features(m, SampleMeta(text_tokens=10, images=((h, w_),)))])
+        cost = micro_batch_costs(sc, *mb_streams(t, [[0]], packing=True))
+        return float(cost.fwd[2, 0]), float(cost.fwd[1, 0])  # the full block, the windowed one
+
+    full, windowed = block_times(1008, 1008)  # 72 x 72 patches: 81 windows
+    assert windowed < 0.8 * full
+    full, windowed = block_times(100, 100)  # 8 x 8 patches: one window
+    assert windowed == pytest.approx(full, rel=1e-12)
+
+
+def test_chunked_audio_blocks_price_attention_per_chunk():
+    """Qwen2.5-Omni's audio blocks attend within 2-s chunks: a 30-s clip's attention is priced
+    over 15 chunks of 100 positions, not one sequence of 1500."""
+    from mmpipe.model.geometry import SampleMeta, features
+
+    omni, whisper = model("qwen2.5-omni-7b"), model("omni-7b")
+    feats = [features(m, SampleMeta(text_tokens=10, audio_seconds=(30.0,))) for m in (omni, whisper)]
+    assert feats[0].audio_positions == feats[1].audio_positions == (1500,)
+    tables = [sample_table([f]) for f in feats]
+    assert tables[0].squares[0, 2] == 15 * 100 ** 2 and tables[1].squares[0, 2] == 1500 ** 2

@@ -95,7 +95,8 @@ HEADROOM = 0.08
 
 @pytest.mark.parametrize("mname,workload,n", [("llava-1.5-7b", "llava-pretrain", 24), ("qwen2-vl-7b", "llava-sft", 24),
                                               ("omni-7b", "vision-dynamic", 32),
-                                              ("qwen2-audio-7b", "audio-caption", 24)])
+                                              ("qwen2-audio-7b", "audio-caption", 24),
+                                              ("qwen2.5-omni-7b", "omni-mix", 32)])
 def test_no_policy_plans_into_the_headroom(mname, workload, n):
     """Every policy's stages and step (data-aware, and each baseline as a run of it plans its
     steps) stay within usable memory less plan.memory_headroom under the planner's own

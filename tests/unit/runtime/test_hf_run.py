@@ -70,8 +70,9 @@ def test_an_unsupported_checkpoint_is_a_one_line_error(capsys, tmp_path):
         f"mmpipe train: error: model.path='{tmp_path / 'gpt2'}': model_type 'gpt2' is not supported; supported: "
         f"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2AudioForConditionalGeneration, "
         f"LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, "
-        f"Qwen3VLForConditionalGeneration, or model=compose of a CLIP/SigLIP vision model or a Whisper encoder with "
-        f"a llama/mistral/qwen2 causal LM")
+        f"Qwen3VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
+        f"Qwen2_5OmniThinkerForConditionalGeneration, or model=compose of a CLIP/SigLIP vision model or a Whisper "
+        f"encoder with a llama/mistral/qwen2 causal LM")
     LlavaConfig(vision_feature_layer=[-2, -5]).save_pretrained(tmp_path / "layers")
     assert main(["train", "model=hf", f"model.path={tmp_path / 'layers'}"]) == 2
     assert "vision_feature_layer=[-2, -5]: only a single layer index is supported" in _error(capsys)
@@ -107,13 +108,13 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
     """The planner's LLM length of a sample (from its metadata) is the length the runtime collates
     with the checkpoint's templater and processors, and the towers make as many embeddings as
     the text holds media tokens (the embedding layer refuses any other count)."""
-    # the shipped data starts with the video mix (videos, images, text); an audio model reads the audio part
-    data = ["data.path='data/shards/train-{000000..000007}.tar'"] if name == "qwen2-audio" else []
+    # the shipped data starts with the video mix (videos, images, audio, text); a model with an audio tower
+    # reads the part with image+audio samples too
+    data = ["data.path='data/shards/train-{000000..000007}.tar'"] if name in ("qwen2-audio", "qwen2.5-omni") else []
     rc = load([*model_overrides(name, hf_checkpoints), *data], job="test")
     spec, tok = rc.model, load_templater(rc)
     names = layer_names(spec)
     front = [build_layer(spec, n, seed=0) for n in names[:names.index("llm.embed") + 1]]
-    media_id = tok.image_id if spec.vision is not None else tok.audio_id
     kinds: Counter = Counter()
     samples, planned = [], []
     for rec in islice(make_stream(rc, tokenizer=tok, dp_rank=0, skips=SkipCounter()).records(), 40):
@@ -121,7 +122,10 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         sample = decode_record(rec, tok, spec)
         mb = collate_hf([sample], spec=spec, packed=True, pad_id=tok.pad_id)
         assert mb.tokens == mb.carrier[0].shape[1] == f.llm_len, rec.key
-        assert sample.input_ids.count(media_id) == sum(f.image_tokens) + sum(f.audio_tokens), rec.key
+        if spec.vision is not None:
+            assert sample.input_ids.count(tok.image_id) == sum(f.image_tokens), rec.key
+        if spec.audio is not None:
+            assert sample.input_ids.count(tok.audio_id) == sum(f.audio_tokens), rec.key
         if f.video_tokens:
             assert sample.input_ids.count(tok.video_id) == sum(f.video_tokens), rec.key
         carrier = mb.carrier
@@ -134,6 +138,8 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         planned.append(f.llm_len)
     assert kinds["text"] and kinds["image" if spec.vision is not None else "audio"], kinds
     assert kinds["video"] if name == "qwen2-vl" else not kinds["video"], kinds
+    if spec.vision is not None and spec.audio is not None:  # Qwen2.5-Omni: every kind of sample
+        assert kinds["audio"] and kinds["image+audio"], kinds
     for packed in (True, False):
         mb = collate_hf(samples, spec=spec, packed=packed, pad_id=tok.pad_id)
         assert mb.tokens == sum(planned)
