@@ -32,6 +32,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from mmpipe.model.hf.build import tied_embedding
 from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.hf.export_folder import check_out, staged
+from mmpipe.model.hf.integrity import PART_KEYS, check_weights
 from mmpipe.model.hf.skeleton import materialise, owned_keys, skeleton, unowned_keys
 from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype
 from mmpipe.model.layers import layer_seed
@@ -140,16 +141,11 @@ def _copy_files(spec: ModelSpec, out: Path, tokenizer: str | Path | None) -> Non
             (out / "preprocessor_config.json").write_text(text + "\n")
 
 
-_PART_KEYS = {"model": "model.path", "vision": "model.vision.path", "audio": "model.audio.path",
-              "llm": "model.llm.path", "projector": "model.projector.path"}
-"""A weight source's part -> the key the user set it with (named in refusals)."""
-
-
 def source_folders(spec: ModelSpec, checkpoint: str | Path, tokenizer: str | Path | None = None) -> dict[str, str]:
     """Every folder an export reads, by the key that named it: the model's checkpoint folders,
     a data.tokenizer folder, the pipeline checkpoint."""
     src = spec.hf
-    out = {_PART_KEYS.get(part, f"model.{part}.path"): str(folder) for part, folder in (src.weights if src else ())}
+    out = {PART_KEYS.get(part, f"model.{part}.path"): str(folder) for part, folder in (src.weights if src else ())}
     if tokenizer is not None:
         out["data.tokenizer"] = str(tokenizer)
     out["checkpoint"] = str(checkpoint)
@@ -184,6 +180,8 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
     if not checkpoint.is_dir():
         raise ValueError(f"checkpoint {str(checkpoint)!r} is not a folder; give RUN_DIR/checkpoints/stepN")
     real = check_out(out, source_folders(spec, checkpoint, tokenizer), overwrite=overwrite)
+    if src.weights:  # a source damaged since training: one line now, not a safetensors traceback
+        check_weights(src)
     index = checkpoint_index(src) if src.weights else {}
     with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}) as tmp:
         report = _write(spec, checkpoint, tmp, index=index, seed=seed, tokenizer=tokenizer, shard_bytes=shard_bytes)
