@@ -87,7 +87,7 @@ def check_train(rc: RunConfig) -> None:
     check_backend(rc.launcher.backend)
     check_kernel(rc.train.attention, precision=rc.train.precision)
     if rc.train.resume:
-        checkpoint_dir(rc.train.resume)
+        checkpoint_dir(rc.train.resume, rc.model)  # also: a checkpoint of another model, named now
 
 
 def quiet_env(rc: RunConfig) -> dict[str, str]:
@@ -151,9 +151,11 @@ def check_plan(rc: RunConfig) -> None:
         if rc.data.sources is not None:
             raise ValueError("mmpipe plan data=shards reads one shard list (data.path); a mixture (data.sources) "
                              "is not supported: set data.sources=null")
-        from mmpipe.data.shards import check_shards
+        from mmpipe.data.shards import check_shards, expansions
 
         check_shards(resolve_path(rc.data.path), root=PACKAGE_ROOT)
+        for line in expansions(resolve_path(rc.data.path), root=PACKAGE_ROOT):
+            print(f"mmpipe: {line}", flush=True)
         return
     if rc.data.kind != "trace":
         raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace or shard metadata; "

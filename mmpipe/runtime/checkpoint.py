@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+from mmpipe.model.spec import identity_differences
+
 MARKER = "committed.json"
 """The file whose presence makes a step folder a checkpoint."""
 FORMAT = 1
@@ -355,6 +357,20 @@ def newest_committed(target: Path, key: str) -> tuple[Path, list[str]]:
     return committed[0], [f"skipping {p}: not committed (its save did not finish)" for s, p in folders if s > newest]
 
 
+def other_model(key: str, folder: Path, saved: dict, identity: dict | None) -> str | None:
+    """The error for a checkpoint of another model than this run's (None: the same, or a
+    checkpoint that predates the record), naming what differs."""
+    recorded = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(recorded, dict) or not identity:
+        return None
+    diffs = identity_differences(recorded, identity)
+    if not diffs:
+        return None
+    return (f"{key}: {folder} holds model {recorded.get('name')}, not this run's model {identity.get('name')} "
+            f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}); resume with the model it was trained "
+            f"with (its model=... and model.* settings), or train this one without train.resume")
+
+
 def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     """Rank 0: (folder, marker record, warnings, an earlier committed folder), or an error."""
     try:
@@ -372,6 +388,9 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     if record.get("format") != FORMAT or missing:
         return (f"{key}: {folder} is not an mmpipe checkpoint of this version (format {record.get('format')}, "
                 f"lacks {', '.join(missing) or 'nothing'})")
+    other = other_model(key, folder, saved, topology.get("model"))
+    if other:
+        return other
     if (saved["pp"], saved["stages"]) != (topology["pp"], topology["stages"]):
         return (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
                 f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}; "

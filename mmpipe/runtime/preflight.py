@@ -15,7 +15,9 @@ from mmpipe.paths import PACKAGE_ROOT, resolve_path
 
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
-    from mmpipe.data.shards import check_shards
+    import os
+
+    from mmpipe.data.shards import check_shards, expansions
     from mmpipe.runtime.hf_run import load_templater
 
     if rc.data.kind != "shards":
@@ -25,6 +27,9 @@ def check_data(rc: RunConfig) -> None:
     for path in paths:
         check_shards(resolve_path(path), root=PACKAGE_ROOT, dp_size=rc.parallel.dp,
                      num_workers=rc.data.num_workers)
+        if os.environ.get("RANK", "0") == "0":  # a folder or a glob: say what it was read as
+            for line in expansions(resolve_path(path), root=PACKAGE_ROOT):
+                print(f"mmpipe: {line}", flush=True)
     load_templater(rc)
 
 
@@ -33,7 +38,7 @@ def check_launch(rc: RunConfig) -> None:
     and the backend. Raises ValueError naming the key."""
     check_backend(rc.launcher.backend)
     if rc.train.resume:
-        checkpoint_dir(rc.train.resume)
+        checkpoint_dir(rc.train.resume, rc.model)
     check_run_dir(rc.run_dir)  # last: it creates the folder
 
 
@@ -52,12 +57,26 @@ def check_run_dir(run_dir: str) -> None:
         raise ValueError(f"{key} cannot be created or written ({err.strerror or err}); {fix}") from None
 
 
-def checkpoint_dir(resume: str) -> Path:
+def checkpoint_dir(resume: str, model=None) -> Path:
     """The committed checkpoint folder train.resume names (see runtime/checkpoint.py; the ranks
-    check its files). Raises ValueError naming the key."""
-    from mmpipe.runtime.checkpoint import newest_committed
+    check its files), and, given the run's model (a ModelSpec), a checkpoint of that model.
+    Raises ValueError naming the key."""
+    import json
 
-    return newest_committed(Path(resolve_path(resume)), f"train.resume={resume}")[0]
+    from mmpipe.model.spec import model_identity
+    from mmpipe.runtime.checkpoint import MARKER, CheckpointError, newest_committed, other_model
+
+    key = f"train.resume={resume}"
+    folder = newest_committed(Path(resolve_path(resume)), key)[0]
+    if model is not None:
+        try:
+            saved = json.loads((folder / MARKER).read_text()).get("topology") or {}
+        except (OSError, ValueError, AttributeError):
+            saved = {}  # an unreadable record: the ranks say so, naming the file
+        other = other_model(key, folder, saved, model_identity(model))
+        if other:
+            raise CheckpointError(other)
+    return folder
 
 
 def check_backend(backend: str) -> None:
