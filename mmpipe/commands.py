@@ -85,6 +85,11 @@ def check_train(rc: RunConfig) -> None:
     if rc.deepspeed.config is not None:
         load_user_config(rc.deepspeed.config)  # missing file, bad JSON, a key mmpipe owns: one line now
     check_backend(rc.launcher.backend)
+    from mmpipe.runtime.host import precision_problem
+
+    problem = precision_problem(rc.train.precision, rc.launcher.backend)  # DeepSpeed's refusal, before launch
+    if problem:
+        raise ValueError(problem)
     check_kernel(rc.train.attention, precision=rc.train.precision)
     if rc.train.resume:
         checkpoint_dir(rc.train.resume, rc.model)  # also: a checkpoint of another model, named now

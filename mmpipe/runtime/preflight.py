@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,8 +17,6 @@ from mmpipe.paths import PACKAGE_ROOT, resolve_path
 
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
-    import os
-
     from mmpipe.data.shards import check_shards, expansions
     from mmpipe.runtime.hf_run import load_templater
 
@@ -51,9 +51,13 @@ def check_run_dir(run_dir: str) -> None:
         raise ValueError(f"{key} is a file, not a folder; {fix}")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        with tempfile.TemporaryFile(dir=path) as f:  # a block written and flushed: a full disk shows
+            f.write(bytes(4096))
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space on that disk, or give a folder on another, e.g. hydra.run.dir=/other/disk/NAME"
         raise ValueError(f"{key} cannot be created or written ({err.strerror or err}); {fix}") from None
 
 
@@ -111,11 +115,19 @@ def to_plain(rc: RunConfig) -> dict:
 
 
 def write_run_config(rc: RunConfig) -> Path:
-    """RUN_DIR/run.yaml; a new (not resumed) run also starts RUN_DIR/skips.jsonl afresh."""
+    """RUN_DIR/run.yaml; a new (not resumed) run also starts RUN_DIR/skips.jsonl afresh.
+
+    Raises:
+        ValueError: one line naming the file the disk refused (full, not writable).
+    """
     run_dir = Path(rc.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not rc.train.resume:
-        (run_dir / "skips.jsonl").unlink(missing_ok=True)
     path = run_dir / "run.yaml"
-    path.write_text(yaml.safe_dump(to_plain(rc), sort_keys=False))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not rc.train.resume:
+            (run_dir / "skips.jsonl").unlink(missing_ok=True)
+        path.write_text(yaml.safe_dump(to_plain(rc), sort_keys=False))
+    except OSError as err:
+        raise ValueError(f"hydra.run.dir={rc.run_dir}: cannot write {err.filename or path} "
+                         f"({err.strerror or err}); free space or give a folder you can write") from None
     return path
