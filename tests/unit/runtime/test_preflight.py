@@ -120,3 +120,23 @@ def test_a_disk_that_fills_after_the_check_is_one_line_naming_the_file(tmp_path,
 
     for s in worker.SIGNALS:  # run_rank installed the stop handlers in this process: put them back
         signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks DeepSpeed's CPU accelerator")
+def test_a_precision_deepspeed_refuses_on_this_device(tmp_path, capsys, no_launch, monkeypatch) -> None:
+    """DeepSpeed's CPU accelerator supports fp16 only where oneDNN has fp16 kernels: both answers."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from mmpipe.runtime.host import precision_problem
+
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: False)
+    code, err = train(capsys, "train.precision=fp16", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert err == ("mmpipe train: error: train.precision=fp16: DeepSpeed does not train fp16 on this CPU (its "
+                   "CPU_Accelerator.is_fp16_supported() is False: oneDNN has no fp16 kernels here; they need "
+                   "AVX512-FP16 or AMX-FP16); use train.precision=bf16 (supported here) or fp32")
+    monkeypatch.setattr(CPU_Accelerator, "is_bf16_supported", lambda self: False)
+    assert precision_problem("fp16", "auto").endswith("; use train.precision=fp32")
+    assert precision_problem("bf16", "auto").startswith("train.precision=bf16: DeepSpeed does not train bf16 on this")
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: True)
+    assert precision_problem("fp16", "auto") is None and precision_problem("fp32", "auto") is None
