@@ -60,7 +60,8 @@ def precision_problem(precision: str, backend: str) -> str | None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         accelerator = CPU_Accelerator()
-        device, why = "this CPU", "oneDNN has no fp16 kernels here; they need AVX512-FP16 or AMX-FP16"
+        isa = precision.upper()  # FP16 / BF16
+        device, why = "this CPU", f"oneDNN has no {precision} kernels here; they need AVX512-{isa} or AMX-{isa}"
     else:
         from deepspeed.accelerator import get_accelerator
 
