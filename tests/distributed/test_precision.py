@@ -80,8 +80,9 @@ def test_deepspeed_json_reaches_deepspeed_and_fp16_trains(run_mmpipe, tmp_path, 
     assert run.code == 0, run.out[-3000:]
     m = run.metrics()
     if precision == "fp16":
-        assert ("precision: fp16 (fp32 master weights, dynamic loss scale) | ZeRO-1 (one replica: nothing to shard) | "
-                "optimizer: torch AdamW (foreach) in DeepSpeed DeepSpeedZeroOptimizer" in run.out)
+        assert ("precision: fp16 (fp32 master weights, fp16 gradient accumulation, dynamic loss scale) | ZeRO-1 (one "
+                "replica: nothing to shard) | optimizer: torch AdamW (foreach) in DeepSpeed DeepSpeedZeroOptimizer"
+                in run.out)
         assert all(r["loss_scale"] == 2.0**16 for r in m)  # DeepSpeed's initial dynamic scale; no overflow here
     else:
         assert "precision: fp32 | ZeRO-0 | optimizer: torch AdamW (foreach) |" in run.out

@@ -20,28 +20,8 @@ TOPOLOGY = {"pp": 1, "dp": 1, "stages": [[0, 2]], "precision": "fp32", "zero": 0
 
 
 @pytest.fixture(scope="module")
-def engine():
-    import torch.distributed as dist
-
-    from mmpipe.runtime.launch import free_port
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launcher sets it for its ranks
-    import deepspeed
-    from deepspeed.pipe import LayerSpec, PipelineModule
-
-    port = free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    torch.manual_seed(0)
-    module = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4)],
-                            num_stages=1, loss_fn=torch.nn.MSELoss())
-    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
-                                      config={"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
-                                              "steps_per_print": 10**9})
-    yield engine
-    dist.destroy_process_group()
+def engine(make_engine):
+    return make_engine({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1})[0]
 
 
 def _checkpointer(engine, run_dir: Path) -> Checkpointer:
