@@ -19,13 +19,19 @@ def test_the_precision_line_is_what_the_engine_does(make_engine):
     assert line.startswith("precision: bf16 (fp32 master weights, fp32 gradient accumulation) | ZeRO-1 (one "
                            "replica: nothing to shard) | optimizer: torch AdamW (foreach) in DeepSpeed BF16_Optimizer "
                            "| clipping: global norm 1 (DeepSpeed) | "), line
-    # the same bf16 weights where DeepSpeed accumulates in bf16 (its ZeRO optimizer instead)
-    engine, _ = make_engine({**config, "data_types": {"grad_accum_dtype": "bf16"}})
+    # the same settings, where DeepSpeed accumulates in bf16 (its ZeRO optimizer instead): the
+    # line follows the engine, not train.precision
+    engine, basic = make_engine({**config, "data_types": {"grad_accum_dtype": "bf16"}})
     assert type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer"
-    assert describe_precision(engine) == "bf16 (fp32 master weights, bf16 gradient accumulation)"
+    line = describe_training(rc.train, 1, engine, basic, mmpipe_clips=False)
+    assert line.startswith("precision: bf16 (fp32 master weights, bf16 gradient accumulation) | ZeRO-1 (one "
+                           "replica: nothing to shard) | optimizer: torch AdamW (foreach) in DeepSpeed "
+                           "DeepSpeedZeroOptimizer | "), line
     fp32 = load([], job="test")
-    engine, _ = make_engine(deepspeed_config(fp32))
+    engine, basic = make_engine(deepspeed_config(fp32))
     assert describe_precision(engine) == "fp32"
+    assert describe_training(fp32.train, 1, engine, basic, mmpipe_clips=True).startswith(
+        "precision: fp32 | ZeRO-0 | optimizer: torch AdamW (foreach) | clipping: global norm 1 (mmpipe) | ")
 
 
 def test_fp16_says_its_loss_scale(make_engine, monkeypatch):
