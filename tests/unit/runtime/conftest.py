@@ -18,13 +18,15 @@ def make_engine():
 
     from mmpipe.runtime.launch import free_port
 
+    port = free_port()
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launcher sets it for its ranks
+        env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")  # as the launcher sets it for its ranks
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # DeepSpeed reads them; put back after the module (RANK makes mmpipe train run in place)
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    port = free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
@@ -39,3 +41,8 @@ def make_engine():
 
     yield make
     dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
