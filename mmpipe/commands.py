@@ -82,7 +82,7 @@ def check_train(rc: RunConfig) -> None:
         check_eval_data(rc)
     _check_pipeline(rc)
     if rc.train.resume:
-        checkpoint_dir(rc.train.resume)
+        checkpoint_dir(rc.train.resume, rc.model)  # also: a checkpoint of another model, named now
 
 
 def _check_model(rc: RunConfig) -> None:
@@ -104,12 +104,16 @@ def _check_pipeline(rc: RunConfig) -> None:
     the backend's devices, the attention kernel."""
     from mmpipe.model.kernels import check as check_kernel
     from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
+    from mmpipe.runtime.host import precision_problem
     from mmpipe.runtime.preflight import check_backend
 
     require_tested_deepspeed()
     if rc.deepspeed.config is not None:
         load_user_config(rc.deepspeed.config)  # missing file, bad JSON, a key mmpipe owns: one line now
     check_backend(rc.launcher.backend)
+    problem = precision_problem(rc.train.precision, rc.launcher.backend)  # DeepSpeed's refusal, before launch
+    if problem:
+        raise ValueError(problem)
     check_kernel(rc.train.attention, precision=rc.train.precision)
 
 
@@ -174,9 +178,11 @@ def check_plan(rc: RunConfig) -> None:
         if rc.data.sources is not None:
             raise ValueError("mmpipe plan data=shards reads one shard list (data.path); a mixture (data.sources) "
                              "is not supported: set data.sources=null")
-        from mmpipe.data.shards import check_shards
+        from mmpipe.data.shards import check_shards, expansions
 
         check_shards(resolve_path(rc.data.path), root=PACKAGE_ROOT)
+        for line in expansions(resolve_path(rc.data.path), root=PACKAGE_ROOT):
+            print(f"mmpipe: {line}", flush=True)
         return
     if rc.data.kind != "trace":
         raise ValueError(f"data.kind={rc.data.kind!r}: mmpipe plan reads a workload trace or shard metadata; "
@@ -346,7 +352,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
 
 
 EXPORT_SUMMARY = "write a trained Hugging Face model back as its transformers class (from_pretrained loads it)"
-EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR"
+EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR [overwrite=true]"
 
 
 EVAL_SUMMARY = "score a run's committed checkpoint on held-out shards through its pipeline (the held-out loss)"
@@ -375,19 +381,30 @@ def export_command(args: list[str]) -> int:
 
     if any(a in ("-h", "--help") for a in args):
         print(f"{EXPORT_USAGE}\n\n{EXPORT_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN;\n"
-              f"tokenizer and processor files are copied from the source checkpoint.")
+              f"tokenizer and processor files are copied from the source checkpoint.\n"
+              f"out is never a source folder of the model; it may be new, empty or an earlier export\n"
+              f"(replaced whole once the new one is complete); overwrite=true replaces a folder of other files.")
         return 0
     runs = [a for a in args if "=" not in a]
-    keys = dict(a.split("=", 1) for a in args if "=" in a)
+    # export.overwrite=true, as the other commands' keys are spelled, means overwrite=true
+    keys = {k.removeprefix("export."): v for k, v in (a.split("=", 1) for a in args if "=" in a)}
     try:
-        unknown = sorted(set(keys) - {"checkpoint", "out"})
+        unknown = sorted(set(keys) - {"checkpoint", "out", "overwrite"})
         if unknown:
             raise ValueError(f"{unknown[0]}={keys[unknown[0]]}: not an export argument; {EXPORT_USAGE}")
         if len(runs) != 1 or not keys.get("out"):
             raise ValueError(f"give one run directory and out=DIR; {EXPORT_USAGE}")
-        report = run_export(runs[0], out=keys["out"], checkpoint=keys.get("checkpoint"))
+        flag = keys.get("overwrite", "false").lower()
+        if flag not in ("true", "false"):
+            raise ValueError(f"overwrite={keys['overwrite']}: give overwrite=true or overwrite=false")
+        report = run_export(runs[0], out=keys["out"], checkpoint=keys.get("checkpoint"), overwrite=flag == "true")
     except (ValueError, FileNotFoundError) as err:
         print(f"mmpipe export: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a full disk, no permission: the export was not written, the old folder kept
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"mmpipe export: error: {where}{err.strerror or err}; the export to out={keys['out']} stopped and "
+              f"left that folder as it was: free space, or give a folder you can write", file=sys.stderr)
         return 2
     print(f"mmpipe export: wrote {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB, {report.shards} "
           f"safetensors file(s); {len(report.copied)} held by no pipeline layer, copied from the source) to "

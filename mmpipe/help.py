@@ -109,7 +109,8 @@ def _values(key: str, root: Any, docs: dict[str, str]) -> list[tuple[str, str]]:
 
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(root, parent) if parent else root
-    if not OmegaConf.is_config(node) or leaf not in node:
+    # a DictConfig's `in` is False for a mandatory `???` value (model.path): ask its keys
+    if not OmegaConf.is_config(node) or leaf not in node.keys():
         return []
     if OmegaConf.is_missing(node, leaf):
         return [(key, "???")]

@@ -15,7 +15,7 @@ import re
 import yaml
 
 from mmpipe.paths import override_hint, shell_word
-from mmpipe.schema import describe_type, key_docs, key_type
+from mmpipe.schema import HF_MODEL_DOCS, describe_type, key_docs, key_type
 
 
 def check_overrides(overrides: list[str], *, command: str) -> None:
@@ -171,5 +171,6 @@ def _model_keys(overrides: list[str]) -> list[str]:
 
 
 def known_keys() -> list[str]:
-    """Every typed key and every key of the model spec, dotted."""
-    return sorted(key_docs())
+    """Every typed key and every key of the model spec, dotted (a Hugging Face group's keys come
+    from the group the overrides choose: _model_keys)."""
+    return sorted(k for k in key_docs() if k not in HF_MODEL_DOCS)

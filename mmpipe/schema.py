@@ -147,11 +147,34 @@ def _nested_docs(prefix: str, cls: type) -> dict[str, str]:
     return out
 
 
+HF_MODEL_DOCS = {
+    "model.path": "model=hf: a local checkpoint folder written by save_pretrained (config.json, *.safetensors, "
+                  "tokenizer with a chat template, processor config); nothing is downloaded.",
+    "model.vision.path": "model=compose: a CLIP / SigLIP (vision) checkpoint folder (or model.audio.path).",
+    "model.audio.path": "model=compose: a Whisper checkpoint folder (instead of model.vision.path).",
+    "model.llm.path": "model=compose: a Llama / Mistral / Qwen2 causal LM folder, with its tokenizer and chat "
+                      "template.",
+    "model.projector.path": "model=compose: a folder holding the projector (a LLaVA checkpoint, an earlier "
+                            "export); null: a new, random one.",
+    "model.vision_feature_layer": "model=compose: the tower's hidden state the projector reads (-2: the "
+                                  "penultimate block).",
+    "model.vision_feature_select_strategy": "model=compose: default (drop the class token) | full.",
+    "model.image_token_id": "model=compose: null: the LLM tokenizer's <image> token.",
+    "model.audio_token_id": "model=compose: null: the LLM tokenizer's <audio> token.",
+    "model.projector_hidden_act": "model=compose: the projector's activation (LLaVA's projector_hidden_act).",
+    "model.max_seq_len": "model=hf / compose: the longest sample in tokens; null: the config's "
+                         "max_position_embeddings.",
+}
+"""The keys of the Hugging Face model groups (conf/model/hf.yaml, compose.yaml), which no
+dataclass declares (mmpipe.model.hf.settings checks them)."""
+
+
 @functools.cache
 def key_docs() -> dict[str, str]:
-    """`section.key` -> its docstring, for every typed key, and for the keys of the model spec
-    (the `model` section is typed loosely, but ModelSpec documents its tiny-spec shape)."""
-    out = _nested_docs("model", ModelSpec)
+    """`section.key` -> its docstring, for every typed key, for the keys of the model spec
+    (the `model` section is typed loosely, but ModelSpec documents its tiny-spec shape) and for
+    the Hugging Face model groups' keys."""
+    out = {**_nested_docs("model", ModelSpec), **HF_MODEL_DOCS}
     for section, classes in section_classes().items():
         for cls in classes:
             for key in (f.name for f in dataclasses.fields(cls)):

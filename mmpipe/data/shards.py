@@ -24,6 +24,7 @@ only on the arguments. See docs/data.md.
 
 from __future__ import annotations
 
+import glob
 import gzip
 import os
 import re
@@ -44,7 +45,7 @@ from webdataset.gopen import Pipe, gopen, gopen_schemes
 from webdataset.shardlists import expand_urls
 
 from mmpipe.data.skips import SampleError
-from mmpipe.data.tario import ShardError, iter_groups, iter_members, read_upto, skip_bytes
+from mmpipe.data.tario import ShardError, iter_groups, iter_members, read_upto, skip_bytes, split_name
 
 _EARLY_STOP = (-13, 141)
 """Exit statuses of a command killed by SIGPIPE because we stopped reading."""
@@ -120,15 +121,55 @@ def expand(path: str, *, key: str = "data.path") -> list[str]:
     return urls
 
 
+_GLOB = re.compile(r"[*?\[]")
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+"""What a file in a folder given as data.path must end with to be read as a shard."""
+
+
+def _local_files(name: str, root: Path | None) -> tuple[list[str], str]:
+    """The files a local entry of data.path stands for, and how it was read: `file` (one file),
+    `folder` (its *.tar / *.tar.gz files, in name order), `glob` (the matches, sorted), or `` (no
+    match). Relative names are tried in the working directory, then under `root`."""
+    p = Path(name).expanduser()
+    bases = [Path("")] if p.is_absolute() else [Path.cwd()] + ([Path(root)] if root else [])
+    for base in bases:
+        if _GLOB.search(name):
+            hits = sorted(str(Path(h).absolute()) for h in glob.glob(str(base / p)) if Path(h).is_file())
+            if hits:
+                return hits, "glob"
+            continue
+        c = base / p
+        if c.is_file():
+            return [str(c)], "file"
+        if c.is_dir():
+            return sorted(str(f) for f in c.iterdir() if f.is_file() and f.name.endswith(SHARD_SUFFIXES)), "folder"
+    return [], ""
+
+
+def _no_file_hint(name: str, root: Path | None) -> str:
+    """The fix for a local entry that matches nothing: regenerating the shipped shards only when
+    the entry names them."""
+    shipped = Path(root) / "data" / "shards" if root else None
+    p = Path(name)
+    if (not p.is_absolute() and p.parts[:2] == ("data", "shards")) or (
+            shipped is not None and p.is_absolute() and p.is_relative_to(shipped)):
+        return "regenerate the shipped shards with `python -m mmpipe.data.synth --out data/` or fix the path"
+    return ("fix the path: give shard files (a brace list such as train-{000000..000009}.tar), a folder of "
+            "*.tar shards, or a glob such as DIR/*.tar")
+
+
 def resolve_urls(path: str, *, root: Path | None = None, key: str = "data.path") -> list[str]:
     """Shard URLs of data.path: local files (checked, made absolute), `pipe:` commands and
     URLs of schemes webdataset opens (not checked here: a failure is a counted error).
 
-    Relative file names resolve against the working directory, then `root`.
+    Relative file names resolve against the working directory, then `root`. A local entry that
+    is a folder stands for the *.tar / *.tar.gz files in it, in name order (not its subfolders);
+    one holding `*`, `?` or `[` is a glob, its matches sorted (`expansions` says what each became).
 
     Raises:
         FileNotFoundError: when no local file, or only some of the local files, exist.
-        ValueError: an empty pipe: command, a scheme webdataset cannot open, an unset WDS_ variable.
+        ValueError: an empty pipe: command, a scheme webdataset cannot open, an unset WDS_ variable,
+            a folder without shards.
     """
     urls = expand(path, key=key)
     out: list[str] = []
@@ -153,18 +194,17 @@ def resolve_urls(path: str, *, root: Path | None = None, key: str = "data.path")
             continue
         local += 1
         name = url2pathname(urlparse(url).path) if scheme == "file" else url
-        p = Path(name)
-        candidates = [p] if p.is_absolute() else [Path.cwd() / p] + ([Path(root) / p] if root else [])
-        hit = next((c for c in candidates if c.is_file()), None)
-        if hit is None:
+        files, how = _local_files(name, root)
+        if how == "folder" and not files:
+            raise ValueError(f"{key}={path!r}: {name} is a folder with no {' / '.join('*' + s for s in SHARD_SUFFIXES)} "
+                             f"shards in it; give the folder that holds the shards, or the shard files")
+        if not files:
             missing.append(name)
-        else:
-            out.append(str(hit))
+        out.extend(files)
     looked = f"cwd {Path.cwd()}" + (f" and root {root}" if root else "")
     if missing and len(missing) == len(urls):
         raise FileNotFoundError(
-            f"{key}={path!r} matches no file (looked in {looked}); generate the shipped "
-            f"shards with `python -m mmpipe.data.synth --out data/` or fix the path"
+            f"{key}={path!r} matches no file (looked in {looked}); {_no_file_hint(missing[0], root)}"
         )
     if missing:
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
@@ -173,6 +213,21 @@ def resolve_urls(path: str, *, root: Path | None = None, key: str = "data.path")
             f"looked in {looked}); fix the brace range or regenerate the data"
         )
     return out
+
+
+def expansions(path: str, *, root: Path | None = None, key: str = "data.path") -> list[str]:
+    """One line for each entry of data.path that is a folder or a glob: what it was read as."""
+    lines = []
+    for url in expand(path, key=key):
+        if scheme_of(url) not in ("", "file"):
+            continue
+        name = url2pathname(urlparse(url).path) if scheme_of(url) == "file" else url
+        files, how = _local_files(name, root)
+        if how in ("folder", "glob") and files:
+            what = "a folder: its" if how == "folder" else "a glob: its"
+            span = Path(files[0]).name + (f" .. {Path(files[-1]).name}" if len(files) > 1 else "")
+            lines.append(f"{key}: {name} is {what} {len(files)} shard(s) are read in name order ({span})")
+    return lines
 
 
 def shards_for_reader(shards: list[Any], *, dp_rank: int, dp_size: int, worker_id: int = 0,
@@ -209,7 +264,8 @@ def shards_for_reader(shards: list[Any], *, dp_rank: int, dp_size: int, worker_i
 def check_shards(path: str, *, root: Path | None = None, dp_size: int = 1, num_workers: int = 1,
                  key: str = "data.path") -> list[str]:
     """Preflight: the shard list resolves, the programs webdataset opens its URLs with are
-    installed, and every reader gets a shard. Returns the URLs."""
+    installed, every reader gets a shard, and every local shard is a tar whose first member is
+    a webdataset sample's file (one header read each). Returns the URLs."""
     urls = resolve_urls(path, root=root, key=key)
     for scheme in sorted({scheme_of(u) for u in urls}):
         tool = _TOOLS.get(scheme)
@@ -217,7 +273,33 @@ def check_shards(path: str, *, root: Path | None = None, dp_size: int = 1, num_w
             raise ValueError(f"{key}={path!r}: webdataset reads {scheme}:// URLs with `{tool}`, which is not "
                              f"installed (not on PATH); install it or copy the shards to local disk")
     shards_for_reader(urls, dp_rank=0, dp_size=dp_size, num_workers=num_workers, key=key)
+    for url in urls:
+        if is_local(url):
+            check_first_member(url, key=key)
     return urls
+
+
+def check_first_member(url: str, *, key: str = "data.path") -> None:
+    """A local shard is a tar (or gzip-compressed tar) whose first member is named as webdataset
+    names a sample's files, `KEY.ext`. Reads one 512-byte header (after decompression).
+
+    Raises:
+        ValueError: one line naming the key, the file and what it is instead.
+    """
+    fix = ("give webdataset shards: tar files of KEY.ext members (e.g. 000001.jpg + 000001.json); "
+           "`mmpipe shards` converts a LLaVA-style JSON into them")
+    try:
+        with open_shard(url) as (f, seekable, _):
+            first = next(iter_members(f, select=lambda name: False, seekable=seekable), None)
+    except ShardError as err:
+        raise ValueError(f"{key}: {url} is not a tar archive ({err}); {fix}") from None
+    except OSError as err:
+        raise ValueError(f"{key}: cannot read {url} ({err.strerror or err}); make it readable by this user") from None
+    if first is None:
+        raise ValueError(f"{key}: {url} is an empty tar archive (no member); {fix}")
+    if split_name(first[0]) is None:
+        raise ValueError(f"{key}: {url} is a tar but not a webdataset shard: its first member {first[0]!r} is "
+                         f"not named KEY.ext; {fix}")
 
 
 # ---------------------------------------------------------------------------- opening

@@ -413,3 +413,42 @@ def _positive(obj: object, *fields: str) -> None:
         v = getattr(obj, f)
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"model.{comp}.{f}={v!r} must be a positive integer")
+
+
+_SHAPING = {"vision": ("blocks", "hidden", "mlp", "heads", "patch", "image_size", "merge", "cls_token",
+                       "temporal_patch", "proj", "channels"),
+            "audio": ("blocks", "hidden", "mlp", "heads", "mel_bins", "conv_stride", "max_seconds", "proj"),
+            "llm": ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "tie_embeddings")}
+"""The figures of each component that shape its weights (image_size: fixed-size towers' position
+table; max_seconds: the audio position table). Resizing, pixel limits and max_seq_len change what
+the data becomes, not the tensors a checkpoint holds."""
+
+
+def model_identity(spec: ModelSpec) -> dict[str, Any]:
+    """What a checkpoint records of the model it holds, and a resumed run must share: the
+    weight-shaping figures of each component (`llm.blocks`, ...), `vision` / `audio` absent
+    when the model has none, and a Hugging Face model's class. The name is kept to be shown."""
+    out: dict[str, Any] = {"name": spec.name, "class": spec.hf.architecture if spec.hf else "mmpipe"}
+    for comp in COMPONENTS:
+        part = getattr(spec, comp)
+        out[comp] = None if part is None else {k: _plain(getattr(part, k)) for k in _SHAPING[comp]}
+    return out
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def identity_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """`what: X in the checkpoint, Y in this run` for each weight-shaping figure that differs."""
+    out = []
+    if saved.get("class") != now.get("class"):
+        out.append(f"class: {saved.get('class')} in the checkpoint, {now.get('class')} in this run")
+    for comp in COMPONENTS:
+        a, b = saved.get(comp), now.get(comp)
+        if (a is None) != (b is None):
+            have, lack = ("the checkpoint", "this run") if a is not None else ("this run", "the checkpoint")
+            out.append(f"{comp}: in {have}, not in {lack}")
+        elif a is not None:
+            out += [f"{comp}.{k}: {a.get(k)} in the checkpoint, {b[k]} in this run" for k in b if a.get(k) != b[k]]
+    return out

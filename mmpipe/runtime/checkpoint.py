@@ -17,6 +17,7 @@ loads with `weights_only=True`; see docs/runtime.md for what that covers.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+from mmpipe.model.spec import identity_differences
 
 MARKER = "committed.json"
 """The file whose presence makes a step folder a checkpoint."""
@@ -71,14 +74,30 @@ def fsync_path(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Readers see the old file or the whole new one, never a part, even across a crash."""
+    """Readers see the old file or the whole new one, never a part, even across a crash. A
+    failed write (a full disk) leaves the old file and no temporary one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
+
+
+def cannot_save(folder: Path, err: OSError) -> str:
+    """The one line every rank stops with when a save cannot be written: the file, why, that
+    nothing was committed, and the fix."""
+    where = f"{err.filename}: " if err.filename else ""
+    fix = ("free space on that disk (or train in a run directory on another: hydra.run.dir=DIR)"
+           if err.errno in (errno.ENOSPC, errno.EDQUOT) else "make the run directory writable by this user"
+           if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "check the disk")
+    return (f"cannot save checkpoint {folder.name}: {where}{err.strerror or err}; the save is not committed (no "
+            f"{MARKER}): {fix}, then resume from the last committed checkpoint with train.resume")
 
 
 def truncate_records(path: Path, step: int) -> None:
@@ -142,6 +161,25 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
         super().__init__(config_params=None)
         self.zipfile_serialization = zipfile_serialization
         self.trusted = trusted
+        self.write_error: OSError | None = None
+        """The first write that failed during a save (a full disk, no permission). Kept, not
+        raised: DeepSpeed's save_checkpoint has barriers after the writes, which every rank must
+        reach; the Checkpointer then stops all ranks with one line and commits nothing."""
+
+    def save(self, state_dict, path: str) -> None:
+        if self.write_error is not None:
+            return  # this save is lost already: write nothing more
+        try:
+            super().save(state_dict, path)
+        except OSError as err:
+            self.write_error = err if err.filename else OSError(err.errno, err.strerror or str(err), path)
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        try:
+            super().makedirs(path, exist_ok=exist_ok)
+        except OSError as err:
+            if self.write_error is None:
+                self.write_error = err
 
     def load(self, path: str, map_location=None):
         try:
@@ -358,6 +396,20 @@ def newest_committed(target: Path, key: str) -> tuple[Path, list[str]]:
     return committed[0], [f"skipping {p}: not committed (its save did not finish)" for s, p in folders if s > newest]
 
 
+def other_model(key: str, folder: Path, saved: dict, identity: dict | None) -> str | None:
+    """The error for a checkpoint of another model than this run's (None: the same, or a
+    checkpoint that predates the record), naming what differs."""
+    recorded = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(recorded, dict) or not identity:
+        return None
+    diffs = identity_differences(recorded, identity)
+    if not diffs:
+        return None
+    return (f"{key}: {folder} holds model {recorded.get('name')}, not this run's model {identity.get('name')} "
+            f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}); resume with the model it was trained "
+            f"with (its model=... and model.* settings), or train this one without train.resume")
+
+
 def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     """Rank 0: (folder, marker record, warnings, an earlier committed folder), or an error."""
     try:
@@ -375,6 +427,9 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     if record.get("format") != FORMAT or missing:
         return (f"{key}: {folder} is not an mmpipe checkpoint of this version (format {record.get('format')}, "
                 f"lacks {', '.join(missing) or 'nothing'})")
+    other = other_model(key, folder, saved, topology.get("model"))
+    if other:
+        return other
     if (saved["pp"], saved["stages"]) != (topology["pp"], topology["stages"]):
         return (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
                 f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}; "
@@ -453,46 +508,70 @@ class Checkpointer:
         folder = self.root / f"step{step}"
         bad = first_nonfinite(self.engine.module, self.engine.optimizer)
         _agree(f"not saving step {step}: {bad} of rank {rank} is not finite" if bad else None, RunStopped)
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            _discard(folder)  # an unfinished save of the same step
-        dist.barrier()
-        self.engine.save_checkpoint(str(self.root), tag=folder.name, client_state={"step": step}, save_latest=False)
         problem = None
-        try:
-            torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
-            if self.first:
-                if reader_state is None:
-                    raise OSError("the reader position of this step is unknown")
-                (folder / f"data_state_dp{self.dp_rank}.json").write_text(json.dumps(reader_state))
-        except OSError as err:
-            problem = f"cannot write checkpoint {folder}: {err}"
+        if rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                _discard(folder)  # an unfinished save of the same step
+            except OSError as err:
+                problem = cannot_save(folder, err)
+        _agree(problem)  # also the barrier before anyone writes
+        writer = self.engine.checkpoint_engine
+        writer.write_error = None
+        self.engine.save_checkpoint(str(self.root), tag=folder.name, client_state={"step": step}, save_latest=False)
+        problem = cannot_save(folder, writer.write_error) if writer.write_error else None
+        writer.write_error = None
+        if problem is None:
+            try:
+                torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
+                if self.first:
+                    if reader_state is None:
+                        raise OSError("the reader position of this step is unknown")
+                    (folder / f"data_state_dp{self.dp_rank}.json").write_text(json.dumps(reader_state))
+            except OSError as err:
+                problem = cannot_save(folder, err)
         _agree(problem)  # also the barrier after which every file exists
         names: list = [sorted(p.name for p in folder.iterdir()) if rank == 0 else None]
         dist.broadcast_object_list(names, src=0)
-        mine = {}
+        mine, problem = {}, None
         for name in names[0][rank::world]:  # each rank fsyncs and hashes a share of the files
-            fsync_path(folder / name)
-            size, digest = sha256_of(folder / name)
+            try:
+                fsync_path(folder / name)  # a delayed write that finds the disk full fails here
+                size, digest = sha256_of(folder / name)
+            except OSError as err:
+                named = err if err.filename else OSError(err.errno, err.strerror, str(folder / name))
+                problem = cannot_save(folder, named)
+                break
             mine[name] = {"size": size, "sha256": digest}
         parts: list = [None] * world
-        dist.all_gather_object(parts, mine)
-        problem = None
-        if rank == 0:
-            files = dict(sorted((k, v) for part in parts for k, v in part.items()))
+        dist.all_gather_object(parts, (mine, problem))
+        problem = next((p for _, p in parts if p), None)
+        if rank == 0 and problem is None:
+            files = dict(sorted((k, v) for part, _ in parts for k, v in part.items()))
             missing = sorted(set(_required(self.topology)) - set(files))
             if missing:
                 problem = f"checkpoint {folder} lacks {', '.join(missing)} after the save; not committed"
             else:
-                self._commit(folder, step, files)
+                problem = self._commit(folder, step, files)
         _agree(problem)
         self.newest = folder
         return folder
 
-    def _commit(self, folder: Path, step: int, files: dict) -> None:
-        commit(folder, step=step, files=files, topology=self.topology, schedule=self.schedule)
-        write_atomic(self.root / "latest", folder.name.encode())  # for DeepSpeed's tools; mmpipe reads markers
+    def _commit(self, folder: Path, step: int, files: dict) -> str | None:
+        """Commit, then point DeepSpeed's `latest` at it and prune; the error line if the commit
+        itself cannot be written (then no marker is left)."""
+        try:
+            commit(folder, step=step, files=files, topology=self.topology, schedule=self.schedule)
+        except OSError as err:
+            (folder / MARKER).unlink(missing_ok=True)  # written but not flushed: not a commit
+            return cannot_save(folder, err)
+        try:
+            write_atomic(self.root / "latest", folder.name.encode())  # for DeepSpeed's tools; mmpipe reads markers
+        except OSError as err:
+            print(f"warning: checkpoint {folder.name} is committed, but DeepSpeed's `latest` file could not be "
+                  f"updated ({err.strerror or err}); mmpipe does not read it", file=sys.stderr, flush=True)
         self._prune()
+        return None
 
     def _prune(self) -> None:
         """Keep the newest `keep_last` committed checkpoints (and the one resumed from); drop

@@ -8,11 +8,12 @@ from pathlib import Path
 from mmpipe.config import run_config_from_dict, tokenizer_source
 
 
-def run_export(run_dir: str, *, out: str, checkpoint: str | None = None):
-    """`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR`: the run's model (RUN_DIR/run.yaml) at
-    its latest or named checkpoint, written as the transformers class it is (mmpipe.model.hf.export),
-    with the tokenizer and processor files of its source (or of data.tokenizer when that was a
-    folder). Returns the ExportReport.
+def run_export(run_dir: str, *, out: str, checkpoint: str | None = None, overwrite: bool = False):
+    """`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR [overwrite=true]`: the run's model
+    (RUN_DIR/run.yaml) at its latest or named checkpoint, written as the transformers class it is
+    (mmpipe.model.hf.export), with the tokenizer and processor files of its source (or of
+    data.tokenizer when that was a folder). `out` is never a source folder; it holds files of
+    another kind only with `overwrite` (see mmpipe.model.hf.export_folder). Returns the ExportReport.
 
     Raises:
         ValueError: one line naming the argument (RUN_DIR, checkpoint=, out=).
@@ -40,4 +41,5 @@ def run_export(run_dir: str, *, out: str, checkpoint: str | None = None):
                              f"(committed: {', '.join(have)}); save with train.save_every=N or train.save_final=true")
     path, key = tokenizer_source(rc) if rc.data.tokenizer else (None, "")
     tokenizer = path if path and Path(path).is_dir() else None
-    return export(rc.model, folder, out, seed=rc.train.seed, tokenizer=tokenizer)
+    return export(rc.model, folder, out, seed=rc.train.seed, tokenizer=tokenizer, overwrite=overwrite,
+                  about={"run": str(run.resolve())})

@@ -61,8 +61,9 @@ def load_templater(rc: RunConfig):
 
 def check_model(rc: RunConfig) -> str | None:
     """What must hold before `mmpipe train` launches anything: the model can be built (not a
-    planner-only preset) and, for a Hugging Face model, its weights, gradients and optimizer
-    states fit this machine. Returns the memory line to print (None for mmpipe's own model).
+    planner-only preset) and, for a Hugging Face model, its weight files are whole and match its
+    config (headers only) and its weights, gradients and optimizer states fit this machine.
+    Returns the memory line to print (None for mmpipe's own model).
 
     Raises:
         ValueError: one line naming the model and what it needs.
@@ -73,6 +74,10 @@ def check_model(rc: RunConfig) -> str | None:
                          f"data.path=FILE.jsonl`, or train one encoder at a time (model=compose, model=hf)")
     if rc.model.hf is None:
         return None
+    if rc.model.hf.weights:  # a cut, missing or misshapen weight file: now, not in every rank after launch
+        from mmpipe.model.hf.integrity import check_weights
+
+        check_weights(rc.model.hf)
     return check_memory_fits(rc)
 
 

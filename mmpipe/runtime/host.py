@@ -42,3 +42,36 @@ def accelerator_env(backend: str) -> dict[str, str]:
         env["DS_ACCELERATOR"] = "cpu"
         env.update({k: v for k, v in CPU_KERNEL_CACHES.items() if k not in os.environ})
     return env
+
+
+def precision_problem(precision: str, backend: str) -> str | None:
+    """Why DeepSpeed would refuse `train.precision` on the device the ranks get (None: it runs).
+
+    DeepSpeed asks its accelerator at engine start (`is_fp16_supported` / `is_bf16_supported`)
+    and raises "Type fp16 is not supported on your device." in every rank; the same questions
+    are asked here, of the accelerator the ranks will use (its CPU one where torch sees no GPU,
+    as accelerator_env sets it), before anything is launched. On CPU DeepSpeed asks oneDNN,
+    which supports fp16 only on CPUs with AVX512-FP16 or AMX-FP16."""
+    if precision == "fp32":
+        return None
+    import torch
+
+    if accelerator_env(backend).get("DS_ACCELERATOR") == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        accelerator = CPU_Accelerator()
+        isa = precision.upper()  # FP16 / BF16
+        device, why = "this CPU", f"oneDNN has no {precision} kernels here; they need AVX512-{isa} or AMX-{isa}"
+    else:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        device = f"this GPU ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "this device"
+        why = "the GPU's compute capability is too old for it"
+    supported = accelerator.is_fp16_supported() if precision == "fp16" else accelerator.is_bf16_supported()
+    if supported:
+        return None
+    other = "bf16" if precision == "fp16" and accelerator.is_bf16_supported() else None
+    fix = f"use train.precision={other} (supported here) or fp32" if other else "use train.precision=fp32"
+    return (f"train.precision={precision}: DeepSpeed does not train {precision} on {device} (its "
+            f"{type(accelerator).__name__}.is_{precision}_supported() is False: {why}); {fix}")

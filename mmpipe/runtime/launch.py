@@ -38,7 +38,7 @@ from typing import IO
 
 import mmpipe
 from mmpipe.runtime.host import accelerator_env, threads_per_rank
-from mmpipe.runtime.worker import EXIT_PEER_LOST, EXIT_USER_ERROR
+from mmpipe.runtime.worker import ERROR_PREFIX, EXIT_PEER_LOST, EXIT_USER_ERROR
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals that make the launcher stop its ranks and exit."""
@@ -145,7 +145,11 @@ class _Rank:
                     break
                 if not chunk:
                     break
-                log.write(chunk)
+                if log is not None:
+                    try:
+                        log.write(chunk)
+                    except OSError:  # the log's disk is full: keep draining (a rank must never block)
+                        log = None
                 self.tail += chunk
                 del self.tail[:-_TAIL_BYTES]
                 if self.echo is not None:
@@ -161,11 +165,16 @@ class _Rank:
         return [l.rstrip() for l in text.split("\n") if l.strip()][-n:]
 
     def error_line(self) -> str | None:
-        """The one-line user error the rank left, if any."""
+        """The one-line user error the rank left, if any: in its error file, or, when that could
+        not be written (a full disk), as the last such line of its output."""
         try:
             text = self.error_file.read_text().strip()
         except OSError:
-            return None
+            text = ""
+        if not text:
+            prefix = ERROR_PREFIX.encode()
+            lines = [l for l in bytes(self.tail).splitlines() if l.startswith(prefix)]
+            text = lines[-1][len(prefix):].decode("utf-8", "replace") if lines else ""
         return " ".join(text.split()) or None
 
     def finish(self) -> None:
@@ -178,8 +187,11 @@ class _Rank:
         self.thread.join(timeout=5)
         line = self.error_line()
         if line:
-            with open(self.log, "a") as log:
-                log.write(f"error: {line}\n")
+            try:
+                with open(self.log, "a") as log:
+                    log.write(f"error: {line}\n")
+            except OSError:
+                pass  # a full disk: the line is still said on the console
 
 
 def _signal_group(pid: int, sig: int) -> None:

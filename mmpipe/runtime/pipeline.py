@@ -160,13 +160,40 @@ def make_optimizer(params, *, lr: float, weight_decay: float, kind: str = "adamw
                              foreach=True)
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_MASTER_COPIES = ("fp32_groups_flat_partition", "single_partition_of_fp32_groups", "fp32_groups_flat")
+"""Where DeepSpeed's wrappers keep the master copy of the weights (BF16_Optimizer,
+DeepSpeedZeroOptimizer, FP16_Optimizer)."""
+
+
+def describe_precision(engine) -> str:
+    """The precision as the engine really trains, read from it (not from the config): the
+    weights' dtype, the optimizer wrapper's master copy, DeepSpeed's gradient-accumulation dtype
+    (`engine.get_data_types()`, which chooses its optimizer wrapper) and an fp16 loss scale."""
+    weights = next((p.dtype for p in engine.module.parameters()), torch.float32)
+    _, accumulation = engine.get_data_types()
+    master = None
+    for attr in _MASTER_COPIES:
+        copies = [t for t in getattr(engine.optimizer, attr, None) or [] if torch.is_tensor(t)]
+        if copies:
+            master = copies[0].dtype
+            break
+    if weights == accumulation == torch.float32 and master in (None, torch.float32):
+        return "fp32"
+    parts = [f"{_DTYPE_NAMES.get(master, master)} master weights" if master is not None else "no master copy",
+             f"{_DTYPE_NAMES.get(accumulation, accumulation)} gradient accumulation"]
+    if engine.fp16_enabled():
+        parts.append("dynamic loss scale" if engine.dynamic_loss_scale() else f"loss scale {engine.loss_scale():g}")
+    return f"{_DTYPE_NAMES.get(weights, weights)} ({', '.join(parts)})"
+
+
 def describe_training(train: TrainConfig, dp: int, engine, basic: torch.optim.Optimizer, *,
                       mmpipe_clips: bool) -> str:
     """One start-up line: precision, ZeRO stage, optimizer and clipping as they took effect."""
-    precision = {"fp32": "fp32", "bf16": "bf16 (fp32 master weights, fp32 gradient accumulation)",
-                 "fp16": "fp16 (fp32 master weights, dynamic loss scale)"}[train.precision]
-    zero = f"ZeRO-{train.zero}"
-    if train.zero == 1:
+    precision = describe_precision(engine)
+    stage = engine.zero_optimization_stage()
+    zero = f"ZeRO-{stage}"
+    if stage == 1:
         zero += f" (optimizer state sharded over {dp} replicas)" if dp > 1 else " (one replica: nothing to shard)"
     kind = type(basic)
     opt = f"{kind.__module__.split('.')[0]} {kind.__name__}" + (" (foreach)" if basic.defaults.get("foreach") else "")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +17,7 @@ from mmpipe.paths import PACKAGE_ROOT, resolve_path
 
 def check_data(rc: RunConfig) -> None:
     """The shards and the tokenizer exist (a clear error now, not a hang in every rank later)."""
-    from mmpipe.data.shards import check_shards
+    from mmpipe.data.shards import check_shards, expansions
     from mmpipe.runtime.hf_run import load_templater
 
     if rc.data.kind != "shards":
@@ -25,6 +27,9 @@ def check_data(rc: RunConfig) -> None:
     for path in paths:
         check_shards(resolve_path(path), root=PACKAGE_ROOT, dp_size=rc.parallel.dp,
                      num_workers=rc.data.num_workers)
+        if os.environ.get("RANK", "0") == "0":  # a folder or a glob: say what it was read as
+            for line in expansions(resolve_path(path), root=PACKAGE_ROOT):
+                print(f"mmpipe: {line}", flush=True)
     load_templater(rc)
 
 
@@ -33,7 +38,7 @@ def check_launch(rc: RunConfig) -> None:
     and the backend. Raises ValueError naming the key."""
     check_backend(rc.launcher.backend)
     if rc.train.resume:
-        checkpoint_dir(rc.train.resume)
+        checkpoint_dir(rc.train.resume, rc.model)
     check_run_dir(rc.run_dir)  # last: it creates the folder
 
 
@@ -46,18 +51,36 @@ def check_run_dir(run_dir: str) -> None:
         raise ValueError(f"{key} is a file, not a folder; {fix}")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        with tempfile.TemporaryFile(dir=path) as f:  # a block written and flushed: a full disk shows
+            f.write(bytes(4096))
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space on that disk, or give a folder on another, e.g. hydra.run.dir=/other/disk/NAME"
         raise ValueError(f"{key} cannot be created or written ({err.strerror or err}); {fix}") from None
 
 
-def checkpoint_dir(resume: str) -> Path:
+def checkpoint_dir(resume: str, model=None) -> Path:
     """The committed checkpoint folder train.resume names (see runtime/checkpoint.py; the ranks
-    check its files). Raises ValueError naming the key."""
-    from mmpipe.runtime.checkpoint import newest_committed
+    check its files), and, given the run's model (a ModelSpec), a checkpoint of that model.
+    Raises ValueError naming the key."""
+    import json
 
-    return newest_committed(Path(resolve_path(resume)), f"train.resume={resume}")[0]
+    from mmpipe.model.spec import model_identity
+    from mmpipe.runtime.checkpoint import MARKER, CheckpointError, newest_committed, other_model
+
+    key = f"train.resume={resume}"
+    folder = newest_committed(Path(resolve_path(resume)), key)[0]
+    if model is not None:
+        try:
+            saved = json.loads((folder / MARKER).read_text()).get("topology") or {}
+        except (OSError, ValueError, AttributeError):
+            saved = {}  # an unreadable record: the ranks say so, naming the file
+        other = other_model(key, folder, saved, model_identity(model))
+        if other:
+            raise CheckpointError(other)
+    return folder
 
 
 def check_backend(backend: str) -> None:
@@ -92,11 +115,19 @@ def to_plain(rc: RunConfig) -> dict:
 
 
 def write_run_config(rc: RunConfig) -> Path:
-    """RUN_DIR/run.yaml; a new (not resumed) run also starts RUN_DIR/skips.jsonl afresh."""
+    """RUN_DIR/run.yaml; a new (not resumed) run also starts RUN_DIR/skips.jsonl afresh.
+
+    Raises:
+        ValueError: one line naming the file the disk refused (full, not writable).
+    """
     run_dir = Path(rc.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not rc.train.resume:
-        (run_dir / "skips.jsonl").unlink(missing_ok=True)
     path = run_dir / "run.yaml"
-    path.write_text(yaml.safe_dump(to_plain(rc), sort_keys=False))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not rc.train.resume:
+            (run_dir / "skips.jsonl").unlink(missing_ok=True)
+        path.write_text(yaml.safe_dump(to_plain(rc), sort_keys=False))
+    except OSError as err:
+        raise ValueError(f"hydra.run.dir={rc.run_dir}: cannot write {err.filename or path} "
+                         f"({err.strerror or err}); free space or give a folder you can write") from None
     return path

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.config import RunConfig, eval_interval
-from mmpipe.model.spec import layer_names
+from mmpipe.model.spec import layer_names, model_identity
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
@@ -530,10 +530,11 @@ def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
 
 
 def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
-    """What a checkpoint must match to load: DeepSpeed's files are per stage (and, under ZeRO, per
-    replica), their layout depends on the precision; reader positions are per replica."""
+    """What a checkpoint must match to load: the model (its weight-shaping figures), DeepSpeed's
+    files are per stage (and, under ZeRO, per replica), their layout depends on the precision;
+    reader positions are per replica."""
     return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages],
-            "precision": rc.train.precision, "zero": rc.train.zero}
+            "precision": rc.train.precision, "zero": rc.train.zero, "model": model_identity(rc.model)}
 
 
 def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:

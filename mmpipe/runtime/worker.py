@@ -5,8 +5,9 @@ worker_command); under an external launcher `mmpipe train` calls `run_rank(rc)` 
 Either way:
 
 - **Errors.** A user error (bad data with data.on_error=raise, a bad config value, a missing
-  file: ValueError and FileNotFoundError, as the CLI counts them) ends the rank with status 2
-  and one line, no traceback (`MMPIPE_DEBUG=1` adds it). Under mmpipe's launcher the line
+  file: ValueError and FileNotFoundError, as the CLI counts them; a write the disk refuses, full
+  or read-only, naming the file) ends the rank with status 2 and one line, no traceback
+  (`MMPIPE_DEBUG=1` adds it). Under mmpipe's launcher the line
   goes to the file named by MMPIPE_ERROR_FILE and the launcher prints it once for the whole
   job; elsewhere it is printed as `mmpipe train: error: ...`. Anything else is a bug: its
   traceback is printed and the status is 1.
@@ -31,6 +32,7 @@ Either way:
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -49,6 +51,10 @@ EXIT_PEER_LOST = 3
 cause (the launcher names the rank that failed first)."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 """How gloo's errors say that the other end of a connection is gone."""
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+"""Write errors that are the run directory's disk or permissions, not a bug: one line, status 2."""
+ERROR_PREFIX = "mmpipe train: error: "
+"""How a rank's one-line error starts when it prints it (the launcher looks for it)."""
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """What StopSignal turns into a stop request."""
 
@@ -127,6 +133,10 @@ def run_rank(rc, *, score: Path | None = None) -> int:
         return 128 + stop.signum
     except USER_ERRORS as err:
         return report_error(err)
+    except OSError as err:  # the run directory's disk is full or not writable: say which file
+        if err.errno not in DISK_ERRORS:
+            raise
+        return report_error(err, line=disk_error_line(err))
     except RuntimeError as err:
         if not any(p in str(err) for p in PEER_LOST):
             raise
@@ -136,16 +146,30 @@ def run_rank(rc, *, score: Path | None = None) -> int:
     return 0
 
 
+def disk_error_line(err: OSError) -> str:
+    """One line for a write the disk refused: the file, why, the fix."""
+    where = err.filename or "a file of the run directory"
+    fix = ("free space on that disk, or train in a run directory on another (hydra.run.dir=DIR)"
+           if err.errno in (errno.ENOSPC, errno.EDQUOT) else
+           "make the run directory writable by this user, or give another (hydra.run.dir=DIR)")
+    return f"cannot write {where}: {err.strerror or err}; {fix}"
+
+
 def report_error(err: BaseException, *, line: str | None = None, status: int = EXIT_USER_ERROR) -> int:
-    """One line for a user error (plus its traceback with MMPIPE_DEBUG=1); returns `status`."""
+    """One line for a user error (plus its traceback with MMPIPE_DEBUG=1); returns `status`.
+    Where the error file cannot be written (the run directory's disk is full), the line goes to
+    stderr, from which mmpipe's launcher takes it."""
     if os.environ.get("MMPIPE_DEBUG") == "1":
         traceback.print_exception(err)
     line = " ".join((line or str(err)).split())
     target = os.environ.get("MMPIPE_ERROR_FILE")
     if target:  # mmpipe's launcher prints it once for the job
-        Path(target).write_text(line + "\n")
-    else:
-        print(f"mmpipe train: error: {line}", file=sys.stderr, flush=True)
+        try:
+            Path(target).write_text(line + "\n")
+            return status
+        except OSError:
+            pass
+    print(f"{ERROR_PREFIX}{line}", file=sys.stderr, flush=True)
     return status
 
 

@@ -1,8 +1,9 @@
 """Mixed precision, ZeRO-1 and the user's DeepSpeed JSON through the real `mmpipe train`.
 
 The numerical equality of a bf16 step and of a ZeRO-1 step with the single-process reference
-is in test_equivalence.py; here: a ZeRO-1 checkpoint resumes exactly, fp16 trains on CPU, and a
-DeepSpeed JSON reaches DeepSpeed.
+is in test_equivalence.py; here: a ZeRO-1 checkpoint resumes exactly, fp16 trains where
+DeepSpeed supports it on the machine (else it is refused before launch), and a DeepSpeed JSON
+reaches DeepSpeed.
 """
 
 from __future__ import annotations
@@ -53,24 +54,43 @@ def test_bf16_zero1_resume_continues_exactly(run_mmpipe):
         assert torch.equal(sx["exp_avg"], sy["exp_avg"]) and torch.equal(sx["exp_avg_sq"], sy["exp_avg_sq"])
 
 
-def test_deepspeed_json_reaches_deepspeed_and_fp16_trains(run_mmpipe, tmp_path):
+def test_deepspeed_json_reaches_deepspeed_and_fp16_trains(run_mmpipe, tmp_path, capsys):
     """A user's DeepSpeed JSON is merged (a CSV monitor writes DeepSpeed's own loss log, and
     steps_per_print makes DeepSpeed print every step); fp16 (ZeRO-1, dynamic loss scale) trains
-    on CPU and logs the unscaled global gradient norm."""
+    and logs the unscaled global gradient norm where DeepSpeed's accelerator supports fp16 (a GPU,
+    a CPU whose oneDNN has fp16 kernels). Where it does not, `mmpipe train train.precision=fp16`
+    is one line before launch (DeepSpeed would raise "Type fp16 is not supported on your device."
+    in every rank) and the JSON is shown to reach DeepSpeed in an fp32 run instead."""
+    from mmpipe.cli import main
+    from mmpipe.runtime.host import precision_problem
+
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"steps_per_print": 1,
                               "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"}}))
-    run = run_mmpipe("train", "train.precision=fp16", "train.steps=3", *TINY, f"deepspeed.config={ds}")
+    problem = precision_problem("fp16", "auto")
+    precision = "fp16"
+    if problem:
+        refused = ["train", "train.precision=fp16", f"deepspeed.config={ds}", f"hydra.run.dir={tmp_path / 'no'}"]
+        assert main(refused) == 2
+        assert capsys.readouterr().err.strip() == f"mmpipe train: error: {problem}"
+        assert problem.startswith("train.precision=fp16: DeepSpeed does not train fp16 on this ")
+        assert not (tmp_path / "no").exists()
+        precision = "fp32"
+    run = run_mmpipe("train", f"train.precision={precision}", "train.steps=3", *TINY, f"deepspeed.config={ds}")
     assert run.code == 0, run.out[-3000:]
-    assert ("precision: fp16 (fp32 master weights, dynamic loss scale) | ZeRO-1 (one replica: nothing to shard) | "
-            "optimizer: torch AdamW (foreach) in DeepSpeed DeepSpeedZeroOptimizer" in run.out)
     m = run.metrics()
+    if precision == "fp16":
+        assert ("precision: fp16 (fp32 master weights, fp16 gradient accumulation, dynamic loss scale) | ZeRO-1 (one "
+                "replica: nothing to shard) | optimizer: torch AdamW (foreach) in DeepSpeed DeepSpeedZeroOptimizer"
+                in run.out)
+        assert all(r["loss_scale"] == 2.0**16 for r in m)  # DeepSpeed's initial dynamic scale; no overflow here
+    else:
+        assert "precision: fp32 | ZeRO-0 | optimizer: torch AdamW (foreach) |" in run.out
     for step in (1, 2, 3):
         assert f"steps: {step} loss: {m[step - 1]['loss']:0.4f}" in run.out  # DeepSpeed's own print
     with open(tmp_path / "csv" / "j" / "Train_Samples_train_loss.csv") as f:
         logged = [float(row[1]) for row in list(csv.reader(f))[1:]]
     assert logged == pytest.approx([r["loss"] for r in m], abs=1e-5)
-    assert all(r["loss_scale"] == 2.0**16 for r in m)  # DeepSpeed's initial dynamic scale; no overflow here
     # the true norm (~3-5 at this loss), not the norm of the loss-scaled gradients
     assert all(1.0 < r["grad_norm"] < 20.0 for r in m)
     assert m[-1]["loss"] < m[0]["loss"] - 0.3

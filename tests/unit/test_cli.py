@@ -69,6 +69,19 @@ def test_command_help_is_specific_and_shows_the_values_it_would_run_with(capsys)
     assert "train.steps: 7" in out and "Optimizer steps." in out and "data: mixture, shards, synthetic, trace" in out
 
 
+def test_help_of_a_hugging_face_group_lists_its_folders(capsys):
+    """`model.path` is mandatory (`???`), which a DictConfig's `in` hides: it is listed all the same."""
+    assert main(["train", "model=hf", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  model.path: ???" in out and "model=hf: a local checkpoint folder written by save_pretrained" in out
+    assert main(["train", "model=compose", "model.vision.path=/m/clip", "--help"]) == 0
+    out = capsys.readouterr().out
+    for line in ("  model.llm.path: ???", "  model.vision.path: /m/clip", "  model.audio.path: null",
+                 "  model.projector.path: null"):
+        assert line in out, line
+    assert "model=compose: a Llama / Mistral / Qwen2 causal LM folder" in out
+
+
 def test_override_grammar_adds_removes_and_force_sets():
     rc = load(["+model.vision.cls_token=true", "~model.audio", "++train.steps=3"])
     assert rc.model.vision.cls_token is True

@@ -51,6 +51,16 @@ def read_config(folder: str | Path, *, what: str = "model.path") -> PretrainedCo
     if not (folder / "config.json").is_file():
         raise ValueError(f"{what}={str(folder)!r} is not a checkpoint folder (no config.json there); "
                          f"give a local folder written by save_pretrained")
+    path = folder / "config.json"
+    try:  # read here first: transformers says only "not a valid JSON file", with a traceback
+        json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"{what}={str(folder)!r}: cannot read {path} ({err.strerror or err}); make the folder "
+                         f"readable by this user") from None
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        where = f"line {err.lineno} column {err.colno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else err
+        raise ValueError(f"{what}={str(folder)!r}: {path} is not valid JSON ({where}); restore the file or "
+                         f"re-save the model with save_pretrained") from None
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (ValueError, KeyError) as err:
@@ -66,7 +76,11 @@ def read_processor_config(folder: str | Path, kind: str) -> dict[str, Any] | Non
         path = folder / name
         if not path.is_file():
             continue
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path} cannot be read as JSON ({getattr(err, 'strerror', None) or err}); restore "
+                             f"it or re-save the processor with save_pretrained") from None
         if name == "processor_config.json":
             data = data.get(kind)
             if not isinstance(data, dict):

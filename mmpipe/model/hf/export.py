@@ -15,12 +15,17 @@ A thinker trained from a full Qwen2.5-Omni folder exports as that full folder ag
 tensors under `thinker.`, the talker's and token2wav's copied unchanged from the source with its
 config.json and speaker file, so `Qwen2_5OmniForConditionalGeneration` (and the thinker class
 alone) load it.
+The output folder is guarded by mmpipe.model.hf.export_folder: never a source folder of the
+model, never a folder of files the export did not write (unless `overwrite`), and written into a
+temporary sibling that replaces it only when complete.
 """
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,8 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from mmpipe.model.hf.build import tied_embedding
 from mmpipe.model.hf.configs import hf_config
+from mmpipe.model.hf.export_folder import check_out, staged
+from mmpipe.model.hf.integrity import PART_KEYS, check_weights
 from mmpipe.model.hf.omni import SPEAKER_FILES, full_omni_folder
 from mmpipe.model.hf.skeleton import materialise, owned_keys, skeleton, unowned_keys
 from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype, stored_keys
@@ -142,29 +149,58 @@ def _copy_files(spec: ModelSpec, out: Path, tokenizer: str | Path | None) -> Non
             (out / "video_preprocessor_config.json").write_text(src.video_processor + "\n")
 
 
+def source_folders(spec: ModelSpec, checkpoint: str | Path, tokenizer: str | Path | None = None) -> dict[str, str]:
+    """Every folder an export reads, by the key that named it: the model's checkpoint folders,
+    a data.tokenizer folder, the pipeline checkpoint."""
+    src = spec.hf
+    out = {PART_KEYS.get(part, f"model.{part}.path"): str(folder) for part, folder in (src.weights if src else ())}
+    if tokenizer is not None:
+        out["data.tokenizer"] = str(tokenizer)
+    out["checkpoint"] = str(checkpoint)
+    return out
+
+
 def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: int = 0,
-           tokenizer: str | Path | None = None, shard_bytes: int = SHARD_BYTES) -> ExportReport:
+           tokenizer: str | Path | None = None, shard_bytes: int = SHARD_BYTES, overwrite: bool = False,
+           about: Mapping[str, object] | None = None) -> ExportReport:
     """Write `out` so that `spec.hf.architecture.from_pretrained(out)` loads the trained model.
 
     Args:
         spec: the run's model (made by mmpipe.model.hf).
         checkpoint: a pipeline checkpoint folder (`RUN/checkpoints/stepN`) with one
             `layer_XX-model_states.pt` per layer index.
-        out: the folder to write (created; existing model files are replaced).
+        out: the folder to write: new, empty, or an earlier export (its manifest says so); it is
+            replaced whole when the export is complete. Never a source folder.
         seed: the run seed, for the rare tensor neither the run nor a source holds.
         tokenizer: a folder to take the tokenizer files from (default: the source's).
         shard_bytes: largest safetensors shard.
+        overwrite: replace an `out` that holds files the export did not write.
+        about: extra fields for the manifest (the run, the checkpoint).
+
+    Raises:
+        ValueError: one line; `out` is then untouched (a refused folder, a broken checkpoint).
+        OSError: a write failed (a full disk); `out` is then untouched too.
     """
     if spec.hf is None:
         raise ValueError(f"model {spec.name} is mmpipe's own assembly; only Hugging Face models export")
     start = time.perf_counter()
-    src, checkpoint, out = spec.hf, Path(checkpoint), Path(out)
+    src, checkpoint = spec.hf, Path(checkpoint)
     if not checkpoint.is_dir():
         raise ValueError(f"checkpoint {str(checkpoint)!r} is not a folder; give RUN_DIR/checkpoints/stepN")
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("*.safetensors"), *out.glob("shard-*.tmp"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
+    real = check_out(out, source_folders(spec, checkpoint, tokenizer), overwrite=overwrite)
+    if src.weights:  # a source damaged since training: one line now, not a safetensors traceback
+        check_weights(src)
     index = checkpoint_index(src) if src.weights else {}
+    with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}) as tmp:
+        report = _write(spec, checkpoint, tmp, index=index, seed=seed, tokenizer=tokenizer, shard_bytes=shard_bytes)
+    return ExportReport(folder=str(out), tensors=report[0], bytes=report[1], shards=report[2], copied=report[3],
+                        seconds=time.perf_counter() - start)
+
+
+def _write(spec: ModelSpec, checkpoint: Path, out: Path, *, index: dict[str, TensorRef], seed: int,
+           tokenizer: str | Path | None, shard_bytes: int) -> tuple[int, int, int, tuple[str, ...]]:
+    """The export's files into `out` (an empty folder): (tensors, bytes, shards, copied keys)."""
+    src = spec.hf
     tie = tied_embedding(spec)
     writer = _ShardWriter(out, shard_bytes)
     count = 0
@@ -180,7 +216,12 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
         path = checkpoint / f"layer_{i:02d}-model_states.pt"
         if not path.is_file():
             raise ValueError(f"{path} is missing: checkpoint {checkpoint} has no state of layer {i} ({name})")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(f"{path} cannot be read ({first}); the checkpoint is damaged: export another "
+                             f"one (checkpoint=stepN)") from None
         keys = owned_keys(spec, name)
         if set(state) != set(keys):
             extra = sorted(set(state) ^ set(keys))[:3]
@@ -212,8 +253,7 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
                 count += 1
     shards = writer.finish()
     _copy_files(spec, out, tokenizer)
-    return ExportReport(folder=str(out), tensors=count, bytes=writer.total, shards=shards, copied=tuple(copied),
-                        seconds=time.perf_counter() - start)
+    return count, writer.total, shards, tuple(copied)
 
 
 def save_layer_states(layers: list[torch.nn.Module], spec: ModelSpec, folder: str | Path) -> None:

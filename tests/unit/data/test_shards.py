@@ -58,7 +58,7 @@ def test_relative_paths_resolve_against_root(mini_data, mini_tok, tiny_spec, tmp
 
 
 def test_no_matching_file_is_a_clear_error(tmp_path, mini_tok, tiny_spec) -> None:
-    with pytest.raises(FileNotFoundError, match=r"matches no file.*mmpipe.data.synth"):
+    with pytest.raises(FileNotFoundError, match=r"matches no file.*fix the path: give shard files"):
         iter_samples(path=str(tmp_path / "x-{0..3}.tar"), tokenizer=mini_tok, spec=tiny_spec, dp_rank=0, dp_size=1)
 
 

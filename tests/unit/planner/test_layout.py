@@ -75,6 +75,24 @@ def test_the_chosen_layout_is_the_fastest_when_each_is_planned_in_full():
             assert x.step_time <= full.step_time
 
 
+def _long(n, seed=0):  # long answers after one image of 576, 1200 or 2400 tokens
+    rng = np.random.default_rng(seed)
+    return [_img(int(t), tok=int(k)) for t, k in zip(rng.integers(200, 1500, n), rng.choice([576, 1200, 2400], n))]
+
+
+def test_a_deeper_layout_that_is_faster_is_chosen_over_the_first_that_fits():
+    """Everything trainable, long image samples, 4 H100s: one stage per replica (pp=1 x dp=4)
+    fits, but two stages (pp=2 x dp=2) are predicted faster. The search ranks by predicted step
+    time; taking the first layout that fits would pick pp=1."""
+    choice = choose_layout(model=model("llava-1.5-7b"), hardware=hardware("h100"), trainable=("all",), devices=4,
+                           global_batch=32, micro_batches=4, sample=_long(32), memory_headroom=0.08)
+    (one,) = [x for x in choice.layouts if (x.pp, x.dp) == (1, 4)]
+    assert one.fits and not one.small_step
+    best = choice.best
+    assert (best.pp, best.dp, best.how) == (2, 2, "planned")
+    assert best.step_time < 0.92 * one.step_time, (best.step_time, one.step_time)  # 1.48 s vs 1.67 s
+
+
 def test_small_steps_rank_after_every_layout_that_is_not_one():
     choice = choose_layout(model=model("llava-1.5-7b"), hardware=hardware("h100"), trainable=("vision.proj", "llm"),
                            devices=8, global_batch=8, micro_batches=1, sample=_short(8))

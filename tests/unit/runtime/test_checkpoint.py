@@ -192,6 +192,30 @@ def test_unusable_checkpoints_are_one_line_errors(one_rank, tmp_path, case, mess
     assert "\n" not in str(err.value)
 
 
+def test_resuming_with_another_model_says_the_model_differs(one_rank, tmp_path, capsys):
+    """Before launch (the CLI reads the commit record) and in the ranks alike: the figures that
+    differ, not "stages differ ... use plan.stages"."""
+    from mmpipe.cli import load, main
+    from mmpipe.model.spec import model_identity
+
+    tiny = model_identity(load([], job="test").model)
+    run = tmp_path / "run"
+    _checkpoint(run, 2, topology={**TOPOLOGY, "model": tiny})
+    deeper = model_identity(load(["model.llm.blocks=6"], job="test").model)
+    with pytest.raises(CheckpointError) as err:
+        _find(run, tmp_path / "new", topology={**TOPOLOGY, "pp": 2, "stages": [[0, 11], [11, 17]], "model": deeper})
+    want = (f"train.resume={run}: {run}/checkpoints/step2 holds model tiny, not this run's model tiny (llm.blocks: "
+            f"4 in the checkpoint, 6 in this run); resume with the model it was trained with (its model=... and "
+            f"model.* settings), or train this one without train.resume")
+    assert str(err.value) == want
+    assert main(["train", f"train.resume={run}", "model.llm.blocks=6", f"hydra.run.dir={tmp_path / 'new'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"mmpipe train: error: {want}"
+    assert not (tmp_path / "new").exists()
+    # what shapes no tensor (the longest sample) resumes
+    assert _find(run, tmp_path / "new", topology={**TOPOLOGY, "model": model_identity(
+        load(["model.llm.max_seq_len=256"], job="test").model)}).step == 2
+
+
 def test_another_replica_count_resumes_with_a_warning(one_rank, tmp_path, capsys):
     _checkpoint(tmp_path / "run", 2)
     found = _find(tmp_path / "run", tmp_path / "new", topology={**TOPOLOGY, "dp": 2})

@@ -80,6 +80,50 @@ def test_a_user_error_is_printed_once_for_the_job(tmp_path, capfd) -> None:
     assert "error: x-0.tar sample k7" in (tmp_path / "rank0.log").read_text() + (tmp_path / "rank1.log").read_text()
 
 
+def test_a_full_disk_neither_blocks_a_rank_nor_loses_its_error_line(tmp_path, capfd, monkeypatch) -> None:
+    """The run directory's disk is full: the launcher cannot write the rank logs and the rank
+    cannot write its error file. The launcher keeps draining the rank's output (more than a pipe
+    holds), and takes the rank's one line from its output instead."""
+    import errno
+
+    import mmpipe.runtime.launch as launch_module
+
+    argv, _ = stub("""
+        from mmpipe.runtime.worker import disk_error_line, report_error
+        print("x" * 200_000, flush=True)  # more than a pipe holds
+        if R == 1:
+            os.environ["MMPIPE_ERROR_FILE"] = "/proc/no-such-folder/rank1.error"  # cannot be written
+            sys.exit(report_error(OSError(28, "No space left on device", "/run/metrics.jsonl"),
+                                  line=disk_error_line(OSError(28, "No space left on device", "/run/metrics.jsonl"))))
+        time.sleep(60)
+    """)
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, _data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            self.f.close()
+
+    def full_logs(path, mode="r", **kwargs):
+        f = real_open(path, mode, **kwargs)
+        return FullDisk(f) if str(path).endswith(".log") else f
+
+    monkeypatch.setattr(launch_module, "open", full_logs, raising=False)
+    code = launch(argv, nproc=2, log_dir=tmp_path, grace_s=5, console=io.BytesIO(), timeout_s=60)
+    err = capfd.readouterr().err
+    assert code == 2
+    assert err.strip() == ("mmpipe train: error: cannot write /run/metrics.jsonl: No space left on device; free space "
+                           "on that disk, or train in a run directory on another (hydra.run.dir=DIR)")
+
+
 def test_a_rank_that_only_lost_its_peer_is_not_blamed(tmp_path, capfd) -> None:
     # Rank 0 fails in a collective because rank 1 vanished (status 3); the report names rank 1.
     argv, _ = stub("""

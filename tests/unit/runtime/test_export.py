@@ -1,0 +1,187 @@
+"""`mmpipe export` never destroys what a user owns: it refuses an `out` that is, is inside or
+contains a folder the export reads (the model's source, a composition's part, the checkpoint),
+refuses a folder of files it did not write (unless overwrite=true), writes again into its own
+earlier output (the README exports twice to one folder), and a failed export (a missing layer
+file, a full disk) leaves the folder it would have replaced byte for byte as it was."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mmpipe.cli import load, main
+from mmpipe.model.hf import build_layers, save_layer_states
+from mmpipe.model.hf.demo import model_overrides
+from mmpipe.model.hf.export_folder import MANIFEST, check_out
+from mmpipe.runtime.checkpoint import commit
+from mmpipe.runtime.preflight import write_run_config
+
+export_module = importlib.import_module("mmpipe.model.hf.export")  # the package's `export` is the function
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (relative name -> sha256), and every folder (-> 'dir')."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        out[str(p.relative_to(folder))] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def llava_run(hf_checkpoints, tmp_path_factory):
+    """A LLaVA run directory with a committed checkpoint of the layers as loaded (step0)."""
+    run = tmp_path_factory.mktemp("export") / "run"
+    rc = load([*model_overrides("llava", hf_checkpoints), f"hydra.run.dir={run}"], job="test")
+    write_run_config(rc)
+    save_layer_states(build_layers(rc.model, seed=rc.train.seed), rc.model, run / "checkpoints" / "step0")
+    commit(run / "checkpoints" / "step0", step=0, files={}, topology={}, schedule={})
+    return run
+
+
+def test_exporting_into_a_source_folder_is_refused_and_touches_nothing(capsys, llava_run, hf_checkpoints, tmp_path):
+    source = hf_checkpoints["llava"]
+    parent = source.parent
+    before = _tree(parent)
+    link = tmp_path / "link"
+    link.symlink_to(source)
+    cases = [
+        (source, f"out={source} is model.path={source}, a folder the export reads: writing there would replace "
+                 f"the files it copies from; give another folder, e.g. out={parent / 'llava-trained'} "
+                 f"(nothing was written)"),
+        (link, f"out={link} is model.path={source}, a folder the export reads"),  # through a symlink
+        (source / "sub", f"out={source / 'sub'} is inside model.path={source}, a folder the export reads; "
+                         f"give another folder"),
+        (parent, f"out={parent} contains model.path={source}, a folder the export reads; give another folder"),
+        (llava_run, f"out={llava_run} contains the checkpoint being exported ({llava_run / 'checkpoints' / 'step0'})"),
+    ]
+    for out, message in cases:
+        for extra in ([], ["overwrite=true"]):  # overwrite never lets it write into a source
+            assert main(["export", str(llava_run), f"out={out}", *extra]) == 2
+            err = _error(capsys)
+            assert err.startswith("mmpipe export: error: " + message), err
+    assert _tree(parent) == before
+    assert not (source / "sub").exists()
+
+
+def test_every_source_of_a_composition_is_protected(tmp_path):
+    parts = {k: tmp_path / k.split(".")[1] for k in ("model.vision.path", "model.llm.path", "model.projector.path")}
+    tok = tmp_path / "tok"
+    for p in [*parts.values(), tok]:
+        p.mkdir()
+    sources = {**{k: str(v) for k, v in parts.items()}, "data.tokenizer": str(tok)}
+    for key, folder in sources.items():
+        with pytest.raises(ValueError, match=rf"^out={folder} is {key}={folder}, a folder the export reads"):
+            check_out(folder, sources)
+    assert check_out(tmp_path / "new", sources) == (tmp_path / "new").resolve()
+
+
+def test_a_folder_of_other_files_is_refused_unless_overwrite(capsys, llava_run, tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"the user's own weights")
+    (out / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("keep me")
+    before = _tree(out)
+    assert main(["export", str(llava_run), f"out={out}"]) == 2
+    assert _error(capsys) == (f"mmpipe export: error: out={out} holds files mmpipe export did not write (config.json, "
+                              f"model.safetensors, notes.txt); give a new or empty folder, or add overwrite=true to "
+                              f"replace the whole folder (nothing was written)")
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary folder left beside it
+    assert main(["export", str(llava_run), f"out={out}", "export.overwrite=true"]) == 0
+    capsys.readouterr()
+    assert not (out / "notes.txt").exists()  # replaced whole, as the flag says
+    LlavaForConditionalGeneration.from_pretrained(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_exporting_twice_to_one_folder_works_and_a_users_change_stops_the_third(capsys, llava_run, tmp_path):
+    """The README's flow: the same export twice into one folder (its manifest marks it as the
+    export's own); a file the user added or changed afterwards makes it theirs."""
+    out = tmp_path / "trained"
+    assert main(["export", str(llava_run), f"out={out}"]) == 0
+    first = _tree(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert set(manifest["files"]) == set(first) - {MANIFEST}
+    assert all(manifest["files"][n] == (out / n).stat().st_size for n in manifest["files"])
+    assert main(["export", str(llava_run), f"out={out}"]) == 0
+    assert "mmpipe export: wrote" in capsys.readouterr().out
+    assert _tree(out) == first  # the same bytes again (the manifest holds no time)
+    (out / "README.md").write_text("my model card")
+    assert main(["export", str(llava_run), f"out={out}"]) == 2
+    assert "holds files mmpipe export did not write (README.md)" in _error(capsys)
+    (out / "README.md").unlink()
+    with (out / "config.json").open("a") as f:
+        f.write(" ")
+    assert main(["export", str(llava_run), f"out={out}"]) == 2
+    assert "(config.json (changed since the export wrote it))" in _error(capsys)
+
+
+def _broken_checkpoint(run: Path, tmp_path: Path) -> Path:
+    broken = tmp_path / "broken"
+    shutil.copytree(run / "checkpoints" / "step0", broken)
+    (broken / "layer_05-model_states.pt").unlink()
+    return broken
+
+
+def test_a_failed_export_leaves_the_earlier_one_as_it_was(capsys, llava_run, tmp_path, monkeypatch):
+    out = tmp_path / "trained"
+    assert main(["export", str(llava_run), f"out={out}"]) == 0
+    capsys.readouterr()
+    before = _tree(out)
+    broken = _broken_checkpoint(llava_run, tmp_path)
+    assert main(["export", str(llava_run), f"checkpoint={broken}", f"out={out}"]) == 2
+    assert _error(capsys).startswith(f"mmpipe export: error: {broken / 'layer_05-model_states.pt'} is missing: "
+                                     f"checkpoint {broken} has no state of layer 5")
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "trained"]
+
+    # a full disk while writing the shards: one line naming the file, the old export kept whole
+    real_save = export_module.save_file
+
+    def full_disk(tensors, path, metadata=None):
+        real_save(dict(list(tensors.items())[:1]), path, metadata=metadata)  # a part of the shard is written
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(export_module, "save_file", full_disk)
+    assert main(["export", str(llava_run), f"out={out}"]) == 2
+    err = _error(capsys)
+    assert err.startswith("mmpipe export: error: ") and "shard-00000.tmp: No space left on device; the export to " \
+        f"out={out} stopped and left that folder as it was" in err, err
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "trained"]
+
+
+def test_an_export_that_fails_at_the_last_rename_restores_the_old_folder(llava_run, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "trained"
+    assert main(["export", str(llava_run), f"out={out}"]) == 0
+    before = _tree(out)
+    real_replace = os.replace
+    calls = []
+
+    def second_fails(src, dst):
+        calls.append((Path(src).name, Path(dst).name))
+        if len(calls) == 2:  # old folder moved aside, then the new one cannot take its place
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", second_fails)
+    assert main(["export", str(llava_run), f"out={out}"]) == 2
+    assert "Permission denied; the export to" in _error(capsys)
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trained"]
