@@ -265,6 +265,11 @@ class PlanConfig:
     memory_headroom: float = DEFAULT_HEADROOM
     """Share of usable device memory no plan fills (allocator fragmentation, buffers the cost
     model does not see); see docs/planner.md."""
+    refit: bool = True
+    """Training: once the step-time re-fit has seen its warm-up steps, plan every later step's
+    micro-batches (count, sizes, order) with the run's measured costs instead of the hardware
+    config's (the stage cut stays). false: every step is planned with the hardware config,
+    so the micro-batches are a function of the data alone and a run repeats bit for bit."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

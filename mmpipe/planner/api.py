@@ -27,8 +27,9 @@
         pp, dp and the stage plan it was priced with; `.layouts` the ranked table.
 
     calibrated_hardware(hardware, coef) -> HardwareSpec
-        The hardware whose predicted step time is a StepCalibration fit's prediction (its
-        per-micro-batch and per-step costs become micro_batch_overhead_s / step_overhead_s).
+        The hardware whose predicted step time is a StepCalibration fit's prediction (time
+        constants scaled by its a; its per-micro-batch and per-step costs b, c become
+        micro_batch_overhead_s / step_overhead_s).
 
     validate_trainable(trainable, model) -> tuple[str, ...]
         ValueError for a name matching no layer, e.g. "train.trainable=[visoin] names
@@ -50,7 +51,7 @@ from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, fitting_baseline_step, tune_baseline
-from mmpipe.planner.calibrate import StepCalibration, calibrated_hardware
+from mmpipe.planner.calibrate import Coef, StepCalibration, calibrated_hardware
 from mmpipe.planner.cost import (
     DEFAULT_HEADROOM,
     DEFAULT_PRECISION,
@@ -74,7 +75,7 @@ PACKED_POLICIES = ("data-aware", "packed-ffd")
 UNLIMITED_MEMORY_GB = 1e6
 """Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
-__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
+__all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
            "HardwareSpec",
            "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
            "StepPlanner", "TrainingPrecision", "build_cost_model", "calibrated_hardware",
@@ -140,6 +141,10 @@ class StepPlan:
     """Per replica, the predicted peak memory of each stage: weights, gradients, optimizer
     states and the exact 1F1B in-flight activations, bytes (what the runtime logs beside the
     measured peak of that stage's rank)."""
+    compute: tuple[float, ...]
+    """Per replica, its simulated 1F1B makespan without the runtime's fixed costs, s (what
+    the step-time re-fit, `StepCalibration`, regresses measured steps on); 0 for a replica
+    without samples."""
 
 
 class StepPlanner:
@@ -170,7 +175,8 @@ class StepPlanner:
             memory_headroom: plan.memory_headroom, the share of usable memory never planned
                 into (default 0: all of it).
         To re-plan with what the runtime measured, build a new StepPlanner with
-        `calibrated_hardware(hardware, calibration.coef)`.
+        `calibrated_hardware(hardware, calibration.coef)` (runtime/feed.py does, once the
+        run's re-fit has seen its warm-up steps).
         """
         check_policy(policy)
         if not memory_limit:
@@ -195,7 +201,8 @@ class StepPlanner:
         ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
-                        peak_bytes=ev.replica_peaks)
+                        peak_bytes=ev.replica_peaks,
+                        compute=tuple(float(r.makespan) if r is not None else 0.0 for r in ev.replicas))
 
 
 def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],

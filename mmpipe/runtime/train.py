@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmpipe.config import RunConfig
+from mmpipe.config import RunConfig, hardware_spec
 from mmpipe.model.spec import layer_names
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import StagePlan, StepCalibration
@@ -29,6 +29,7 @@ from mmpipe.runtime.checkpoint import (
     StepVerdict,
     agree_after_step,
     find_checkpoint,
+    load_step_fit,
     refuse_other_history,
     truncate_records,
 )
@@ -192,6 +193,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
         add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
     ckpt = _checkpointer(rc, pipe, stages.plan)
     start, reader_state = ckpt.resume(found) if found else (0, None)
+    calibration = _calibration(rc, found)
 
     feeder = None
     if pipe.first or pipe.last:
@@ -200,7 +202,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
             truncate_records(record, start)  # steps after the checkpoint are fed again
         feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
                             over_memory=bool(stages.warnings), media=pipe.first,
-                            reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start)
+                            reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start,
+                            fit=calibration.coef if calibration.fitted else None)
     if rank == 0 and rc.train.resume:
         truncate_records(run_dir / "metrics.jsonl", start)
     writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
@@ -223,7 +226,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     # the ranks agree on it after a step and save, and the block's end raises StopRequested.
     with stop.deferred() if stop is not None and rc.train.save_on_signal else contextlib.nullcontext():
         try:
-            result = _run_steps(rc, pipe, feeder, writer, bar, start, ckpt, stop)
+            result = _run_steps(rc, pipe, feeder, writer, bar, start, ckpt, stop, calibration)
         finally:
             if feeder is not None:
                 feeder.close()
@@ -242,11 +245,35 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     return result
 
 
+def _calibration(rc: RunConfig, found: Found | None) -> StepCalibration:
+    """The step-time re-fit: a resumed run's saved one (when fitted on the same hardware
+    config), else a new one whose prior is the hardware config's fixed costs."""
+    hw = hardware_spec(rc)
+    saved = load_step_fit(found) if found is not None else None
+    if saved is not None and saved.get("hardware") == hw.name:
+        return StepCalibration.from_state(saved["calibration"])
+    return StepCalibration.for_hardware(hw)
+
+
+def _slowest_replica(mine: torch.Tensor, group) -> torch.Tensor:
+    """The (predicted, compute, micro-batches) row of the replica predicted slowest."""
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(rows, mine, group=group)
+    return max(rows, key=lambda r: float(r[0]))
+
+
+def _share_fit(calibration: StepCalibration, device) -> tuple[float, float, float] | None:
+    """Rank 0's fit after this step, on every rank (None while it has not seen its warm-up)."""
+    t = torch.tensor([*calibration.coef, float(calibration.fitted)], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return (float(t[0]), float(t[1]), float(t[2])) if t[3] > 0 else None
+
+
 def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, ckpt: Checkpointer,
-               stop) -> RunResult:
+               stop, calibration: StepCalibration) -> RunResult:
     engine, rank, run_dir = pipe.engine, dist.get_rank(), Path(rc.run_dir)
-    calibration = StepCalibration()
     result = RunResult(calibration=calibration if rank == 0 else None)
+    announced = False
     timer = StageTimer(engine)
     memory = PeakMemory(engine.device)
     world = dist.get_world_size()
@@ -261,10 +288,11 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
         _agree_on_micro_batches(engine, len(mbs), rc.parallel.dp)
         counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
                                sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
-        predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64, device=dev)
+        planned_fig = torch.tensor([planned.predicted_s, planned.compute_s, len(mbs)] if planned else [0.0] * 3,
+                                   dtype=torch.float64, device=dev)
         if pipe.first or pipe.last:
             dist.all_reduce(counts, group=pipe.dp_group)  # whole-step figures, all replicas
-            dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=pipe.dp_group)  # slowest replica
+            planned_fig = _slowest_replica(planned_fig, pipe.dp_group)
         scale = engine.micro_batches * rc.parallel.dp / max(1.0, counts[0].item())
         it: Iterator | None = iter([m.for_engine(scale) for m in mbs]) if mbs else None
         if step == start + 1 and rank == 0:
@@ -288,9 +316,16 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
         result.tokens += int(counts[2])
         if rank == 0:
             busy = [st["fwd"] + st["bwd"] for st in stages]
-            raw = float(predicted)
-            pred = calibration.predict(raw, len(mbs))  # fitted on earlier steps only
-            calibration.observe(raw, len(mbs), t2 - t1)
+            compute, m_slow = float(planned_fig[1]), int(planned_fig[2])
+            raw = calibration.simulated(compute, m_slow)  # the hardware config's prediction
+            pred = calibration.predict(compute, m_slow)  # fitted on earlier steps only
+            calibration.observe(compute, m_slow, t2 - t1)
+            if planned.fit is not None and not announced:
+                announced = True
+                bar.note(f"step {step}: micro-batches are planned with this run's step-time fit from now on "
+                         f"(a={planned.fit[0]:.3g}, b={planned.fit[1] * 1e3:.3g} ms per micro-batch, "
+                         f"c={planned.fit[2] * 1e3:.3g} ms per step; hardware {rc.hardware.get('name')} said "
+                         f"b={calibration.prior[1] * 1e3:.3g} ms, c={calibration.prior[2] * 1e3:.3g} ms)")
             rec = {"step": step, "loss": round(loss, 6), "samples_per_s": counts[1].item() / dt,
                    "tokens_per_s": counts[2].item() / dt, "step_time": dt,
                    "lr": lr, "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
@@ -300,7 +335,8 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
                    "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
                    "bubble": 1.0 - sum(busy) / (len(busy) * (t2 - t1)),
                    "predicted_step_time": pred, "simulated_step_time": raw,
-                   "calibration": list(calibration.coef), "predicted_busy_s": list(planned.predicted_busy),
+                   "calibration": list(calibration.coef), "planned_with_fit": planned.fit is not None,
+                   "predicted_busy_s": list(planned.predicted_busy),
                    "prediction_error": (t2 - t1) / pred - 1.0 if pred > 0 else None,
                    "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds,
                    "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": memory.kind,
@@ -310,13 +346,18 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
             if step % rc.train.log_every == 0 or step == rc.train.steps or nonfinite:
                 writer.write(rec)
             bar.update(loss=loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"])
+        fit = _share_fit(calibration, dev)
+        if feeder is not None:
+            feeder.deliver_fit(step, fit)
         requested = stop.requested if stop is not None and stop.defer else None
         verdict = agree_after_step(nonfinite=nonfinite, stop=requested is not None, device=dev)
         _on_nonfinite(rc, verdict, step, loss, grad_norm, ckpt, result, bar)
         stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
         every = rc.train.save_every and step % rc.train.save_every == 0
         if stopping or every or (rc.train.save_final and step == rc.train.steps):
-            folder = ckpt.save(step, last_state)
+            folder = ckpt.save(step, last_state, step_fit=({"hardware": hardware_spec(rc).name,
+                                                            "calibration": calibration.state_dict()}
+                                                           if rank == 0 else None))
         if stopping:
             why = signal.Signals(requested).name if requested else "another rank's stop signal"
             result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
