@@ -581,10 +581,13 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
 
 
 def training_precision(rc: RunConfig):
-    """What the planner prices a run's memory with: its precision, ZeRO stage and optimizer."""
+    """What the planner prices a run's memory with: its precision, ZeRO stage and optimizer, and
+    the fp32 gradient-accumulation buffer DeepSpeed's BF16_Optimizer keeps (bf16 trains with it;
+    docs/runtime.md, "Precision and ZeRO")."""
     from mmpipe.planner.api import TrainingPrecision
 
-    return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero, optimizer=rc.train.optimizer)
+    return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero, optimizer=rc.train.optimizer,
+                             fp32_grad_accum=rc.train.precision == "bf16")
 
 
 def hardware_spec(rc: RunConfig):

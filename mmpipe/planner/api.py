@@ -47,6 +47,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
@@ -55,16 +57,17 @@ from mmpipe.planner.calibrate import Coef, StepCalibration, calibrated_hardware
 from mmpipe.planner.cost import (
     DEFAULT_HEADROOM,
     DEFAULT_PRECISION,
+    KIND_STREAM,
     CostModel,
     build_cost_model,
     check_headroom,
     validate_trainable,
 )
-from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
+from mmpipe.planner.hardware import GB, HardwareSpec, hardware_from_dict, hardware_to_dict
 from mmpipe.planner.layout import Layout, LayoutChoice, costs_by_dp, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
 from mmpipe.planner.precision import TrainingPrecision
-from mmpipe.planner.samples import SampleTable, sample_table
+from mmpipe.planner.samples import SampleTable, mb_streams, sample_table
 from mmpipe.planner.stage_cost import StageCosts, stage_costs
 from mmpipe.planner.step import Replicas, evaluate_step
 
@@ -80,8 +83,21 @@ __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM
            "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
            "StepPlanner", "TrainingPrecision", "build_cost_model", "calibrated_hardware",
            "check_headroom", "check_policy", "choose_layout",
-           "hardware_from_dict", "hardware_to_dict", "plan_stages", "plan_step",
+           "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "plan_stages", "plan_step",
            "stage_memory_warnings", "validate_trainable"]
+
+
+def packed_streams(features: Sequence[SampleFeatures]) -> tuple[np.ndarray, np.ndarray]:
+    """[K] tokens and [K] sums of squared sequence lengths of each stream (samples.STREAMS)
+    of one packed micro-batch of these samples: what the cost model prices a layer on."""
+    T, S2 = mb_streams(sample_table(list(features)), [list(range(len(features)))], packing=True)
+    return T[0], S2[0]
+
+
+def layer_stream(name: str) -> int | None:
+    """The stream (index into the arrays of `packed_streams`) layer `name` reads, None for a
+    layer the cost model treats as free."""
+    return KIND_STREAM.get(".".join(name.split(".")[:2]))
 
 
 def check_policy(policy: str) -> None:
@@ -138,9 +154,10 @@ class StepPlan:
     """Per replica, the simulated compute time of each stage, s (empty for a replica that got
     no samples)."""
     peak_bytes: tuple[tuple[float, ...], ...]
-    """Per replica, the predicted peak memory of each stage: weights, gradients, optimizer
-    states and the exact 1F1B in-flight activations, bytes (what the runtime logs beside the
-    measured peak of that stage's rank)."""
+    """Per replica, the predicted peak memory of each stage: what its rank holds before the
+    model (`HardwareSpec.reserved_gb`), weights, gradients, optimizer states and the exact 1F1B
+    in-flight activations (with the hardware's measured slack), bytes: what the runtime logs
+    beside the measured peak of that stage's rank."""
     compute: tuple[float, ...]
     """Per replica, its simulated 1F1B makespan without the runtime's fixed costs, s (what
     the step-time re-fit, `StepCalibration`, regresses measured steps on); 0 for a replica
@@ -188,6 +205,7 @@ class StepPlanner:
         self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
                                      precision=precision, memory_headroom=memory_headroom)
         self.stage_costs = stage_costs(self.cost, stage_plan.stages, stage_plan.recompute)
+        self.resident = hardware.reserved_gb * GB  # held by every rank whatever its plan
 
     @property
     def packing(self) -> bool:
@@ -201,7 +219,7 @@ class StepPlanner:
         ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
-                        peak_bytes=ev.replica_peaks,
+                        peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in ev.replica_peaks),
                         compute=tuple(float(r.makespan) if r is not None else 0.0 for r in ev.replicas))
 
 

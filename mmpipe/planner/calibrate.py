@@ -134,7 +134,7 @@ class StepCalibration:
     history: deque = field(default_factory=deque)
     """(compute, micro_batches, measured) of past steps."""
     coef: Coef = (1.0, 0.0, 0.0)
-    """(a, b, c) of the current fit (the prior until `fitted`)."""
+    """(a, b, c) of the current fit (until `fitted`: the prior, as `for_hardware` sets it)."""
     weights: tuple[float, ...] = ()
     """The robust weight of each step of `history` in the current fit (1 = fully counted)."""
     observed: int = 0
@@ -146,13 +146,12 @@ class StepCalibration:
         a, b, c = self.prior
         if not (a > 0 and b >= 0 and c >= 0):
             raise ValueError(f"step-time prior {self.prior} must have a > 0, b >= 0, c >= 0")
-        if self.observed == 0 and not self.history:
-            self.coef = tuple(float(x) for x in self.prior)
 
     @classmethod
     def for_hardware(cls, hw: HardwareSpec, **kwargs) -> StepCalibration:
         """A calibration whose prior is `hw`'s own fixed costs."""
-        return cls(prior=(1.0, hw.micro_batch_overhead_s, hw.step_overhead_s), **kwargs)
+        prior = (1.0, hw.micro_batch_overhead_s, hw.step_overhead_s)
+        return cls(prior=prior, coef=prior, **kwargs)
 
     @property
     def fitted(self) -> bool:

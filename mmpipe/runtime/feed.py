@@ -32,7 +32,7 @@ from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
 from mmpipe.planner.api import Coef, StagePlan, StepPlanner, calibrated_hardware
-from mmpipe.runtime.batch import MicroBatch, collate, collate_hf
+from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.stream import make_stream
 
 FIT_LAG = 3
@@ -104,9 +104,6 @@ class StepFeeder:
         if reader_state is not None:
             self.stream.load_state_dict(reader_state)
         self._records = loader(self.stream, records=True)
-        v = rc.model.vision
-        self.patch = v.patch if v is not None else 1
-        self.audio_stride = rc.model.audio.conv_stride if rc.model.audio is not None else 1
         self.steps_made = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._thread = threading.Thread(target=self._produce, name="mmpipe-feeder", daemon=True)
@@ -190,11 +187,7 @@ class StepFeeder:
                            predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state)
 
     def _collate(self, samples: list) -> MicroBatch:
-        """mmpipe's own model's tensors, or a Hugging Face model's (its processors' arrays)."""
-        pad = self.tokenizer.pad_id
-        if self.rc.model.hf is not None:
-            return collate_hf(samples, spec=self.rc.model, packed=self.packed, pad_id=pad, media=self.media)
-        return collate(samples, patch=self.patch, packed=self.packed, pad_id=pad, audio_stride=self.audio_stride)
+        return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that

@@ -129,7 +129,8 @@ class _Pipeline:
     """A Hugging Face model: what loading this rank's layers cost (runtime/hf_run.load_report)."""
 
 
-def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
+def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
+    """This rank's DeepSpeed engine for the stage plan (also what `mmpipe profile` times steps on)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -188,7 +189,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     stages = choose_stages(rc, tok)
     found = _find_checkpoint(rc, stages.plan)  # a damaged checkpoint is refused before the model is built
     before_model = resident_bytes()
-    pipe = _build(rc, tok, stages.plan)
+    pipe = build_pipeline(rc, tok, stages.plan)
     if before_model is not None:  # on CPU the measured peak includes this; the prediction does not
         add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
     ckpt = _checkpointer(rc, pipe, stages.plan)
@@ -285,7 +286,7 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
         t0 = time.perf_counter()
         planned = feeder.next_step() if feeder else None
         mbs: list[MicroBatch] = planned.micro_batches if planned else []
-        _agree_on_micro_batches(engine, len(mbs), rc.parallel.dp)
+        agree_on_micro_batches(engine, len(mbs), rc.parallel.dp)
         counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
                                sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
         planned_fig = torch.tensor([planned.predicted_s, planned.compute_s, len(mbs)] if planned else [0.0] * 3,
@@ -403,7 +404,7 @@ def _stage_of_every_rank(stage: int, world: int, device) -> list[int]:
     return [int(t) for t in out]
 
 
-def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
+def agree_on_micro_batches(engine, mine: int, dp: int) -> None:
     """The planner may choose a different micro-batch count each step; the first stage tells
     the rest of its pipeline (middle stages read no data), and DeepSpeed's schedule follows."""
     m = torch.tensor([mine], dtype=torch.long, device=engine.device)

@@ -80,7 +80,7 @@ def test_noise_free_steps_are_fitted_closely_and_predicted_out_of_sample():
 
 
 def test_the_fit_waits_for_its_warm_up_and_restores_from_its_state():
-    cal = StepCalibration(min_steps=6, prior=(1.0, 0.002, 0.02))
+    cal = StepCalibration(min_steps=6, prior=(1.0, 0.002, 0.02), coef=(1.0, 0.002, 0.02))
     for _ in range(5):
         cal.observe(0.2, 4, 0.5)
     assert not cal.fitted and cal.predict(0.2, 4) == pytest.approx(0.2 + 0.008 + 0.02)  # still the prior
