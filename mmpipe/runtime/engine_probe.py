@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -83,7 +84,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, threads: int) -> ProbeResult:
+def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, threads: int,
+                 logs: Path) -> ProbeResult:
     """Train the probe steps on a real `parallel.pp`-stage pipeline (module docstring).
 
     Args:
@@ -91,6 +93,7 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
         stage_plan: the stages the probe pipeline is cut into.
         hardware: the hardware (a `hardware` config mapping) compute is simulated on.
         threads: torch threads per rank (those a training rank of the run gets).
+        logs: folder of each rank's output (probe_rank<R>.log).
     """
     import torch.multiprocessing as mp
 
@@ -113,7 +116,10 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
                "WORLD_SIZE": str(pp), "LOCAL_WORLD_SIZE": str(pp), "OMP_NUM_THREADS": str(threads),
                "MMPIPE_THREADS": str(threads)}
         with _environment(env):  # DS_ACCELERATOR must be there before DeepSpeed is imported
-            procs = [ctx.Process(target=_probe_rank, args=(r, probe, stage_plan, counts, q)) for r in range(pp)]
+            logs.mkdir(parents=True, exist_ok=True)
+            procs = [ctx.Process(target=_probe_rank,
+                                 args=(r, probe, stage_plan, counts, q, logs / f"probe_rank{r}.log"))
+                     for r in range(pp)]
             for p in procs:
                 p.start()
         try:
@@ -124,13 +130,17 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
                 if p.is_alive():
                     p.kill()
     if isinstance(result, str):
-        raise RuntimeError(f"mmpipe profile: the probe pipeline failed: {result}")
+        raise RuntimeError(f"the probe pipeline failed: {result} (its output: {logs}/probe_rank*.log)")
     return result
 
 
-def _probe_rank(rank: int, rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...], q) -> None:
-    """One rank of the probe pipeline; rank 0 puts the ProbeResult (or an error line) on `q`."""
+def _probe_rank(rank: int, rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...], q, log: Path) -> None:
+    """One rank of the probe pipeline; rank 0 puts the ProbeResult (or an error line) on `q`.
+    Its output (the libraries' start-up lines, the feeder's skipped samples) goes to `log`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
     try:
         result = _probe(rc, stage_plan, counts)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which names it

@@ -15,12 +15,13 @@ two-process gloo ping-pong measures the link latency and bandwidth between stage
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -322,6 +323,14 @@ def fit_engine(probe: ProbeResult) -> EngineFit:
                      slack=slack, memory_error=err, measure=probe.measure)
 
 
+def write_record(path: Path, measurements: list[Measurement], probe: ProbeResult) -> None:
+    """Everything the profile measured, as JSON (the fits are in the hardware file's header)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"layers": [asdict(m) for m in measurements],
+                                "probe": {"before_model": list(probe.before_model), "measure": probe.measure,
+                                          "steps": [asdict(st) for st in probe.steps]}}, indent=1) + "\n")
+
+
 def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     """Measure, fit, write the hardware YAML; return its path."""
     threads = threads_per_rank(rc.parallel.pp * rc.parallel.dp)
@@ -339,7 +348,8 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     print(f"layers: fit median error {fit.median_error:.1%}; timing steps of a real {rc.parallel.pp}-stage pipeline",
           flush=True)
     stages = choose_stages(replace(rc, hardware=hardware_to_dict(layers_hw)), tok).plan
-    probe = probe_engine(rc, stages, hardware_to_dict(layers_hw), threads=threads)
+    probe = probe_engine(rc, stages, hardware_to_dict(layers_hw), threads=threads, logs=Path(rc.run_dir) / "logs")
+    write_record(Path(rc.run_dir) / "profile.json", ms, probe)
     engine = fit_engine(probe)
     name = f"measured-{rc.model.name}"
     hw = replace(calibrated_hardware(layers_hw, engine.coef), name=name, reserved_gb=engine.resident_gb,

@@ -80,6 +80,12 @@ class RunResult:
     """Why and where the run stopped before train.steps (a signal), with its checkpoint."""
     calibration: StepCalibration | None = None
     """Rank 0: the step-time re-fit after the last step (what `write_calibrated` writes out)."""
+    peak_memory: list[float] = field(default_factory=list)
+    """Rank 0: per stage, the largest peak memory measured in any step, bytes."""
+    predicted_memory: list[float] = field(default_factory=list)
+    """Rank 0: per stage, the largest peak memory the planner predicted for any step, bytes."""
+    memory_measure: str = ""
+    """What the measured peaks are (telemetry.PeakMemory.kind)."""
 
 
 def _init_distributed(rc: RunConfig) -> RunConfig:
@@ -342,6 +348,7 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
                    "overhead_s": dt - (t2 - t1), "plan_s": planned.plan_seconds, "feed_s": planned.feed_seconds,
                    "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": memory.kind,
                    "predicted_peak_mem_gb": [b / 1e9 for b in planned.predicted_peak_bytes], "nonfinite": nonfinite}
+            _track_memory(result, [st["mem"] for st in stages], planned.predicted_peak_bytes, memory.kind)
             if rc.train.precision == "fp16":
                 rec["loss_scale"] = fp16_scale  # a step that overflowed was skipped: grad_norm null
             if step % rc.train.log_every == 0 or step == rc.train.steps or nonfinite:
@@ -366,6 +373,14 @@ def _run_steps(rc: RunConfig, pipe: _Pipeline, feeder, writer, bar, start: int, 
             break
     result.seconds = time.perf_counter() - t_start
     return result
+
+
+def _track_memory(result: RunResult, measured: list[float], predicted, kind: str) -> None:
+    """Keep each stage's largest measured and predicted peak for the summary."""
+    result.peak_memory = [max(a, b) for a, b in zip(result.peak_memory or [0.0] * len(measured), measured)]
+    result.predicted_memory = [max(a, b) for a, b in zip(result.predicted_memory or [0.0] * len(predicted),
+                                                         predicted)]
+    result.memory_measure = kind
 
 
 def _nonfinite(loss: float, pipe: _Pipeline, precision: str) -> bool:
@@ -477,6 +492,10 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),
         flush=True,
     )
+    if r.peak_memory and r.predicted_memory:
+        print("memory per stage, peak of the run (" + r.memory_measure + "): "
+              + ", ".join(f"stage {s} {m / 1e9:.3g} GB measured, {p / 1e9:.3g} GB predicted ({m / p - 1:+.0%})"
+                          for s, (m, p) in enumerate(zip(r.peak_memory, r.predicted_memory))), flush=True)
     if r.stopped:
         print(r.stopped, flush=True)
     if r.mixture:
