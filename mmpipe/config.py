@@ -309,11 +309,16 @@ class ProfileConfig:
     """Where `mmpipe profile` writes the machine description (default RUN_DIR/conf/hardware/measured-<model>.yaml,
     usable with --config-dir RUN_DIR/conf; relative: in the run directory)."""
     repeats: int = 5
-    """Timed repetitions per layer and shape (the median is kept)."""
+    """Timed repetitions per layer and micro-batch (the median is kept)."""
+    engine_steps: int = 3
+    """Steps the real pipeline trains for each micro-batch count (1 to 16) when `mmpipe profile`
+    measures the engine's fixed costs and a rank's memory."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"profile.repeats={self.repeats!r} must be a positive integer")
+        if not isinstance(self.engine_steps, int) or self.engine_steps < 1:
+            raise ValueError(f"profile.engine_steps={self.engine_steps!r} must be a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

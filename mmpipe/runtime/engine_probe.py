@@ -11,8 +11,9 @@ a training rank gets), fed by the training feeder from the run's data, each step
 16 equal micro-batches (ds-default's split). Every step reports its measured time beside its
 compute as simulated on the layer-profiled hardware, and every rank its resident set before
 its model was built and its peak memory in each step beside the planner's static and
-activation bytes for it. `mmpipe profile` fits the cost model's fixed costs and memory terms
-to these figures (runtime/profile.py).
+activation bytes for it; and before the model is built, stages 0 and 1 time sends between them
+(the link). `mmpipe profile` fits the cost model's fixed costs and memory terms to these
+figures (runtime/profile.py).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from mmpipe.planner.api import StagePlan
 COUNTS = (16, 1, 2, 4, 8)
 """Micro-batches per probed step (capped at the samples of a step); the first step of the
 first count warms up (first allocations, kernel choices) and is not counted."""
-STEPS_EACH = 3
-"""Steps timed for each micro-batch count."""
 TIMEOUT_S = 900
 """The probe may take this long before `mmpipe profile` gives up on it."""
 
@@ -67,6 +66,8 @@ class ProbeResult:
     (interpreter, libraries, process group), allocated device bytes on a GPU."""
     measure: str
     """What the peaks are: `peak_rss` (CPU, the process's resident set) or `cuda_max_allocated`."""
+    link: tuple[float, float] | None
+    """(latency s, bandwidth GB/s) of one send between stages 0 and 1 (None with one stage)."""
 
 
 @contextlib.contextmanager
@@ -85,7 +86,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, threads: int,
-                 logs: Path) -> ProbeResult:
+                 logs: Path, steps_each: int = 3) -> ProbeResult:
     """Train the probe steps on a real `parallel.pp`-stage pipeline (module docstring).
 
     Args:
@@ -94,6 +95,7 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
         hardware: the hardware (a `hardware` config mapping) compute is simulated on.
         threads: torch threads per rank (those a training rank of the run gets).
         logs: folder of each rank's output (probe_rank<R>.log).
+        steps_each: steps timed for each micro-batch count (profile.engine_steps).
     """
     import torch.multiprocessing as mp
 
@@ -118,7 +120,7 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
         with _environment(env):  # DS_ACCELERATOR must be there before DeepSpeed is imported
             logs.mkdir(parents=True, exist_ok=True)
             procs = [ctx.Process(target=_probe_rank,
-                                 args=(r, probe, stage_plan, counts, q, logs / f"probe_rank{r}.log"))
+                                 args=(r, probe, stage_plan, counts, steps_each, q, logs / f"probe_rank{r}.log"))
                      for r in range(pp)]
             for p in procs:
                 p.start()
@@ -134,7 +136,8 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
     return result
 
 
-def _probe_rank(rank: int, rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...], q, log: Path) -> None:
+def _probe_rank(rank: int, rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...], steps_each: int, q,
+                log: Path) -> None:
     """One rank of the probe pipeline; rank 0 puts the ProbeResult (or an error line) on `q`.
     Its output (the libraries' start-up lines, the feeder's skipped samples) goes to `log`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
@@ -142,7 +145,7 @@ def _probe_rank(rank: int, rc: RunConfig, stage_plan: StagePlan, counts: tuple[i
     os.dup2(out, 1)
     os.dup2(out, 2)
     try:
-        result = _probe(rc, stage_plan, counts)
+        result = _probe(rc, stage_plan, counts, steps_each)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which names it
         if rank == 0:
             q.put(f"rank {rank}: {type(err).__name__}: {err}")
@@ -151,7 +154,7 @@ def _probe_rank(rank: int, rc: RunConfig, stage_plan: StagePlan, counts: tuple[i
         q.put(result)
 
 
-def _probe(rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...]) -> ProbeResult | None:
+def _probe(rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...], steps_each: int) -> ProbeResult | None:
     import deepspeed
     import torch.distributed as dist
 
@@ -169,6 +172,10 @@ def _probe(rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...]) -> Pro
     with held_prints():
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     cuda = backend == "nccl"
+    link = None
+    if dist.get_world_size() > 1:  # the steps' compute is then simulated with the measured link
+        link = _ping_pong(torch.device("cuda") if cuda else torch.device("cpu"))
+        rc = dataclasses.replace(rc, hardware={**rc.hardware, "link_latency_s": link[0], "link_gbps": link[1]})
     before = float(torch.cuda.memory_allocated()) if cuda else float(resident_bytes() or 0.0)
     tok = load_templater(rc)
     pipe = build_pipeline(rc, tok, stage_plan)
@@ -182,8 +189,8 @@ def _probe(rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...]) -> Pro
         feeder = None
         if pipe.first or pipe.last:
             feeder = StepFeeder(run, tokenizer=tok, dp_rank=0, stage_plan=stage_plan, media=pipe.first,
-                                steps=STEPS_EACH + warm)
-        for _ in range(STEPS_EACH + warm):
+                                steps=steps_each + warm)
+        for _ in range(steps_each + warm):
             planned = feeder.next_step() if feeder else None
             mbs = planned.micro_batches if planned else []
             agree_on_micro_batches(engine, len(mbs), 1)
@@ -210,4 +217,34 @@ def _probe(rc: RunConfig, stage_plan: StagePlan, counts: tuple[int, ...]) -> Pro
         return None
     # pp ranks of one replica: rank r is stage r
     return ProbeResult(steps=tuple(steps), before_model=tuple(float(b) for b in befores),
-                       measure=memory.kind)
+                       measure=memory.kind, link=link)
+
+
+def _ping_pong(device, *, sizes=(1 << 10, 1 << 20), repeats: int = 20) -> tuple[float, float]:
+    """(latency s, bandwidth GB/s) of one send from rank 0 to rank 1 and back, on the run's
+    backend: the median half round trip of a small and of a large message, fitted as
+    latency + bytes / bandwidth (rank 0's figures, on every rank)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    times = []
+    for n in sizes:
+        buf = torch.zeros(n // 4, dtype=torch.float32, device=device)
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            runs.append((time.perf_counter() - t0) / 2)
+        times.append((n, statistics.median(runs)))
+    (n0, t0), (n1, t1) = times
+    bandwidth = (n1 - n0) / max(t1 - t0, 1e-9) / 1e9
+    figures = torch.tensor([max(t0 - n0 / (bandwidth * 1e9), 1e-6), bandwidth], dtype=torch.float64, device=device)
+    dist.broadcast(figures, src=0)  # every rank plans with rank 0's figures
+    return float(figures[0]), float(figures[1])

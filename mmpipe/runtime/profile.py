@@ -1,16 +1,26 @@
-"""`mmpipe profile`: measure the configured model's layers on this machine, fit the cost
-model's constants to them, and write a hardware description the planner uses instead of a
-preset (`mmpipe train hardware=<name>`).
+"""`mmpipe profile`: measure the configured model on this machine, fit the cost model's
+constants to it, and write a hardware description the planner uses instead of a preset
+(`mmpipe train --config-dir RUN_DIR/conf hardware=measured-<model>`; `mmpipe plan` likewise).
 
-Every layer of the model is timed forward and backward, in one process with the torch
-threads a training rank gets, on micro-batches of increasing size that mix images, audio
-clips and text. Per layer kind, the fit finds the fixed per-pass time and the efficiency of
-the cost model's curve
+1. **Layers.** Every layer of the model (mmpipe's own, or a transformers checkpoint's with
+   `model=hf` / `model=compose`: vision, audio and decoder blocks, projectors, embeddings,
+   norm, head) is timed forward and backward, in one process with the torch threads a
+   training rank gets, on packed micro-batches of 1 to 32 consecutive samples of the run's data
+   (decoded by the checkpoint's own processors). Per layer kind, the fit finds the fixed
+   per-pass time and the efficiency of the cost model's curve
 
-    time = overhead(kind) + FLOPs * (T + half_tokens) / (T * peak * efficiency(kind))
+       time = overhead(kind) + FLOPs * (T + half_tokens) / (T * peak * efficiency(kind))
 
-on forward + backward time (backward counted in forwards as the cost model counts it), and a
-two-process gloo ping-pong measures the link latency and bandwidth between stages.
+   on forward + backward time (backward counted in forwards as the cost model counts it).
+2. **The engine and memory** (runtime/engine_probe.py): a real `parallel.pp`-stage DeepSpeed
+   pipeline trains steps of the run's data cut into 1 to 16 micro-batches; the bounded robust
+   fit of the training re-fit turns their times into the per-micro-batch and per-step fixed
+   costs (and the scale of the layer figures in a running pipeline), and each rank's resident
+   set before its model and its peaks in the steps into the fixed resident set
+   (`reserved_gb`) and the slack on every planned byte (`memory_slack`). Stages 0 and 1 time
+   sends between them (the link).
+
+Every measurement goes to RUN_DIR/profile.json, the fits to the hardware file's header.
 """
 
 from __future__ import annotations
@@ -225,52 +235,6 @@ def fit_hardware(base: HardwareSpec, spec: ModelSpec, measurements: list[Measure
                backward_ratio={k: statistics.median(v) for k, v in ratio.items()})
 
 
-def measure_link(*, sizes=(1 << 10, 1 << 20), repeats: int = 20) -> tuple[float, float]:
-    """(latency s, bandwidth GB/s) of one gloo send between two local processes."""
-    import torch.multiprocessing as mp
-
-    from mmpipe.runtime.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_pingpong, args=(r, port, sizes, repeats, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = q.get(timeout=120)
-    for p in procs:
-        p.join(timeout=30)
-    (n0, t0), (n1, t1) = result
-    bandwidth = (n1 - n0) / max(t1 - t0, 1e-9) / 1e9
-    latency = max(t0 - n0 / (bandwidth * 1e9), 1e-6)
-    return latency, bandwidth
-
-
-def _pingpong(rank: int, port: int, sizes, repeats: int, q) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    times = []
-    for n in sizes:
-        buf = torch.zeros(n // 4, dtype=torch.float32)
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            runs.append((time.perf_counter() - t0) / 2)
-        times.append((n, statistics.median(runs)))
-    if rank == 0:
-        q.put(times)
-    dist.destroy_process_group()
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineFit:
     """The probe pipeline's figures fitted into the cost model's fixed costs and memory terms."""
@@ -328,10 +292,11 @@ def write_record(path: Path, measurements: list[Measurement], probe: ProbeResult
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"layers": [asdict(m) for m in measurements],
                                 "probe": {"before_model": list(probe.before_model), "measure": probe.measure,
-                                          "steps": [asdict(st) for st in probe.steps]}}, indent=1) + "\n")
+                                          "link": probe.link, "steps": [asdict(st) for st in probe.steps]}},
+                               indent=1) + "\n")
 
 
-def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
+def run_profile(rc: RunConfig, *, out: str | None, repeats: int, engine_steps: int = 3) -> Path:
     """Measure, fit, write the hardware YAML; return its path."""
     threads = threads_per_rank(rc.parallel.pp * rc.parallel.dp)
     torch.set_num_threads(threads)
@@ -342,13 +307,15 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     batches = profile_batches(rc, tok)
     ms = measure_layers(rc.model, _layers(rc, tok), batches, repeats=repeats)
     fit = fit_hardware(base, rc.model, ms, trainable=rc.train.trainable)
-    latency, bandwidth = measure_link()
-    layers_hw = replace(fit.hardware, link_latency_s=latency, link_gbps=bandwidth, micro_batch_overhead_s=0.0,
-                        step_overhead_s=0.0, reserved_gb=0.0, memory_slack=0.0)
+    layers_hw = replace(fit.hardware, micro_batch_overhead_s=0.0, step_overhead_s=0.0, reserved_gb=0.0,
+                        memory_slack=0.0)
     print(f"layers: fit median error {fit.median_error:.1%}; timing steps of a real {rc.parallel.pp}-stage pipeline",
           flush=True)
     stages = choose_stages(replace(rc, hardware=hardware_to_dict(layers_hw)), tok).plan
-    probe = probe_engine(rc, stages, hardware_to_dict(layers_hw), threads=threads, logs=Path(rc.run_dir) / "logs")
+    probe = probe_engine(rc, stages, hardware_to_dict(layers_hw), threads=threads, logs=Path(rc.run_dir) / "logs",
+                         steps_each=engine_steps)
+    if probe.link is not None:  # the probe simulated its steps' compute with it
+        layers_hw = replace(layers_hw, link_latency_s=probe.link[0], link_gbps=probe.link[1])
     write_record(Path(rc.run_dir) / "profile.json", ms, probe)
     engine = fit_engine(probe)
     name = f"measured-{rc.model.name}"
@@ -367,8 +334,8 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int) -> Path:
     for k in sorted(hw.kind_efficiency):
         print(f"{k:<14}{hw.kind_efficiency[k]:>11.3f}{hw.kind_overhead_s[k] * 1e6:>9.0f}us"
               f"{fit.backward_ratio.get(k, math.nan):>9.2f}")
-    print(f"peak {hw.peak_flops / 1e9:.1f} GFLOP/s, half_tokens {hw.half_tokens:g}, link {latency * 1e6:.0f}us "
-          f"+ {bandwidth:.2f} GB/s; layer fit median error {fit.median_error:.1%}")
+    print(f"peak {hw.peak_flops / 1e9:.1f} GFLOP/s, half_tokens {hw.half_tokens:g}, link "
+          f"{hw.link_latency_s * 1e6:.0f}us + {hw.link_gbps:.2f} GB/s; layer fit median error {fit.median_error:.1%}")
     print(engine.describe())
     print(f"wrote {path}\n  use: {use}")
     return path
