@@ -94,7 +94,7 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
     return [[[rows[i] for i in b] for b in bins] for bins in plans]
 
 
-def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replicas:
+def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 128) -> Replicas:
     """The step ends with the slowest replica. One sample is a sizeable step against the gap
     between replicas, so single moves rarely help; swap instead: out of the slow replica's
     edge micro-batches, the two whose loss of their lightest sample helps it most; their
@@ -115,7 +115,11 @@ def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replic
         if src.t <= dst.t * 1.0005:
             break
         gains = []
-        for j in edge_positions(len(src.bins), edge=4):
+        # the edges, where a sample changes the bubble, and the micro-batches heaviest on the
+        # slow replica's busiest stage, where it changes a stall
+        busy = (src.ts[0] + src.ts[1]).sum(axis=1)
+        heavy = np.argsort(-(src.ts[0] + src.ts[1])[int(np.argmax(busy))], kind="stable")[:2]
+        for j in dict.fromkeys(edge_positions(len(src.bins), edge=4) + [int(q) for q in heavy]):
             if len(src.bins[j]) < 2 or left <= 0:
                 continue
             x = min(src.bins[j], key=lambda i: wsum[i])
@@ -129,20 +133,19 @@ def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replic
             if t_rm >= src.t - 1e-12:
                 break
             by = sorted(src.bins[j], key=lambda i: wsum[i])
-            for x in dict.fromkeys((by[-1], by[len(by) // 2])):
+            for x in dict.fromkeys((by[-1], by[len(by) // 2], by[0])):
                 for k in dpos:
                     if left <= 0:
                         break
                     lighter = [i for i in dst.bins[k] if wsum[i] < wsum[x]]
-                    if not lighter:
-                        continue
-                    y = max(lighter, key=lambda i: wsum[i])
-                    es = {j: ([x], [y])}
+                    # a swap against the closest lighter sample, or (none lighter) a plain move
+                    y = [max(lighter, key=lambda i: wsum[i])] if lighter else []
+                    es = {j: ([x], y)}
                     t_s, st_s = src.trial(es)
                     left -= 1
                     if t_s >= src.t - 1e-12 or (best is not None and t_s >= best[0]):
                         continue
-                    ed = {k: ([y], [x])}
+                    ed = {k: (y, [x])}
                     t_d, st_d = dst.trial(ed)
                     left -= 1
                     v = max(t_s, t_d)
