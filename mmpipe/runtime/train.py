@@ -200,7 +200,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
         add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
     ckpt = _checkpointer(rc, pipe, stages.plan)
     start, reader_state = ckpt.resume(found) if found else (0, None)
-    calibration = _calibration(rc, found)
+    calibration = calibration_for(rc, found)
 
     feeder = None
     if pipe.first or pipe.last:
@@ -252,9 +252,10 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     return result
 
 
-def _calibration(rc: RunConfig, found: Found | None) -> StepCalibration:
-    """The step-time re-fit: a resumed run's saved one (when fitted on the same hardware
-    config), else a new one whose prior is the hardware config's fixed costs."""
+def calibration_for(rc: RunConfig, found: Found | None) -> StepCalibration:
+    """The run's step-time re-fit: the one a resumed run's checkpoint saved (when it was fitted
+    on the same hardware config: its regressors are that hardware's simulated times), else a
+    new one whose prior is the hardware config's own fixed costs."""
     hw = hardware_spec(rc)
     saved = load_step_fit(found) if found is not None else None
     if saved is not None and saved.get("hardware") == hw.name:
