@@ -18,7 +18,7 @@ from mmpipe.runtime.stages import choose_stages
 from mmpipe.runtime.train import calibration_for
 
 FIT = (1.6, 0.2, 0.05)
-"""A run whose every micro-batch costs 200 ms (the cpu preset says 2.3 ms)."""
+"""A run whose every micro-batch costs 200 ms (the cpu preset says 26 ms)."""
 WARM = 6
 """Steps the re-fit sees before it is fitted (StepCalibration.min_steps)."""
 
@@ -73,7 +73,7 @@ def test_a_resumed_run_starts_from_the_fit_it_saved(tmp_path):
     # fitted on another hardware config's simulated times: not this run's fit
     other = calibration_for(load(["train.steps=16", "hardware=measured-tiny"], job="test"), found)
     assert not other.fitted and other.coef == other.prior
-    assert calibration_for(rc, None).coef == (1.0, 0.0023, 0.026)  # a fresh run: the cpu preset's costs
+    assert calibration_for(rc, None).coef == (1.0, 0.026, 0.026)  # a fresh run: the cpu preset's costs
 
     # the resumed run's first steps are planned with the saved fit, before it has fitted any of its own
     new = (1.2, 0.01, 0.03)
