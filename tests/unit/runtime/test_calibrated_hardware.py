@@ -42,7 +42,7 @@ def _planner(rc, hw, stage_plan) -> StepPlanner:
 def test_the_refit_is_written_as_a_hardware_file_the_planner_uses(tmp_path):
     rc = load([f"hydra.run.dir={tmp_path / 'run'}"], job="test")
     cal = _fitted(COEF)
-    assert cal.coef == pytest.approx(COEF, rel=0.2)  # 12 noise-free steps; the weak prior pulls a little
+    assert cal.coef == pytest.approx(COEF, rel=0.25)  # 12 noise-free steps; the weak prior pulls a little
     line = write_calibrated(rc, cal)
     path = tmp_path / "run" / "conf" / "hardware" / "calibrated-cpu.yaml"
     conf = tmp_path / "run" / "conf"
