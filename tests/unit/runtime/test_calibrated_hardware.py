@@ -16,7 +16,7 @@ from mmpipe.planner.samples import sample_table
 from mmpipe.planner.step import evaluate_step
 from mmpipe.runtime.hardware_file import write_calibrated
 
-COEF = (1.25, 0.08, 0.04)  # scale, s per micro-batch, s per step: a costly runtime around the layers
+COEF = (1.25, 0.3, 0.04)  # scale, s per micro-batch, s per step: a costly runtime around the layers
 
 
 def _fitted(coef, steps=12) -> StepCalibration:
@@ -42,7 +42,7 @@ def _planner(rc, hw, stage_plan) -> StepPlanner:
 def test_the_refit_is_written_as_a_hardware_file_the_planner_uses(tmp_path):
     rc = load([f"hydra.run.dir={tmp_path / 'run'}"], job="test")
     cal = _fitted(COEF)
-    assert cal.coef == pytest.approx(COEF, rel=0.25)  # 12 noise-free steps; the weak prior pulls a little
+    assert cal.coef[:2] == pytest.approx(COEF[:2], rel=0.1)  # noise-free steps; c, the smallest, takes the prior
     line = write_calibrated(rc, cal)
     path = tmp_path / "run" / "conf" / "hardware" / "calibrated-cpu.yaml"
     conf = tmp_path / "run" / "conf"
@@ -72,7 +72,7 @@ def test_the_refit_is_written_as_a_hardware_file_the_planner_uses(tmp_path):
     on_fit = _planner(rc, calibrated, stages)
     priced = evaluate_step(on_fit.stage_costs, sample_table(feats), raw.replicas, packing=True).step_time
     assert priced == pytest.approx(cal.predict(raw.compute[0], m), rel=1e-9)
-    # ... and the planner, paying 80 ms per micro-batch (the preset: 26 ms), plans fewer of them.
+    # ... and the planner, paying 300 ms per micro-batch (the preset: 26 ms), plans fewer of them.
     assert len(on_fit.plan(feats).replicas[0]) < m
 
 
