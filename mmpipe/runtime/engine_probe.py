@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import tempfile
 import time
 from collections.abc import Iterator
@@ -126,13 +127,16 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
                 p.start()
         try:
             result = q.get(timeout=TIMEOUT_S)
+        except queue.Empty:
+            result = f"no result within {TIMEOUT_S} s"
         finally:
             for p in procs:
                 p.join(timeout=60)
                 if p.is_alive():
                     p.kill()
     if isinstance(result, str):
-        raise RuntimeError(f"the probe pipeline failed: {result} (its output: {logs}/probe_rank*.log)")
+        # one line, as a user error is (the rank's own error names the key where it is one)
+        raise ValueError(f"the probe pipeline could not train: {result}; its output is in {logs}/probe_rank*.log")
     return result
 
 
