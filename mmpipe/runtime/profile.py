@@ -5,8 +5,9 @@ constants to it, and write a hardware description the planner uses instead of a 
 1. **Layers.** Every layer of the model (mmpipe's own, or a transformers checkpoint's with
    `model=hf` / `model=compose`: vision, audio and decoder blocks, projectors, embeddings,
    norm, head) is timed forward and backward, in one process with the torch threads a
-   training rank gets, on packed micro-batches of 1 to 32 consecutive samples of the run's data
-   (decoded by the checkpoint's own processors). Per layer kind, the fit finds the fixed
+   training rank gets, on the device training uses (a GPU where the backend is NCCL) and in
+   the run's precision, on packed micro-batches of 1 to 32 consecutive samples of the run's
+   data (decoded by the checkpoint's own processors). Per layer kind, the fit finds the fixed
    per-pass time and the efficiency of the cost model's curve
 
        time = overhead(kind) + FLOPs * (T + half_tokens) / (T * peak * efficiency(kind))
@@ -56,7 +57,7 @@ from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.engine_probe import ProbeResult, probe_engine
 from mmpipe.runtime.hardware_file import hardware_file, use_line, write_hardware_file
 from mmpipe.runtime.hf_run import load_templater
-from mmpipe.runtime.host import threads_per_rank
+from mmpipe.runtime.host import resolve_backend, threads_per_rank
 from mmpipe.runtime.stages import choose_stages
 from mmpipe.runtime.stream import make_stream
 
@@ -142,31 +143,52 @@ def _prepare(inp):
     return tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in inp)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The weights' and activations' dtype of each train.precision (the layers are timed in it)."""
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _to(x, device: torch.device):
+    return x.to(device) if isinstance(x, torch.Tensor) else tuple(t.to(device) for t in x)
+
+
 def measure_layers(spec: ModelSpec, layers: list[torch.nn.Module], batches: list[ProfileBatch], *,
-                   repeats: int) -> list[Measurement]:
-    """Forward and backward time of every layer on every micro-batch: each layer gets the
-    carrier the layers before it made (detached), and the LM head's backward starts at the loss."""
+                   repeats: int, device: torch.device | None = None,
+                   dtype: torch.dtype = torch.float32) -> list[Measurement]:
+    """Forward and backward time of every layer on every micro-batch, on `device` in `dtype` (the
+    device and precision training runs in): each layer gets the carrier the layers before it made
+    (detached), and the LM head's backward starts at the loss."""
     names = layer_names(spec)
     out: list[Measurement] = []
+    device = device or torch.device("cpu")
+    for layer in layers:
+        layer.to(device=device, dtype=dtype)
     for pb in batches:
         mb = pb.micro_batch
-        x = mb.carrier
+        x = _to(mb.carrier, device)
+        targets, scale = mb.targets.to(device), torch.tensor([1.0], device=device)
         for name, layer in zip(names, layers):
             stream = layer_stream(name)
             fwd, bwd = [], []
             for _ in range(repeats + 1):  # the first run warms up
                 inp = _prepare(x)
-                t0 = time.perf_counter()
+                t0 = _clock(device)
                 y = layer(inp)
-                t1 = time.perf_counter()
+                t1 = _clock(device)
                 outs = _float_outputs(y)
                 if name == "llm.head":  # the head's cost includes the loss over the vocabulary
-                    y = token_loss(y, (mb.targets, torch.tensor([1.0])))
+                    y = token_loss(y, (targets, scale))
                     outs = [y]
-                    t1 = time.perf_counter()
+                    t1 = _clock(device)
                 if outs:
                     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-                t2 = time.perf_counter()
+                t2 = _clock(device)
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
                 layer.zero_grad(set_to_none=True)
@@ -305,7 +327,9 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int, engine_steps: i
           f"(as a pp={rc.parallel.pp} x dp={rc.parallel.dp} run on {os.cpu_count()} cores)", flush=True)
     tok = load_templater(rc)
     batches = profile_batches(rc, tok)
-    ms = measure_layers(rc.model, _layers(rc, tok), batches, repeats=repeats)
+    device = torch.device("cuda") if resolve_backend(rc.launcher.backend) == "nccl" else torch.device("cpu")
+    ms = measure_layers(rc.model, _layers(rc, tok), batches, repeats=repeats, device=device,
+                        dtype=DTYPES[rc.train.precision])
     fit = fit_hardware(base, rc.model, ms, trainable=rc.train.trainable)
     layers_hw = replace(fit.hardware, micro_batch_overhead_s=0.0, step_overhead_s=0.0, reserved_gb=0.0,
                         memory_slack=0.0)
