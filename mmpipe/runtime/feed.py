@@ -12,7 +12,10 @@ step-time model (planner/calibrate.py) and the training loop hands the fit to ev
 most two steps ahead of training, so that fit is always there when the thread gets to step j
 (it never waits), and both feeders of a replica price step j with the same fit, which keeps
 their plans identical. Before the fit has seen its warm-up steps, steps are planned with the
-hardware config; a resumed run starts from the fit its checkpoint saved.
+hardware config, every second one with a micro-batch priced EXPLORE times higher: the planner
+keeps to the count its costs prefer, so without this the warm-up steps would all have about
+the same micro-batch count and the re-fit could not tell what a micro-batch costs from what a
+step does. A resumed run starts from the fit its checkpoint saved.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ from mmpipe.runtime.stream import make_stream
 
 FIT_LAG = 3
 """Step j is planned with the step-time fit made after step j - FIT_LAG (module docstring)."""
+EXPLORE = 8.0
+"""Before the first fit, every second step is planned with the hardware config's cost of a
+micro-batch times this (at least EXPLORE_FLOOR_S): fewer, larger micro-batches."""
+EXPLORE_FLOOR_S = 0.02
+"""The least per-micro-batch cost such a step is planned with, s (the GPU presets have none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,7 @@ class StepFeeder:
                                   replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
                                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
         self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
+        self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
         self.planned_with: Coef | None = None
         self.packed = self.planner.packing
         self.refit = rc.plan.refit
@@ -143,13 +152,18 @@ class StepFeeder:
                 del self._fits[k]
             return self._fits[after]
 
-    def _use_fit(self, fit: Coef | None) -> None:
-        """Plan from now on with `fit` (None: the hardware config); the stage cut stays."""
-        if fit == self.planned_with:
+    def _use_fit(self, fit: Coef | None, step: int) -> None:
+        """Plan step `step` with `fit` (None: the hardware config, or on every second step before
+        the first fit, its exploring variant); the stage cut stays."""
+        self.planned_with = fit
+        if fit is None and self.refit and step % 2 == 0:
+            hw = self.hardware
+            fit = (1.0, max(EXPLORE * hw.micro_batch_overhead_s, EXPLORE_FLOOR_S), hw.step_overhead_s)
+        if fit == self._priced:
             return
         hw = self.hardware if fit is None else calibrated_hardware(self.hardware, fit)
         self.planner = StepPlanner(hardware=hw, **self._planner_args)
-        self.planned_with = fit
+        self._priced = fit
 
     def _make_step(self) -> PlannedStep:
         t0 = time.perf_counter()
@@ -157,7 +171,8 @@ class StepFeeder:
         state = self.stream.state_dict()
         t1 = time.perf_counter()
         feats = [features(self.rc.model, r.meta) for r in records]
-        self._use_fit(self._fit_for(self.first_step + self.steps_made + 1))
+        step = self.first_step + self.steps_made + 1
+        self._use_fit(self._fit_for(step), step)
         planned = self.planner.plan(feats)  # every replica's when planned across replicas, else this one's
         t2 = time.perf_counter()
         mine = 0 if not self.across else self.dp_rank
@@ -180,7 +195,7 @@ class StepFeeder:
             self._record.flush()
         t4 = time.perf_counter()
         # calibrated_hardware scales every compute time by the fit's a exactly: back to the config's
-        scale = self.planned_with[0] if self.planned_with is not None else 1.0
+        scale = self._priced[0] if self._priced is not None else 1.0
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
                            predicted_s=planned.step_time, compute_s=planned.compute[mine] / scale,
                            fit=self.planned_with, predicted_busy=planned.busy[mine],

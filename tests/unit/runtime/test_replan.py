@@ -48,8 +48,12 @@ def test_the_feeder_plans_with_the_runs_fit_after_the_warm_up():
     assert all(p.fit is None for p in fixed)  # plan.refit=false: the hardware config throughout
     keys = [[sorted(k for mb in p.micro_batches for k in mb.keys) for p in run] for run in (refit, fixed)]
     assert keys[0] == keys[1]  # the same samples every step: only their grouping changes
-    before = [len(p.micro_batches) for p in refit[:switch - 1]]
-    assert before == [len(p.micro_batches) for p in fixed[:switch - 1]]
+    # the warm-up: odd steps as the hardware config plans them, every second one with fewer,
+    # larger micro-batches, so that the re-fit sees what a micro-batch costs
+    counts = [[len(p.micro_batches) for p in run[:switch - 1]] for run in (refit, fixed)]
+    assert counts[0][0::2] == counts[1][0::2]
+    assert all(a <= b for a, b in zip(counts[0][1::2], counts[1][1::2]))
+    assert sum(counts[0][1::2]) < sum(counts[1][1::2])
     after, unfitted = ([len(p.micro_batches) for p in run[switch - 1:]] for run in (refit, fixed))
     assert np.mean(after) < np.mean(unfitted)  # 200 ms a micro-batch: fewer of them
     # the figure the re-fit regresses on is the config's compute, whatever the plan was priced with
