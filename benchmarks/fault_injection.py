@@ -38,8 +38,11 @@ MARKER = "committed.json"
 
 
 def overrides(steps: int) -> list[str]:
-    """The run every trial repeats: tiny model, pp=2, a checkpoint every step, samples recorded."""
-    return [f"train.steps={steps}", "train.save_every=1", "train.keep_last=2", "train.record_samples=true"]
+    """The run every trial repeats: tiny model, pp=2, a checkpoint every step, samples recorded;
+    every step planned from the data alone (plan.refit=false: from step 9 on, a run re-planned
+    with its measured step times groups the samples by those times, which no two runs share)."""
+    return [f"train.steps={steps}", "train.save_every=1", "train.keep_last=2", "train.record_samples=true",
+            "plan.refit=false"]
 
 
 def start(run_dir: Path, args: list[str]) -> subprocess.Popen:

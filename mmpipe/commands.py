@@ -270,7 +270,8 @@ def run_shards(rc: RunConfig, _inv: Invocation) -> int:
 def run_profile(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.runtime.profile import run_profile as profile
 
-    profile(rc, out=output_path(rc, rc.profile.out), repeats=rc.profile.repeats)
+    profile(rc, out=output_path(rc, rc.profile.out), repeats=rc.profile.repeats,
+            engine_steps=rc.profile.engine_steps)
     return 0
 
 
@@ -321,10 +322,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             keys=(*_SETUP, "train.global_batch", "train.micro_batches", "train.trainable", "data.path", "plan"),
             examples=("mmpipe simulate recipes=plan-qwen2-vl-h100 data.path=data/workloads/vision-dynamic.jsonl",)),
     Command(name="profile",
-            summary="measure the model's layers on this machine; write a hardware config to the run dir",
-            run=run_profile, keys=(*_SETUP, "train.trainable", "train.seed", "profile"),
+            summary="measure the model's layers and a real pipeline on this machine; write a hardware config",
+            run=run_profile, keys=(*_SETUP, "train.trainable", "train.seed", "train.precision", "train.zero_stage",
+                                   "train.optimizer", "train.global_batch", "data.path", "profile"),
             examples=("mmpipe profile hydra.run.dir=runs/profile",
-                      "mmpipe train --config-dir=runs/profile/conf hardware=measured-tiny"),
+                      "mmpipe train --config-dir=runs/profile/conf hardware=measured-tiny",
+                      "mmpipe profile model=hf model.path=/models/qwen2-vl hydra.run.dir=runs/profile-qwen"),
             notes=("The file lands in RUN_DIR/conf/hardware/measured-<model>.yaml: pass --config-dir=RUN_DIR/conf "
                    "to use it (a user config folder wins over the shipped one).",)),
     Command(name="bench",

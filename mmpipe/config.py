@@ -286,6 +286,11 @@ class PlanConfig:
     memory_headroom: float = DEFAULT_HEADROOM
     """Share of usable device memory no plan fills (allocator fragmentation, buffers the cost
     model does not see); see docs/planner.md."""
+    refit: bool = True
+    """Training: once the step-time re-fit has seen its warm-up steps, plan every later step's
+    micro-batches (count, sizes, order) with the run's measured costs instead of the hardware
+    config's (the stage cut stays). false: every step is planned with the hardware config,
+    so the micro-batches are a function of the data alone and a run repeats bit for bit."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -325,11 +330,16 @@ class ProfileConfig:
     """Where `mmpipe profile` writes the machine description (default RUN_DIR/conf/hardware/measured-<model>.yaml,
     usable with --config-dir RUN_DIR/conf; relative: in the run directory)."""
     repeats: int = 5
-    """Timed repetitions per layer and shape (the median is kept)."""
+    """Timed repetitions per layer and micro-batch (the median is kept)."""
+    engine_steps: int = 3
+    """Steps the real pipeline trains for each micro-batch count (1 to 16) when `mmpipe profile`
+    measures the engine's fixed costs and a rank's memory."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"profile.repeats={self.repeats!r} must be a positive integer")
+        if not isinstance(self.engine_steps, int) or self.engine_steps < 1:
+            raise ValueError(f"profile.engine_steps={self.engine_steps!r} must be a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -625,10 +635,13 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
 
 
 def training_precision(rc: RunConfig):
-    """What the planner prices a run's memory with: its precision, ZeRO stage and optimizer."""
+    """What the planner prices a run's memory with: its precision, ZeRO stage and optimizer, and
+    the fp32 gradient-accumulation buffer DeepSpeed's BF16_Optimizer keeps (bf16 trains with it;
+    docs/runtime.md, "Precision and ZeRO")."""
     from mmpipe.planner.api import TrainingPrecision
 
-    return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero, optimizer=rc.train.optimizer)
+    return TrainingPrecision(precision=rc.train.precision, zero_stage=rc.train.zero, optimizer=rc.train.optimizer,
+                             fp32_grad_accum=rc.train.precision == "bf16")
 
 
 def hardware_spec(rc: RunConfig):

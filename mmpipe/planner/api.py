@@ -27,8 +27,9 @@
         pp, dp and the stage plan it was priced with; `.layouts` the ranked table.
 
     calibrated_hardware(hardware, coef) -> HardwareSpec
-        The hardware whose predicted step time is a StepCalibration fit's prediction (its
-        per-micro-batch and per-step costs become micro_batch_overhead_s / step_overhead_s).
+        The hardware whose predicted step time is a StepCalibration fit's prediction (time
+        constants scaled by its a; its per-micro-batch and per-step costs b, c become
+        micro_batch_overhead_s / step_overhead_s).
 
     validate_trainable(trainable, model) -> tuple[str, ...]
         ValueError for a name matching no layer, e.g. "train.trainable=[visoin] names
@@ -46,24 +47,27 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, fitting_baseline_step, tune_baseline
-from mmpipe.planner.calibrate import StepCalibration, calibrated_hardware
+from mmpipe.planner.calibrate import Coef, StepCalibration, calibrated_hardware
 from mmpipe.planner.cost import (
     DEFAULT_HEADROOM,
     DEFAULT_PRECISION,
+    KIND_STREAM,
     CostModel,
     build_cost_model,
     check_headroom,
     validate_trainable,
 )
-from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
+from mmpipe.planner.hardware import GB, HardwareSpec, hardware_from_dict, hardware_to_dict
 from mmpipe.planner.layout import Layout, LayoutChoice, costs_by_dp, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
 from mmpipe.planner.precision import TrainingPrecision
-from mmpipe.planner.samples import SampleTable, sample_table
+from mmpipe.planner.samples import SampleTable, mb_streams, sample_table
 from mmpipe.planner.stage_cost import StageCosts, stage_costs
 from mmpipe.planner.step import Replicas, evaluate_step
 
@@ -74,13 +78,26 @@ PACKED_POLICIES = ("data-aware", "packed-ffd")
 UNLIMITED_MEMORY_GB = 1e6
 """Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
-__all__ = ["POLICIES", "PACKED_POLICIES", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
+__all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
            "HardwareSpec",
            "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
            "StepPlanner", "TrainingPrecision", "build_cost_model", "calibrated_hardware",
            "check_headroom", "check_policy", "choose_layout",
-           "hardware_from_dict", "hardware_to_dict", "plan_stages", "plan_step",
+           "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "plan_stages", "plan_step",
            "stage_memory_warnings", "validate_trainable"]
+
+
+def packed_streams(features: Sequence[SampleFeatures]) -> tuple[np.ndarray, np.ndarray]:
+    """[K] tokens and [K] sums of squared sequence lengths of each stream (samples.STREAMS)
+    of one packed micro-batch of these samples: what the cost model prices a layer on."""
+    T, S2 = mb_streams(sample_table(list(features)), [list(range(len(features)))], packing=True)
+    return T[0], S2[0]
+
+
+def layer_stream(name: str) -> int | None:
+    """The stream (index into the arrays of `packed_streams`) layer `name` reads, None for a
+    layer the cost model treats as free."""
+    return KIND_STREAM.get(".".join(name.split(".")[:2]))
 
 
 def check_policy(policy: str) -> None:
@@ -137,9 +154,14 @@ class StepPlan:
     """Per replica, the simulated compute time of each stage, s (empty for a replica that got
     no samples)."""
     peak_bytes: tuple[tuple[float, ...], ...]
-    """Per replica, the predicted peak memory of each stage: weights, gradients, optimizer
-    states and the exact 1F1B in-flight activations, bytes (what the runtime logs beside the
-    measured peak of that stage's rank)."""
+    """Per replica, the predicted peak memory of each stage: what its rank holds before the
+    model (`HardwareSpec.reserved_gb`), weights, gradients, optimizer states and the exact 1F1B
+    in-flight activations (with the hardware's measured slack), bytes: what the runtime logs
+    beside the measured peak of that stage's rank."""
+    compute: tuple[float, ...]
+    """Per replica, its simulated 1F1B makespan without the runtime's fixed costs, s (what
+    the step-time re-fit, `StepCalibration`, regresses measured steps on); 0 for a replica
+    without samples."""
 
 
 class StepPlanner:
@@ -170,7 +192,8 @@ class StepPlanner:
             memory_headroom: plan.memory_headroom, the share of usable memory never planned
                 into (default 0: all of it).
         To re-plan with what the runtime measured, build a new StepPlanner with
-        `calibrated_hardware(hardware, calibration.coef)`.
+        `calibrated_hardware(hardware, calibration.coef)` (runtime/feed.py does, once the
+        run's re-fit has seen its warm-up steps).
         """
         check_policy(policy)
         if not memory_limit:
@@ -182,6 +205,7 @@ class StepPlanner:
         self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
                                      precision=precision, memory_headroom=memory_headroom)
         self.stage_costs = stage_costs(self.cost, stage_plan.stages, stage_plan.recompute)
+        self.resident = hardware.reserved_gb * GB  # held by every rank whatever its plan
 
     @property
     def packing(self) -> bool:
@@ -195,7 +219,8 @@ class StepPlanner:
         ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
-                        peak_bytes=ev.replica_peaks)
+                        peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in ev.replica_peaks),
+                        compute=tuple(float(r.makespan) if r is not None else 0.0 for r in ev.replicas))
 
 
 def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],

@@ -90,18 +90,26 @@ def balance_step(sc: StageCosts, table: SampleTable, rows: Sequence[int], *, dp:
         bins = planner.plan(micro_batches, search, thorough)
         plans.append([[local[i] for i in b] for b in bins])
     if search and dp > 1:
-        plans = _even_replicas(BinCosts(sc, sub.tokens, sub.squares, work, act, tr, budget), plans)
+        plans = _even_replicas(BinCosts(sc, sub.tokens, sub.squares, work, act, tr, budget), plans,
+                               thorough=thorough)
     return [[[rows[i] for i in b] for b in bins] for bins in plans]
 
 
-def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replicas:
+def _even_replicas(whole: BinCosts, plans: Replicas, *, thorough: bool) -> Replicas:
     """The step ends with the slowest replica. One sample is a sizeable step against the gap
     between replicas, so single moves rarely help; swap instead: out of the slow replica's
     edge micro-batches, the two whose loss of their lightest sample helps it most; their
     heaviest and median samples x, each against the sample y of an edge micro-batch of the
     fastest replica that is closest below x in work. A swap is kept when the slower of the
-    two replicas drops and memory holds. At most `budget` trial simulations (a fixed count,
-    not a clock, so every rank plans the same step)."""
+    two replicas drops and memory holds. `thorough` (the step's own plan, not the partition
+    search's trial plans) also takes samples out of the two micro-batches heaviest on the slow
+    replica's busiest stage (an indivisible long sample stalls the pipeline there, and the
+    replica with it is the one to lighten), tries the lightest sample too, moves a sample
+    outright where the fast replica's micro-batch holds none lighter, and may spend 128 trial
+    simulations instead of 32 (a fixed count, not a clock, so every rank plans the same step).
+    The partition search keeps the lighter evening, which is what its candidates were judged
+    with."""
+    budget = 128 if thorough else 32
     reps = [CostedBins(whole, [list(b) for b in bins]) if bins else None for bins in plans]
     if sum(r is not None for r in reps) < 2:
         return plans
@@ -115,7 +123,13 @@ def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replic
         if src.t <= dst.t * 1.0005:
             break
         gains = []
-        for j in edge_positions(len(src.bins), edge=4):
+        # the edges, where a sample changes the bubble, and the micro-batches heaviest on the
+        # slow replica's busiest stage, where it changes a stall
+        sources = edge_positions(len(src.bins), edge=4)
+        if thorough:
+            busy = (src.ts[0] + src.ts[1]).sum(axis=1)
+            sources += [int(q) for q in np.argsort(-(src.ts[0] + src.ts[1])[int(np.argmax(busy))], kind="stable")[:2]]
+        for j in dict.fromkeys(sources):
             if len(src.bins[j]) < 2 or left <= 0:
                 continue
             x = min(src.bins[j], key=lambda i: wsum[i])
@@ -129,20 +143,21 @@ def _even_replicas(whole: BinCosts, plans: Replicas, budget: int = 32) -> Replic
             if t_rm >= src.t - 1e-12:
                 break
             by = sorted(src.bins[j], key=lambda i: wsum[i])
-            for x in dict.fromkeys((by[-1], by[len(by) // 2])):
+            for x in dict.fromkeys((by[-1], by[len(by) // 2]) + ((by[0],) if thorough else ())):
                 for k in dpos:
                     if left <= 0:
                         break
                     lighter = [i for i in dst.bins[k] if wsum[i] < wsum[x]]
-                    if not lighter:
+                    if not lighter and not thorough:
                         continue
-                    y = max(lighter, key=lambda i: wsum[i])
-                    es = {j: ([x], [y])}
+                    # a swap against the closest lighter sample, or (none lighter) a plain move
+                    y = [max(lighter, key=lambda i: wsum[i])] if lighter else []
+                    es = {j: ([x], y)}
                     t_s, st_s = src.trial(es)
                     left -= 1
                     if t_s >= src.t - 1e-12 or (best is not None and t_s >= best[0]):
                         continue
-                    ed = {k: ([y], [x])}
+                    ed = {k: (y, [x])}
                     t_d, st_d = dst.trial(ed)
                     left -= 1
                     v = max(t_s, t_d)

@@ -111,10 +111,11 @@ class CostModel:
         return text
 
     def static_bytes(self, start: int, end: int) -> float:
-        """Weights, gradients and optimizer states of layers [start, end)."""
+        """Weights, gradients and optimizer states of layers [start, end), with the hardware's
+        measured slack on top."""
         pr = self.precision
-        return sum(l.params * pr.param_bytes(trainable=l.trainable, dp=self.dp)
-                   for l in self.layers[start:end])
+        return (1.0 + self.hardware.memory_slack) * sum(
+            l.params * pr.param_bytes(trainable=l.trainable, dp=self.dp) for l in self.layers[start:end])
 
 
 def validate_trainable(trainable: Sequence[str], model: ModelSpec) -> tuple[str, ...]:
@@ -150,7 +151,7 @@ def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Seq
     if dp < 1:
         raise ValueError(f"parallel.dp={dp} must be >= 1")
     check_headroom(memory_headroom)
-    scale = precision.activation_scale
+    scale = precision.activation_scale * (1.0 + hardware.memory_slack)  # slack: a measured share on top
     names = layer_names(model)
     flags = [is_trainable(n, trainable) for n in names]
     kinds = [_kind(n, model) for n in names]

@@ -68,7 +68,15 @@ class HardwareSpec:
     usable_fraction: float = 0.9
     """Share of device memory the planner may fill."""
     reserved_gb: float = 0.0
-    """Memory taken before training starts (context, communication buffers), GB."""
+    """What a rank holds before its model is built, GB: the interpreter and its libraries,
+    the process group, the CUDA context. Usable memory is less this, and every predicted peak
+    includes it. `mmpipe profile` measures it (a rank's resident set on CPU); 0 in the GPU
+    presets, which price tensor bytes as docs/spec.md section 6 does."""
+    memory_slack: float = 0.0
+    """Bytes a rank holds beyond the planner's own per planned byte (weights, gradients,
+    optimizer states, activations): the allocator's free blocks, DeepSpeed's receive and
+    flattening buffers, the autograd graph, the feeder's decoded steps. Every planned byte
+    costs (1 + memory_slack); measured by `mmpipe profile` on a real pipeline."""
     act_bytes_per_hidden: float = 34.0
     """Activation bytes kept per token per transformer block, per unit of hidden width, at
     2-byte elements (Korthikanti et al. 2022, flash attention); fp32 runs keep twice as many."""
@@ -95,7 +103,7 @@ class HardwareSpec:
                     "usable_fraction", "act_bytes_per_hidden", "logits_bytes_per_vocab"):
             _check_positive(key, getattr(self, key))
         for key in ("link_latency_s", "op_overhead_s", "micro_batch_overhead_s", "step_overhead_s",
-                    "reserved_gb", "recompute_bytes_per_hidden", "io_bytes_per_hidden"):
+                    "reserved_gb", "memory_slack", "recompute_bytes_per_hidden", "io_bytes_per_hidden"):
             _check_nonneg(key, getattr(self, key))
         if self.max_efficiency > 1:
             raise ValueError(f"hardware.max_efficiency={self.max_efficiency} is above 1; "

@@ -11,7 +11,8 @@ per optimizer state (AdamW: two moments; SGD as `runtime/pipeline.py: make_optim
 it, without momentum: none). ZeRO-1 shards the optimizer side over the `dp` replicas; ZeRO-0
 keeps all of it on every replica. A frozen parameter is its weight only.
 
-    bf16, ZeRO-1, AdamW:  4 + 12/dp    (the spec's figure)
+    bf16, ZeRO-1, AdamW:  4 + 12/dp    (the spec's figure; DeepSpeed's BF16_Optimizer keeps an
+                                        fp32 gradient buffer too: 8 + 12/dp, `fp32_grad_accum`)
     bf16, ZeRO-0, AdamW:  16
     fp32, ZeRO-1, AdamW:  8 + 8/dp
     bf16, ZeRO-1, SGD:    4 + 4/dp
@@ -47,6 +48,11 @@ class TrainingPrecision:
     keeps them whole on every replica."""
     optimizer: str = "adamw"
     """train.optimizer: adamw (two fp32 moments) or sgd (none)."""
+    fp32_grad_accum: bool = False
+    """Every replica also keeps an fp32 gradient-accumulation buffer (4 more bytes per
+    trainable parameter): DeepSpeed's BF16_Optimizer, which the runtime trains bf16 with, does.
+    The spec's figures (docs/spec.md section 6) leave it out, so `mmpipe plan` prices it only
+    for a run whose train.precision is given (config.training_precision)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -70,8 +76,9 @@ class TrainingPrecision:
         return self.element_bytes / 2.0
 
     def replicated_bytes(self) -> float:
-        """Bytes per trainable parameter on every replica: working weight and gradient."""
-        return 2.0 * self.element_bytes
+        """Bytes per trainable parameter on every replica: working weight and gradient (and
+        the fp32 accumulation buffer where the optimizer keeps one)."""
+        return 2.0 * self.element_bytes + (MASTER_BYTES if self.fp32_grad_accum else 0.0)
 
     def optimizer_bytes(self) -> float:
         """Bytes per trainable parameter of the optimizer side (master weight, states), whole."""
@@ -87,4 +94,5 @@ class TrainingPrecision:
 
     def describe(self) -> str:
         """One line for reports, e.g. `bf16, ZeRO-1, adamw`."""
-        return f"{self.precision}, ZeRO-{self.zero_stage}, {self.optimizer}"
+        extra = ", fp32 gradient accumulation" if self.fp32_grad_accum else ""
+        return f"{self.precision}, ZeRO-{self.zero_stage}, {self.optimizer}{extra}"

@@ -191,3 +191,15 @@ def _stack_clips(clips: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     for i, c in enumerate(clips):
         mels[i, :, : c.shape[1]] = torch.from_numpy(np.asarray(c, dtype=np.float32))
     return mels, torch.tensor([c.shape[1] for c in clips], dtype=torch.long)
+
+
+def collate_for(spec: ModelSpec, samples: Sequence[SampleLike], *, packed: bool, pad_id: int,
+                media: bool = True) -> MicroBatch:
+    """One micro-batch of `spec`'s model: mmpipe's own model's tensors (`collate`), or a
+    Hugging Face model's (`collate_hf`, from its processors' arrays)."""
+    if spec.hf is not None:
+        return collate_hf(samples, spec=spec, packed=packed, pad_id=pad_id, media=media)
+    v = spec.vision
+    return collate(samples, patch=v.patch if v is not None else 1, packed=packed, pad_id=pad_id,
+                   audio_stride=spec.audio.conv_stride if spec.audio is not None else 1,
+                   temporal_patch=v.video.temporal_patch if v is not None and v.video is not None else 1)

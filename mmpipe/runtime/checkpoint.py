@@ -41,6 +41,8 @@ MARKER = "committed.json"
 """The file whose presence makes a step folder a checkpoint."""
 FORMAT = 1
 """Version of the marker's layout."""
+STEP_FIT = "step_fit.json"
+"""Rank 0's step-time re-fit after the step (planner/calibrate.py StepCalibration.state_dict)."""
 _STEP = re.compile(r"step(\d+)")
 
 
@@ -325,6 +327,13 @@ class Found:
         return int(self.record["step"])
 
 
+def load_step_fit(found: Found) -> dict | None:
+    """The step-time re-fit a checkpoint saved (its STEP_FIT), None for one without (older
+    checkpoints, runs too short to fit)."""
+    path = found.folder / STEP_FIT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _required(topology: dict) -> list[str]:
     """Files mmpipe itself adds to every checkpoint of a run with this topology."""
     return ([f"rng_rank{r}.pt" for r in range(topology["pp"] * topology["dp"])]
@@ -502,8 +511,10 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------
 
-    def save(self, step: int, reader_state: dict | None) -> Path:
-        """Write checkpoint `step` from every rank, then commit it (rank 0); collective."""
+    def save(self, step: int, reader_state: dict | None, step_fit: dict | None = None) -> Path:
+        """Write checkpoint `step` from every rank, then commit it (rank 0); collective.
+        `step_fit` (rank 0): the step-time re-fit's state after this step, which a resumed run
+        plans with until it has fitted its own (STEP_FIT)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         folder = self.root / f"step{step}"
         bad = first_nonfinite(self.engine.module, self.engine.optimizer)
@@ -528,6 +539,8 @@ class Checkpointer:
                     if reader_state is None:
                         raise OSError("the reader position of this step is unknown")
                     (folder / f"data_state_dp{self.dp_rank}.json").write_text(json.dumps(reader_state))
+                if step_fit is not None:
+                    (folder / STEP_FIT).write_text(json.dumps(step_fit))
             except OSError as err:
                 problem = cannot_save(folder, err)
         _agree(problem)  # also the barrier after which every file exists

@@ -5,6 +5,17 @@ with the same seed and the same deterministic planner, so they build identical m
 without talking to each other. Planning, decoding and collation run in a background thread,
 ahead of the step being trained (one step queued, the next in the making), so they do not
 stall the pipeline.
+
+Re-planning from what the run measures (plan.refit): after every step rank 0 re-fits the
+step-time model (planner/calibrate.py) and the training loop hands the fit to every feeder
+(`deliver_fit`). Step j is planned with the fit made after step j - FIT_LAG: the thread is at
+most two steps ahead of training, so that fit is always there when the thread gets to step j
+(it never waits), and both feeders of a replica price step j with the same fit, which keeps
+their plans identical. Before the fit has seen its warm-up steps, steps are planned with the
+hardware config, every second one with a micro-batch priced EXPLORE times higher: the planner
+keeps to the count its costs prefer, so without this the warm-up steps would all have about
+the same micro-batch count and the re-fit could not tell what a micro-batch costs from what a
+step does. A resumed run starts from the fit its checkpoint saved.
 """
 
 from __future__ import annotations
@@ -23,9 +34,17 @@ from mmpipe.data.skips import SkipCounter
 from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import StagePlan, StepPlanner
-from mmpipe.runtime.batch import MicroBatch, collate, collate_hf
+from mmpipe.planner.api import Coef, StagePlan, StepPlanner, calibrated_hardware
+from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.stream import make_stream
+
+FIT_LAG = 3
+"""Step j is planned with the step-time fit made after step j - FIT_LAG (module docstring)."""
+EXPLORE = 8.0
+"""Before the first fit, every second step is planned with the hardware config's cost of a
+micro-batch times this (at least EXPLORE_FLOOR_S): fewer, larger micro-batches."""
+EXPLORE_FLOOR_S = 0.02
+"""The least per-micro-batch cost such a step is planned with, s (the GPU presets have none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +58,14 @@ class PlannedStep:
     feed_seconds: float
     """Time spent reading, decoding and collating it (in the background thread)."""
     predicted_s: float
-    """The planner's predicted step time of these micro-batches (this replica)."""
+    """The planner's predicted step time of these micro-batches (this replica), under the
+    costs it planned with (`fit`, else the hardware config)."""
+    compute_s: float
+    """Their simulated 1F1B makespan on the hardware config, without its fixed costs (this
+    replica): what the step-time re-fit regresses on."""
+    fit: Coef | None
+    """The step-time fit (a, b, c) these micro-batches were planned with; None: the hardware
+    config's costs."""
     predicted_busy: tuple[float, ...]
     """The planner's predicted compute time of each stage (this replica)."""
     predicted_peak_bytes: tuple[float, ...]
@@ -55,7 +81,10 @@ class StepFeeder:
     def __init__(self, rc: RunConfig, *, tokenizer: Tokenizer | Templater, dp_rank: int, stage_plan: StagePlan,
                  over_memory: bool = False, media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
-                 steps: int | None = None, first_step: int = 0, skips: SkipCounter | None = None):
+                 steps: int | None = None, first_step: int = 0, skips: SkipCounter | None = None,
+                 fit: Coef | None = None):
+        """`fit`: the step-time fit a resumed run's checkpoint saved (None: none yet); it plans
+        the steps until this run's own fits take over (only with plan.refit)."""
         self.rc = rc
         self.tokenizer = tokenizer
         if skips is None:  # the first stage logs the run's drops
@@ -66,12 +95,19 @@ class StepFeeder:
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
         # over_memory: the user's stages exceed memory under the cost model and were accepted
         # with a warning: plan their micro-batches without the memory limit rather than refuse.
-        self.planner = StepPlanner(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
-                                   dp=rc.parallel.dp, stage_plan=stage_plan, policy=rc.plan.policy,
-                                   micro_batches=rc.train.micro_batches,
-                                   replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
-                                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
+        self.hardware = hardware_spec(rc)
+        self._planner_args = dict(model=rc.model, trainable=rc.train.trainable, dp=rc.parallel.dp,
+                                  stage_plan=stage_plan, policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
+                                  replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
+                                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
+        self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
+        self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
+        self.planned_with: Coef | None = None
         self.packed = self.planner.packing
+        self.refit = rc.plan.refit
+        self._resumed_fit = fit if self.refit else None
+        self._fits: dict[int, Coef | None] = {}  # after step k (global), delivered by the training loop
+        self._fits_ready = threading.Condition()
         self._record = record.open("a") if record else None  # a resumed run continues the record
         self.first_step = first_step
         self.media = media
@@ -80,10 +116,6 @@ class StepFeeder:
         if reader_state is not None:
             self.stream.load_state_dict(reader_state)
         self._records = loader(self.stream, records=True)
-        v = rc.model.vision
-        self.patch = v.patch if v is not None else 1
-        self.temporal_patch = v.video.temporal_patch if v is not None and v.video is not None else 1
-        self.audio_stride = rc.model.audio.conv_stride if rc.model.audio is not None else 1
         self.steps_made = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._thread = threading.Thread(target=self._produce, name="mmpipe-feeder", daemon=True)
@@ -109,12 +141,41 @@ class StepFeeder:
             f"per step); set data.epochs=null to repeat the shards, or lower train.steps"
         )
 
+    def _fit_for(self, step: int) -> Coef | None:
+        """The fit step `step` (global, 1-based) is planned with: the one delivered after step
+        step - FIT_LAG, or the resumed run's saved fit before this run has made one."""
+        if not self.refit:
+            return None
+        after = step - FIT_LAG
+        if after <= self.first_step:
+            return self._resumed_fit
+        with self._fits_ready:
+            self._fits_ready.wait_for(lambda: after in self._fits)
+            for k in [k for k in self._fits if k < after]:
+                del self._fits[k]
+            return self._fits[after]
+
+    def _use_fit(self, fit: Coef | None, step: int) -> None:
+        """Plan step `step` with `fit` (None: the hardware config, or on every second step before
+        the first fit, its exploring variant); the stage cut stays."""
+        self.planned_with = fit
+        if fit is None and self.refit and step % 2 == 0:
+            hw = self.hardware
+            fit = (1.0, max(EXPLORE * hw.micro_batch_overhead_s, EXPLORE_FLOOR_S), hw.step_overhead_s)
+        if fit == self._priced:
+            return
+        hw = self.hardware if fit is None else calibrated_hardware(self.hardware, fit)
+        self.planner = StepPlanner(hardware=hw, **self._planner_args)
+        self._priced = fit
+
     def _make_step(self) -> PlannedStep:
         t0 = time.perf_counter()
         records = self._take()
         state = self.stream.state_dict()
         t1 = time.perf_counter()
         feats = [features(self.rc.model, r.meta) for r in records]
+        step = self.first_step + self.steps_made + 1
+        self._use_fit(self._fit_for(step), step)
         planned = self.planner.plan(feats)  # every replica's when planned across replicas, else this one's
         t2 = time.perf_counter()
         mine = 0 if not self.across else self.dp_rank
@@ -136,17 +197,15 @@ class StepFeeder:
                                            "micro_batches": [list(m.keys) for m in mbs]}) + "\n")
             self._record.flush()
         t4 = time.perf_counter()
+        # calibrated_hardware scales every compute time by the fit's a exactly: back to the config's
+        scale = self._priced[0] if self._priced is not None else 1.0
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
-                           predicted_s=planned.step_time, predicted_busy=planned.busy[mine],
+                           predicted_s=planned.step_time, compute_s=planned.compute[mine] / scale,
+                           fit=self.planned_with, predicted_busy=planned.busy[mine],
                            predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state)
 
     def _collate(self, samples: list) -> MicroBatch:
-        """mmpipe's own model's tensors, or a Hugging Face model's (its processors' arrays)."""
-        pad = self.tokenizer.pad_id
-        if self.rc.model.hf is not None:
-            return collate_hf(samples, spec=self.rc.model, packed=self.packed, pad_id=pad, media=self.media)
-        return collate(samples, patch=self.patch, packed=self.packed, pad_id=pad, audio_stride=self.audio_stride,
-                       temporal_patch=self.temporal_patch)
+        return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that
@@ -168,6 +227,13 @@ class StepFeeder:
         if self._record:
             self._record.close()
             self._record = None
+
+    def deliver_fit(self, step: int, fit: Coef | None) -> None:
+        """The step-time fit after step `step` (global), None while it is not fitted: call it
+        after every step, before taking the next one."""
+        with self._fits_ready:
+            self._fits[step] = fit
+            self._fits_ready.notify_all()
 
     def next_step(self) -> PlannedStep:
         item = self._queue.get()

@@ -48,7 +48,8 @@ def write_hardware_file(path: Path, hw: HardwareSpec, *, model: str, header: str
 def write_calibrated(rc: RunConfig, calibration: StepCalibration | None) -> str:
     """At the end of a training run (rank 0): write the run's hardware with the re-fit's
     constants (`calibrated_hardware`) as RUN_DIR/conf/hardware/calibrated-<hardware>.yaml when
-    the fit has seen enough steps; return the line the run's summary ends with."""
+    the fit has seen enough steps; return the line the run's summary ends with. The file's
+    fixed costs are the fit's b and c themselves (the fit is bounded: never below 0)."""
     needed = calibration.min_steps if calibration is not None else StepCalibration().min_steps
     seen = calibration.observed if calibration is not None else 0
     if calibration is None or not calibration.fitted:
@@ -57,22 +58,20 @@ def write_calibrated(rc: RunConfig, calibration: StepCalibration | None) -> str:
     base = hardware_spec(rc)
     # Re-fitting a calibrated file calibrates it further under the same name.
     name = CALIBRATED_PREFIX + base.name.removeprefix(CALIBRATED_PREFIX)
-    a, b, c = calibration.coef
     hw = dataclasses.replace(calibrated_hardware(base, calibration.coef), name=name)
     path = hardware_file(rc.run_dir, name)
-    err = calibration.median_error
-    fit = (f"a={a:.4g}, b={b * 1e3:.3g} ms, c={c * 1e3:.3g} ms; median prediction error "
-           + (f"{err:.1%}" if err is not None else "n/a"))
-    clamped = [k for k, v in (("per-micro-batch", b), ("per-step", c)) if v < 0]
+    fit = calibration.describe()
     use = use_line(path)
     write_hardware_file(path, hw, model=rc.model.name, header=(
         f"Calibrated by `mmpipe train` in {rc.run_dir}: hardware {base.name} re-fitted on the last "
         f"{len(calibration.history)} of {seen} steps\n"
         f"(model {rc.model.name}, pp={rc.parallel.pp} x dp={rc.parallel.dp}, plan.policy={rc.plan.policy}).\n"
-        f"Fit: measured step = a * simulated + b * micro_batches + c with {fit}\n"
-        f"(out of sample, over the last {len(calibration.errors)} steps). peak_flops and link_gbps are\n"
-        f"divided by a, every fixed time multiplied by it; b joins micro_batch_overhead_s, c step_overhead_s"
-        + (f" ({' and '.join(clamped)} cost below 0, taken as 0)" if clamped else "") + ".\n"
+        f"Fit: measured step = a * compute + b * micro_batches + c (compute: the simulated 1F1B makespan on\n"
+        f"{base.name} without its fixed costs; bounded a > 0, b >= 0, c >= 0; Huber-weighted, "
+        f"{calibration.down_weighted} outlier step(s) down-weighted)\n"
+        f"with {fit} (out of sample, over the last {len(calibration.errors)} steps).\n"
+        f"peak_flops and link_gbps are divided by a, every per-op time multiplied by it; "
+        f"micro_batch_overhead_s = b, step_overhead_s = c.\n"
         f"Use: {use}   (or mmpipe plan with the same arguments; valid for model {rc.model.name} only)"))
     return f"calibrated hardware: {path} ({fit}); use: {use}"
 

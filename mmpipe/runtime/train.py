@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmpipe.config import RunConfig, eval_interval
+from mmpipe.config import RunConfig, eval_interval, hardware_spec
 from mmpipe.model.spec import layer_names, model_identity
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import StagePlan, StepCalibration
@@ -29,6 +29,7 @@ from mmpipe.runtime.checkpoint import (
     StepVerdict,
     agree_after_step,
     find_checkpoint,
+    load_step_fit,
     refuse_other_history,
     truncate_records,
 )
@@ -84,6 +85,12 @@ class RunResult:
     """(step, eval_loss) of every evaluation of the held-out set."""
     eval_seconds: float = 0.0
     """Wall time of those evaluations (part of `seconds`)."""
+    peak_memory: list[float] = field(default_factory=list)
+    """Rank 0: per stage, the largest peak memory measured in any step, bytes."""
+    predicted_memory: list[float] = field(default_factory=list)
+    """Rank 0: per stage, the largest peak memory the planner predicted for any step, bytes."""
+    memory_measure: str = ""
+    """What the measured peaks are (telemetry.PeakMemory.kind)."""
 
 
 def _init_distributed(rc: RunConfig) -> RunConfig:
@@ -133,7 +140,8 @@ class _Pipeline:
     """A Hugging Face model: what loading this rank's layers cost (runtime/hf_run.load_report)."""
 
 
-def _build(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
+def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
+    """This rank's DeepSpeed engine for the stage plan (also what `mmpipe profile` times steps on)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -193,11 +201,12 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     stages = choose_stages(rc, tok)
     found = _find_checkpoint(rc, stages.plan)  # a damaged checkpoint is refused before the model is built
     before_model = resident_bytes()
-    pipe = _build(rc, tok, stages.plan)
+    pipe = build_pipeline(rc, tok, stages.plan)
     if before_model is not None:  # on CPU the measured peak includes this; the prediction does not
         add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
     ckpt = _checkpointer(rc, pipe, stages.plan)
     start, reader_state = ckpt.resume(found) if found else (0, None)
+    calibration = calibration_for(rc, found)
 
     feeder = None
     if pipe.first or pipe.last:
@@ -206,7 +215,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
             truncate_records(record, start)  # steps after the checkpoint are fed again
         feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
                             over_memory=bool(stages.warnings), media=pipe.first,
-                            reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start)
+                            reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start,
+                            fit=calibration.coef if calibration.fitted else None)
     if rank == 0 and rc.train.resume:
         truncate_records(run_dir / "metrics.jsonl", start)
     writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
@@ -233,8 +243,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     with stop.deferred() if stop is not None and rc.train.save_on_signal else contextlib.nullcontext():
         try:
             result = _run_steps(_Loop(rc=rc, pipe=pipe, feeder=feeder, writer=writer, bar=bar, ckpt=ckpt, stop=stop,
-                                      evaluator=evaluator, start=start,
-                                      result=RunResult(calibration=StepCalibration() if rank == 0 else None)))
+                                      evaluator=evaluator, start=start, calibration=calibration,
+                                      result=RunResult(calibration=calibration if rank == 0 else None)))
         finally:
             if feeder is not None:
                 feeder.close()
@@ -268,7 +278,7 @@ def score_checkpoint(rc: RunConfig, folder: Path) -> EvalResult:
     stages = choose_stages(rc, tok)
     found = find_checkpoint(folder, given=str(folder), run_dir=Path(rc.run_dir), topology=_topology(rc, stages.plan),
                             steps=sys.maxsize, key=f"mmpipe eval {folder}")
-    pipe = _build(rc, tok, stages.plan)
+    pipe = build_pipeline(rc, tok, stages.plan)
     _checkpointer(rc, pipe, stages.plan).load_weights(found)
     result = _evaluator(rc, pipe, tok, stages, journal=False).run()
     if dist.get_rank() == 0:
@@ -296,11 +306,14 @@ class _Loop:
     """The held-out loss (data.eval_path), or None."""
     start: int
     """The step the run starts after (a resumed checkpoint's, else 0)."""
+    calibration: StepCalibration
+    """The step-time re-fit (rank 0's is the one that counts; a resumed run's starts from its checkpoint's)."""
     result: RunResult
     timer: StageTimer = field(init=False)
     memory: PeakMemory = field(init=False)
     stage_of_rank: list[int] = field(init=False)
-    calibration: StepCalibration = field(init=False)
+    announced: bool = False
+    """Whether the console was told the feeder now plans with the run's own fit."""
     last_state: dict | None = None
     """The reader's position after the last step trained (saved with a checkpoint)."""
 
@@ -309,8 +322,6 @@ class _Loop:
         self.timer = StageTimer(engine)
         self.memory = PeakMemory(engine.device)
         self.stage_of_rank = _stage_of_every_rank(engine.stage_id, dist.get_world_size(), engine.device)
-        # rank 0's is the result's (written out at the end); the other ranks fit nothing
-        self.calibration = self.result.calibration if self.result.calibration is not None else StepCalibration()
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +335,10 @@ class _Fed:
     tokens: int
     predicted_s: float
     """The slowest replica's simulated step time."""
+    compute_s: float
+    """That replica's simulated compute, without the fixed costs (the re-fit's regressor)."""
+    slow_micro_batches: int
+    """That replica's micro-batch count."""
     started: float
     """perf_counter() when the step began."""
 
@@ -369,15 +384,17 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     pipe, dev = loop.pipe, loop.pipe.engine.device  # collectives run on the backend's device (CUDA under NCCL)
     planned = loop.feeder.next_step() if loop.feeder else None
     mbs: list[MicroBatch] = planned.micro_batches if planned else []
-    _agree_on_micro_batches(pipe.engine, len(mbs), loop.rc.parallel.dp)
+    agree_on_micro_batches(pipe.engine, len(mbs), loop.rc.parallel.dp)
     counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
                            sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
-    predicted = torch.tensor([planned.predicted_s if planned else 0.0], dtype=torch.float64, device=dev)
+    planned_fig = torch.tensor([planned.predicted_s, planned.compute_s, len(mbs)] if planned else [0.0] * 3,
+                               dtype=torch.float64, device=dev)
     if pipe.first or pipe.last:
         dist.all_reduce(counts, group=pipe.dp_group)  # whole-step figures, all replicas
-        dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=pipe.dp_group)  # slowest replica
+        planned_fig = _slowest_replica(planned_fig, pipe.dp_group)
     fed = _Fed(planned=planned, micro_batches=mbs, label_tokens=int(counts[0]), samples=int(counts[1]),
-               tokens=int(counts[2]), predicted_s=float(predicted), started=t0)
+               tokens=int(counts[2]), predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
+               slow_micro_batches=int(planned_fig[2]), started=t0)
     if step == loop.start + 1 and dist.get_rank() == 0:
         said = (f"tokens per step: {fed.tokens} LLM tokens, {fed.label_tokens} label tokens, "
                 f"{fed.samples} samples (first step)")
@@ -435,15 +452,24 @@ def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalRe
     last_eval = loop.result.evals[-1][1] if loop.result.evals else None
     loop.bar.update(loss=trained.loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"],
                     eval_loss=last_eval)
+    _track_memory(loop.result, [st["mem"] for st in trained.stages], fed.planned.predicted_peak_bytes, loop.memory.kind)
 
 
 def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dict:
     """The step's metrics.jsonl line; the calibrated prediction is made before this step is observed."""
     mbs, stages, dt, engine_s = len(fed.micro_batches), trained.stages, trained.step_s, trained.engine_s
     busy = [st["fwd"] + st["bwd"] for st in stages]
-    raw = fed.predicted_s
-    pred = loop.calibration.predict(raw, mbs)  # fitted on earlier steps only
-    loop.calibration.observe(raw, mbs, engine_s)
+    cal, compute, m_slow = loop.calibration, fed.compute_s, fed.slow_micro_batches
+    raw = cal.simulated(compute, m_slow)  # the hardware config's prediction
+    pred = cal.predict(compute, m_slow)  # fitted on earlier steps only
+    cal.observe(compute, m_slow, engine_s)
+    fit = fed.planned.fit
+    if fit is not None and not loop.announced:
+        loop.announced = True
+        loop.bar.note(f"step {step}: micro-batches are planned with this run's step-time fit from now on "
+                      f"(a={fit[0]:.3g}, b={fit[1] * 1e3:.3g} ms per micro-batch, c={fit[2] * 1e3:.3g} ms per step; "
+                      f"hardware {loop.rc.hardware.get('name')} said b={cal.prior[1] * 1e3:.3g} ms, "
+                      f"c={cal.prior[2] * 1e3:.3g} ms)")
     rec = {"step": step, "loss": round(trained.loss, 6), "samples_per_s": fed.samples / dt,
            "tokens_per_s": fed.tokens / dt, "step_time": dt, "lr": trained.lr,
            "grad_norm": trained.grad_norm if math.isfinite(trained.grad_norm) else None,
@@ -452,7 +478,8 @@ def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dic
            "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
            "bubble": 1.0 - sum(busy) / (len(busy) * engine_s),
            "predicted_step_time": pred, "simulated_step_time": raw,
-           "calibration": list(loop.calibration.coef), "predicted_busy_s": list(fed.planned.predicted_busy),
+           "calibration": list(cal.coef), "planned_with_fit": fit is not None,
+           "predicted_busy_s": list(fed.planned.predicted_busy),
            "prediction_error": engine_s / pred - 1.0 if pred > 0 else None,
            "overhead_s": dt - engine_s, "plan_s": fed.planned.plan_seconds, "feed_s": fed.planned.feed_seconds,
            "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": loop.memory.kind,
@@ -467,18 +494,56 @@ def _after_step(loop: _Loop, step: int, trained: _Trained) -> bool:
     """Every rank agrees on a non-finite step and on a stop request, then saves when due.
     Returns whether the run stops here (a stop signal, after its checkpoint)."""
     rc, stop = loop.rc, loop.stop
+    fit = _share_fit(loop.calibration, loop.pipe.engine.device)
+    if loop.feeder is not None:
+        loop.feeder.deliver_fit(step, fit)
     requested = stop.requested if stop is not None and stop.defer else None
     verdict = agree_after_step(nonfinite=trained.nonfinite, stop=requested is not None, device=loop.pipe.engine.device)
     _on_nonfinite(rc, verdict, step, trained.loss, trained.grad_norm, loop.ckpt, loop.result, loop.bar)
     stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
     every = rc.train.save_every and step % rc.train.save_every == 0
     if stopping or every or (rc.train.save_final and step == rc.train.steps):
-        folder = loop.ckpt.save(step, loop.last_state)
+        folder = loop.ckpt.save(step, loop.last_state, step_fit=({"hardware": hardware_spec(rc).name,
+                                                                  "calibration": loop.calibration.state_dict()}
+                                                                 if dist.get_rank() == 0 else None))
     if stopping:
         why = signal.Signals(requested).name if requested else "another rank's stop signal"
         loop.result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
                                f"train.resume={Path(rc.run_dir)}")
     return stopping
+
+
+def calibration_for(rc: RunConfig, found: Found | None) -> StepCalibration:
+    """The run's step-time re-fit: the one a resumed run's checkpoint saved (when it was fitted
+    on the same hardware config: its regressors are that hardware's simulated times), else a
+    new one whose prior is the hardware config's own fixed costs."""
+    hw = hardware_spec(rc)
+    saved = load_step_fit(found) if found is not None else None
+    if saved is not None and saved.get("hardware") == hw.name:
+        return StepCalibration.from_state(saved["calibration"])
+    return StepCalibration.for_hardware(hw)
+
+
+def _slowest_replica(mine: torch.Tensor, group) -> torch.Tensor:
+    """The (predicted, compute, micro-batches) row of the replica predicted slowest."""
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(rows, mine, group=group)
+    return max(rows, key=lambda r: float(r[0]))
+
+
+def _share_fit(calibration: StepCalibration, device) -> tuple[float, float, float] | None:
+    """Rank 0's fit after this step, on every rank (None while it has not seen its warm-up)."""
+    t = torch.tensor([*calibration.coef, float(calibration.fitted)], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return (float(t[0]), float(t[1]), float(t[2])) if t[3] > 0 else None
+
+
+def _track_memory(result: RunResult, measured: list[float], predicted, kind: str) -> None:
+    """Keep each stage's largest measured and predicted peak for the summary."""
+    result.peak_memory = [max(a, b) for a, b in zip(result.peak_memory or [0.0] * len(measured), measured)]
+    result.predicted_memory = [max(a, b) for a, b in zip(result.predicted_memory or [0.0] * len(predicted),
+                                                         predicted)]
+    result.memory_measure = kind
 
 
 def _nonfinite(loss: float, pipe: _Pipeline, precision: str) -> bool:
@@ -517,7 +582,7 @@ def _stage_of_every_rank(stage: int, world: int, device) -> list[int]:
     return [int(t) for t in out]
 
 
-def _agree_on_micro_batches(engine, mine: int, dp: int) -> None:
+def agree_on_micro_batches(engine, mine: int, dp: int) -> None:
     """The planner may choose a different micro-batch count each step; the first stage tells
     the rest of its pipeline (middle stages read no data), and DeepSpeed's schedule follows."""
     m = torch.tensor([mine], dtype=torch.long, device=engine.device)
@@ -601,6 +666,10 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),
         flush=True,
     )
+    if r.peak_memory and r.predicted_memory:
+        print("memory per stage, peak of the run (" + r.memory_measure + "): "
+              + ", ".join(f"stage {s} {m / 1e9:.3g} GB measured, {p / 1e9:.3g} GB predicted ({m / p - 1:+.0%})"
+                          for s, (m, p) in enumerate(zip(r.peak_memory, r.predicted_memory))), flush=True)
     if r.stopped:
         print(r.stopped, flush=True)
     if r.mixture:

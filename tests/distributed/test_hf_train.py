@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -177,9 +178,17 @@ def test_omni_zero1_replica_without_clips(hf_checkpoints, run_mmpipe, tmp_path):
 
 def test_a_checkpoint_learns(hf_checkpoints, run_mmpipe):
     """The Qwen2.5-Omni thinker from its checkpoint (images, clips, both, text), pp=2, AdamW: the
-    loss falls by half a nat within 12 steps (from about ln(vocabulary) = 6.6, chance)."""
+    loss falls by half a nat within 12 steps (from about ln(vocabulary) = 6.6, chance). From step 9
+    on (the re-fit's 6 warm-up steps, and the feeder two steps ahead) the micro-batches are planned
+    with the run's own step-time fit, and the console says so once; the summary sets the measured
+    peak memory of each stage beside the prediction."""
     run = run_mmpipe("train", *model_overrides("qwen2.5-omni", hf_checkpoints), "train.steps=12", "train.lr=3e-3",
                      "train.warmup_steps=2", timeout=600)
     assert run.code == 0, run.out[-3000:]
     losses = [m["loss"] for m in run.metrics()]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert [m["planned_with_fit"] for m in run.metrics()] == [False] * 8 + [True] * 4
+    assert run.out.count("micro-batches are planned with this run's step-time fit from now on") == 1
+    assert "step 9: micro-batches are planned with this run's step-time fit" in run.out
+    assert re.search(r"memory per stage, peak of the run \(peak_rss\): stage 0 [\d.]+ GB measured, [\d.]+ GB "
+                     r"predicted \([+-]\d+%\), stage 1 ", run.out), run.out[-2000:]

@@ -163,3 +163,28 @@ def test_the_config_resolves_auto_before_launch():
     out = resolve_layout(rc, sample)
     assert not out.parallel.auto and out.parallel.pp * out.parallel.dp == 4 and out.parallel.devices == 4
     assert resolve_layout(out, sample) is out
+
+
+def _text(n):
+    return SampleFeatures(image_positions=(), image_tokens=(), audio_positions=(), audio_tokens=(), text_tokens=n)
+
+
+def test_a_deeper_layout_that_needs_no_recompute_beats_the_shallow_one_and_is_chosen():
+    """One 4000-token sample among 15 short ones, 4 devices, the LLM trainable: one replica of the
+    whole 7B model per device must recompute to hold that sample's activations beside its weights
+    and optimizer states (1x4), two stages need not (2x2), and the deeper layout is faster: the
+    search must price it, plan it and choose it."""
+    m, hw, tr = model("llava-1.5-7b"), hardware("h100"), ("llm",)
+    sample = [_text(4000)] + [_text(int(t)) for t in np.random.default_rng(0).integers(30, 80, 15)]
+    choice = choose_layout(model=m, hardware=hw, trainable=tr, devices=4, global_batch=16, micro_batches=1,
+                           sample=sample, memory_headroom=0.08)
+    assert (choice.best.pp, choice.best.dp) == (2, 2) and choice.best.how == "planned"
+    assert choice.best.stage_plan.recompute == (False, False)
+    table = sample_table(sample)
+    full = {}
+    for pp, dp in ((1, 4), (2, 2), (4, 1)):
+        cost = build_cost_model(model=m, hardware=hw, trainable=tr, dp=dp, memory_headroom=0.08)
+        full[pp, dp] = plan_layout(cost, table, [list(range(16))], pp=pp, dp=dp, micro_batches=1)
+    assert full[1, 4].fits and full[1, 4].stage_plan.recompute == (True,)  # it fits only by recomputing
+    assert full[2, 2].step_time < 0.8 * full[1, 4].step_time  # and pays for it
+    assert choice.best.step_time == pytest.approx(min(x.step_time for x in full.values()), rel=1e-9)

@@ -119,3 +119,30 @@ def test_no_policy_plans_into_the_headroom(mname, workload, n, headroom):
         assert np.all(ev.peak_bytes <= cost.usable_bytes), (policy, ev.peak_bytes / cost.usable_bytes)
         if headroom != HEADROOM and policy == "data-aware":  # the case still binds (else it tests nothing)
             assert ev.peak_bytes.max() > 0.95 * cost.usable_bytes, ev.peak_bytes / cost.usable_bytes
+
+
+def test_a_predicted_peak_is_what_a_rank_holds():
+    """The peak a StepPlanner predicts for every stage (what the runtime logs beside the measured
+    one) is the rank's resident set before its model, plus every planned byte (weights,
+    gradients, optimizer states, in-flight activations) with the measured slack on top: on a
+    CPU rank of the tiny model the resident set is most of it."""
+    import dataclasses
+
+    from mmpipe.planner.api import StagePlan, StepPlanner
+
+    feats = [SampleFeatures(image_positions=(), image_tokens=(), audio_positions=(), audio_tokens=(),
+                            text_tokens=int(t)) for t in np.random.default_rng(0).integers(20, 300, 16)]
+    bare = dataclasses.replace(hardware("cpu"), reserved_gb=0.0, memory_slack=0.0)
+
+    def peaks(hw):
+        return np.array(StepPlanner(model=model("tiny"), hardware=hw, trainable=("all",), dp=1,
+                                    stage_plan=StagePlan(stages=[(0, 11), (11, 15)]), policy="ds-default",
+                                    micro_batches=4).plan(feats).peak_bytes[0])
+
+    planned = peaks(bare)
+    assert np.all(planned > 0)
+    held = peaks(dataclasses.replace(bare, reserved_gb=0.8))
+    assert held == pytest.approx(planned + 0.8e9, rel=1e-12)
+    slack = peaks(dataclasses.replace(bare, reserved_gb=0.8, memory_slack=1.5))
+    assert slack == pytest.approx(0.8e9 + 2.5 * planned, rel=1e-9)
+    assert peaks(hardware("cpu")) == pytest.approx(0.8e9 + 2.4 * planned, rel=1e-9)  # the preset's measured figures

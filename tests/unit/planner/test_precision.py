@@ -95,13 +95,13 @@ def test_a_calibration_fit_becomes_the_hardware_the_planner_predicts_with():
     cal = StepCalibration(coef=coef)
     fitted = _planner(calibrated_hardware(hw, coef))
     # the same micro-batches priced on the fitted hardware are what the fit predicts
-    same = dataclasses.replace(fitted.stage_costs.cost.hardware)
-    assert same.micro_batch_overhead_s == pytest.approx(1.3 * 1e-3 + 0.004)
-    assert same.step_overhead_s == pytest.approx(1.3 * 2e-3 + 0.05)
+    same = fitted.stage_costs.cost.hardware
+    assert (same.micro_batch_overhead_s, same.step_overhead_s) == (0.004, 0.05)  # the fit's own, not added
     from mmpipe.planner.samples import sample_table
     from mmpipe.planner.step import evaluate_step
     ev = evaluate_step(fitted.stage_costs, sample_table(feats), raw.replicas, packing=True)
-    assert ev.step_time == pytest.approx(cal.predict(raw.step_time, m), rel=1e-9)
+    assert ev.step_time == pytest.approx(cal.predict(raw.compute[0], m), rel=1e-9)
+    assert raw.step_time == pytest.approx(raw.compute[0] + 1e-3 * m + 2e-3, rel=1e-12)  # compute: no fixed costs
 
 
 def test_the_per_micro_batch_cost_changes_the_micro_batch_count():

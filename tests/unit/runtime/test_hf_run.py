@@ -48,13 +48,14 @@ def test_a_7b_preset_that_does_not_fit_says_what_it_needs(capsys, tmp_path, monk
                      r"and optimizer states of its 2 processes here .*7,05\d,\d{3},\d{3} parameters held.* but this "
                      r"machine has 24\.0 GiB of RAM", err), err
     assert not (tmp_path / "run").exists()
-    # bf16 under ZeRO-1 over 2 replicas: 2-byte weights and gradients, the fp32 master and moments
-    # sharded in two (2 + 2 + 12 / 2 = 10 bytes a trained parameter); 4 processes share the RAM
+    # bf16 under ZeRO-1 over 2 replicas: 2-byte weights and gradients, DeepSpeed's fp32 gradient
+    # buffer, the fp32 master and moments sharded in two (2 + 2 + 4 + 12 / 2 = 14 bytes a trained
+    # parameter); 4 processes share the RAM
     assert main(["train", "model=llava-1.5-7b", "train.precision=bf16", "parallel.dp=2",
                  f"hydra.run.dir={tmp_path / 'run'}"]) == 2
     err = _error(capsys)
-    assert re.search(r"needs 13\d\.\d GiB of RAM .* of its 4 processes .*bf16, ZeRO-1, adamw: 2 bytes per weight, "
-                     r"10 per trained parameter", err), err
+    assert re.search(r"needs 13\d\.\d GiB of RAM .* of its 4 processes .*bf16, ZeRO-1, adamw, fp32 gradient "
+                     r"accumulation: 2 bytes per weight, 14 per trained parameter", err), err
     # the same run fits a machine with enough memory (and then wants a tokenizer of the model)
     monkeypatch.setattr(hf_run, "device_memory", lambda _: (512 * 2**30, "RAM"))
     assert main(["train", "model=llava-1.5-7b", f"hydra.run.dir={tmp_path / 'run'}"]) == 2

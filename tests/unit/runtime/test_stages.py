@@ -16,7 +16,9 @@ OVERRIDE = "plan.stages=[[vision.embed,llm.block.2],[llm.block.3,llm.head]]"
 
 
 def _warnings(*overrides: str) -> tuple[str, ...]:
-    rc = load(["train.steps=1", OVERRIDE, *overrides], job="test")
+    # the planner's own bytes against a few MB: no resident set or slack on top
+    rc = load(["train.steps=1", OVERRIDE, "hardware.reserved_gb=0", "hardware.memory_slack=0", *overrides],
+              job="test")
     chosen = choose_stages(rc, load_tokenizer(tokenizer_source(rc)[0]))
     assert chosen.source == "override"
     return chosen.warnings
@@ -51,11 +53,12 @@ def _static_gb(*overrides: str) -> float:
 def test_memory_is_priced_in_the_runs_precision():
     """The runtime passes the run's precision, ZeRO stage and optimizer to the planner. Per
     trainable parameter on 2 replicas (docs/planner.md): fp32 + AdamW 16 bytes; fp32 under ZeRO-1
-    8 + 8/2 = 12; bf16 under ZeRO-1 4 + 12/2 = 10; fp32 + SGD 8."""
+    8 + 8/2 = 12; bf16 under ZeRO-1 in DeepSpeed's BF16_Optimizer 4 + 4 (its fp32 gradient
+    buffer) + 12/2 = 14; fp32 + SGD 8."""
     two = ("parallel.dp=2", "train.global_batch=16")
     fp32 = _static_gb(*two)
     assert _static_gb(*two, "train.zero_stage=1") == pytest.approx(fp32 * 12 / 16, rel=0.03)
-    assert _static_gb(*two, "train.precision=bf16") == pytest.approx(fp32 * 10 / 16, rel=0.03)
+    assert _static_gb(*two, "train.precision=bf16") == pytest.approx(fp32 * 14 / 16, rel=0.03)
     assert _static_gb(*two, "train.optimizer=sgd") == pytest.approx(fp32 * 8 / 16, rel=0.03)
 
 
