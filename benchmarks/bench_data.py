@@ -27,9 +27,9 @@ from mmpipe.model.group import model_from_group  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", default=str(ROOT / "mmpipe/data/shards/train-{000000..000007}.tar"))
-    ap.add_argument("--tokenizer", default=str(ROOT / "mmpipe/data/tokenizer.json"))
-    ap.add_argument("--model", default="tiny", help="a model preset (mmpipe/conf/model)")
+    ap.add_argument("--path", default=str(ROOT / "data/shards/train-{000000..000007}.tar"))
+    ap.add_argument("--tokenizer", default=str(ROOT / "data/tokenizer.json"))
+    ap.add_argument("--model", default="tiny", help="a model preset (conf/model)")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--generated", type=int, default=5000)
     args = ap.parse_args()

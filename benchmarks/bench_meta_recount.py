@@ -108,8 +108,8 @@ def rate(make, n: int, repeat: int) -> tuple[int, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", default=str(ROOT / "mmpipe/data/shards/train-{000000..000007}.tar"))
-    ap.add_argument("--tokenizer", default=str(ROOT / "mmpipe/data/tokenizer.json"))
+    ap.add_argument("--path", default=str(ROOT / "data/shards/train-{000000..000007}.tar"))
+    ap.add_argument("--tokenizer", default=str(ROOT / "data/tokenizer.json"))
     ap.add_argument("--model", default="tiny", help="a conf/model preset")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)

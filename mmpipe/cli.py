@@ -6,7 +6,7 @@ groups), `--cfg job|hydra|all`, `--package`, `--resolve`, `--info`, `--hydra-hel
 `-m/--multirun` sweeps (jobs one after another, each in its own directory), `--config-dir DIR`
 (a user config folder that wins over the shipped one), the override grammar (`+key=`,
 `++key=`, `~key`), and `.hydra/` in every run directory. The configs ship inside the package
-(mmpipe/conf/, found as pkg://mmpipe.conf) and are composed onto the structured schema of
+(top-level conf/, the package mmpipe.conf, found as pkg://mmpipe.conf) and are composed onto the structured schema of
 mmpipe/schema.py. With schema.py and overrides.py this is the only code that sees Hydra: the
 composed config becomes a validated RunConfig here, before any directory or process is made.
 """
@@ -23,10 +23,7 @@ from hydra.experimental.callback import Callback
 from mmpipe.commands import COMMANDS, Command, Invocation, demo_command, eval_command, export_command, usage
 from mmpipe.config import RunConfig, run_config_from_dict
 from mmpipe.overrides import check_overrides, explain
-from mmpipe.paths import PACKAGE_ROOT, shell_word
-
-CONF_DIR = PACKAGE_ROOT / "conf"
-"""The shipped configs (groups model, data, hardware, recipes)."""
+from mmpipe.paths import shell_word
 
 _active: Command | None = None
 """The command of the Hydra app now running (read by its help text and CheckBeforeRun)."""

@@ -155,10 +155,10 @@ def _default_text(key: str) -> str:
 def _model_keys(overrides: list[str]) -> list[str]:
     """The keys of the model group the overrides choose (model=hf, model=compose, a preset; else
     the default), dotted: the schema types `model` loosely, so its keys come from the group file."""
-    from mmpipe.paths import PACKAGE_ROOT
+    from mmpipe.paths import CONF_DIR
 
     name = next((o.partition("=")[2] for o in overrides if o.lstrip("+").partition("=")[0] == "model"), "tiny")
-    path = PACKAGE_ROOT / "conf" / "model" / f"{name}.yaml"
+    path = CONF_DIR / "model" / f"{name}.yaml"
     if not path.is_file():
         return []
 

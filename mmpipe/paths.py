@@ -7,13 +7,18 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from importlib.resources import files
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
-"""The mmpipe package folder, in a checkout and in an installed wheel alike: it holds the shipped
-configs (conf/, with conf/recipes/) and sample data (data/shards/, data/tokenizer.json,
-data/workloads/), so relative paths such as data/shards/... resolve here when the current
-directory has no such file (`resolve_path`)."""
+"""The mmpipe package folder, in a checkout and in an installed wheel alike. Its data/shards,
+data/workloads and data/tokenizer.json are the shipped sample data (in a checkout, links to the
+top-level data/ folder; a wheel holds copies), so relative paths such as data/shards/... resolve
+here when the current directory has no such file (`resolve_path`)."""
+
+CONF_DIR = Path(str(files("mmpipe.conf")))
+"""The shipped Hydra configs (groups model, data, hardware, recipes): the top-level conf/ folder
+of a checkout (its recipes/ a link to the top-level recipes/), mmpipe/conf in a wheel."""
 
 
 def resolve_path(p: str) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Write the public omni workload trace, mmpipe/data/workloads/omni-mix.jsonl (deterministic).
+"""Write the public omni workload trace, data/workloads/omni-mix.jsonl (deterministic).
 
-    python scripts/make_omni_trace.py [--out mmpipe/data/workloads/omni-mix.jsonl] [--lines 1024] [--seed 16]
+    python scripts/make_omni_trace.py [--out data/workloads/omni-mix.jsonl] [--lines 1024] [--seed 16]
 
 An omni-modal SFT mixture as Qwen2.5-Omni-style thinkers are fine-tuned on (the mixture weights and
 ranges are this trace's own choice; the trace format is docs/spec.md section 1):

@@ -12,7 +12,7 @@ import yaml
 
 import mmpipe.runtime.launch
 from mmpipe.cli import load, main
-from mmpipe.paths import PACKAGE_ROOT
+from mmpipe.paths import CONF_DIR
 from mmpipe.report import find_runs
 
 
@@ -122,7 +122,7 @@ def test_a_key_given_twice_is_an_error_naming_both_and_the_quoting_that_works(in
 
 def test_a_user_config_dir_adds_options_and_wins_over_the_shipped_ones(in_tmp, capsys):
     (in_tmp / "mine" / "hardware").mkdir(parents=True)
-    shipped = yaml.safe_load((PACKAGE_ROOT / "conf/hardware/cpu.yaml").read_text())
+    shipped = yaml.safe_load((CONF_DIR / "hardware/cpu.yaml").read_text())
     (in_tmp / "mine" / "hardware" / "cpu.yaml").write_text(yaml.safe_dump(dict(shipped, memory_gb=7.0)))
     (in_tmp / "mine" / "hardware" / "box.yaml").write_text(yaml.safe_dump(dict(shipped, name="box")))
     assert main(["train", "--config-dir", "mine", "--cfg", "job", "--package", "hardware"]) == 0

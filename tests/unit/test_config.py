@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmpipe.cli import CONF_DIR, load, main
+from mmpipe.cli import load, main
 from mmpipe.config import parse_stages, stages_to_bounds
+from mmpipe.paths import CONF_DIR
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from mmpipe.paths import PACKAGE_ROOT
+from mmpipe.paths import CONF_DIR
 from mmpipe.data.synth import SynthConfig, generate
 from mmpipe.data.tokenizer import Tokenizer, load_tokenizer
 from mmpipe.model.spec import ModelSpec, spec_from_dict
@@ -30,7 +30,7 @@ class Web:
 
 @pytest.fixture(scope="session")
 def tiny_spec() -> ModelSpec:
-    return spec_from_dict(yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text()))
+    return spec_from_dict(yaml.safe_load((CONF_DIR / "model/tiny.yaml").read_text()))
 
 
 @pytest.fixture(scope="session")

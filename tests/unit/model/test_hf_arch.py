@@ -13,7 +13,7 @@ from mmpipe.model.hf.build import build_layer
 from mmpipe.model.hf.memory import check_memory, estimate_memory, layer_params
 from mmpipe.model.hf.settings import spec_from_settings
 from mmpipe.model.spec import layer_names
-from mmpipe.paths import PACKAGE_ROOT
+from mmpipe.paths import CONF_DIR
 
 # The Hub configs of the three 7B checkpoints (config.json and preprocessor figures), as the
 # presets state them.
@@ -70,7 +70,7 @@ QWEN3_VL_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "patc
 
 def _preset(name):
     """The preset as `model=NAME` builds it (its own, separately written copy of the Hub config)."""
-    return model_from_group(yaml.safe_load((PACKAGE_ROOT / f"conf/model/{name}.yaml").read_text())).spec
+    return model_from_group(yaml.safe_load((CONF_DIR / f"model/{name}.yaml").read_text())).spec
 
 
 def _same_figures(ours, preset, fields):
@@ -121,7 +121,7 @@ def test_qwen3_vl_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers(
     assert preset.vision.deepstack == (8, 16, 24) and preset.vision.proj == (4608, 4096)
     counts = layer_params(preset)
     assert 8.7e9 < sum(counts.values()) < 8.8e9  # Qwen3-VL-8B: 8.77 B parameters
-    hw = hardware_from_dict(yaml.safe_load((PACKAGE_ROOT / "conf/hardware/h100.yaml").read_text()))
+    hw = hardware_from_dict(yaml.safe_load((CONF_DIR / "hardware/h100.yaml").read_text()))
     cost = build_cost_model(model=preset, hardware=hw, trainable=("vision.proj", "llm"))
     priced = {l.name: l.params for l in cost.layers}
     for name in ("vision.block.0", "vision.proj", "llm.embed", "llm.head"):
@@ -201,7 +201,7 @@ def test_settings_errors_name_the_key(tmp_path):
 
 
 def _preset_config(name) -> dict:
-    return yaml.safe_load((PACKAGE_ROOT / f"conf/model/{name}.yaml").read_text())
+    return yaml.safe_load((CONF_DIR / f"model/{name}.yaml").read_text())
 
 
 def test_anyres_presets_build_from_their_configs_alone():

@@ -21,14 +21,14 @@ from mmpipe.model.geometry import (
 from mmpipe.model.group import model_from_group
 from mmpipe.model.layers import build_layer, build_layers, run_layers, token_loss
 from mmpipe.model.spec import is_trainable, layer_names, spec_from_dict
-from mmpipe.paths import PACKAGE_ROOT
+from mmpipe.paths import CONF_DIR
 from mmpipe.runtime.batch import collate
 
 IMG, AUD, VID = 5, 6, 7
 
 
 def tiny():
-    return spec_from_dict(yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text()))
+    return spec_from_dict(yaml.safe_load((CONF_DIR / "model/tiny.yaml").read_text()))
 
 
 class FakeSample:
@@ -87,7 +87,7 @@ def test_layer_names_follow_the_grammar_in_order(spec):
 
 
 def test_every_preset_lists_layers_without_building_weights():
-    for path in sorted((PACKAGE_ROOT / "conf/model").glob("*.yaml")):
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
         if path.stem in ("hf", "compose"):
             continue  # they read checkpoint folders (tests/unit/test_config.py composes them)
         spec = model_from_group(yaml.safe_load(path.read_text())).spec
@@ -98,11 +98,11 @@ def test_every_preset_lists_layers_without_building_weights():
 
 
 def test_spec_errors_name_the_key():
-    cfg = yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text())
+    cfg = yaml.safe_load((CONF_DIR / "model/tiny.yaml").read_text())
     cfg["vision"]["hiden"] = 3
     with pytest.raises(ValueError, match=r"model\.vision\.hiden is not a setting"):
         spec_from_dict(cfg)
-    cfg = yaml.safe_load((PACKAGE_ROOT / "conf/model/tiny.yaml").read_text())
+    cfg = yaml.safe_load((CONF_DIR / "model/tiny.yaml").read_text())
     cfg["audio"]["proj"] = [64]
     with pytest.raises(ValueError, match=r"model\.audio\.proj ends in 64 but model\.llm\.hidden=128"):
         spec_from_dict(cfg)

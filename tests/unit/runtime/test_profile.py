@@ -9,8 +9,9 @@ import shlex
 
 import yaml
 
-from mmpipe.cli import CONF_DIR, load, main
+from mmpipe.cli import load, main
 from mmpipe.config import hardware_spec
+from mmpipe.paths import CONF_DIR
 from mmpipe.planner.cost import KINDS
 from mmpipe.planner.hardware import KIND_FALLBACK, hardware_from_dict
 
