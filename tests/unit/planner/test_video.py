@@ -6,6 +6,8 @@ clip gets one of its own rather than running the stage out of memory."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import yaml
 
 from mmpipe.model.geometry import SampleMeta, VideoMeta, features
 from mmpipe.planner.balancer import balance_step
@@ -14,7 +16,7 @@ from mmpipe.planner.samples import STREAMS, sample_table
 from mmpipe.planner.stage_cost import sample_work, stage_costs
 from mmpipe.planner.step import evaluate_step
 
-from .helpers import hardware, model
+from .helpers import PACKAGE, WORKLOADS, hardware, model
 
 VPOS, VTOK, LLM = STREAMS.index("vpos"), STREAMS.index("vtok"), STREAMS.index("llm")
 
@@ -113,3 +115,46 @@ def test_a_long_onevision_clip_gets_a_micro_batch_of_its_own():
     blocks = 26 * 34 * 1152 * 48 * 729
     assert blocks < act[5, 0] < 1.02 * blocks
     _assert_alone(sc, table, clip=5)
+
+
+def _video_presets() -> list[str]:
+    """The Hub-checkpoint presets (an inline `config`) whose vision encoder takes video."""
+    out = []
+    for path in sorted((PACKAGE / "conf" / "model").glob("*.yaml")):
+        if "config" in yaml.safe_load(path.read_text()):
+            v = model(path.stem).vision
+            if v is not None and v.video is not None:
+                out.append(path.stem)
+    return out
+
+
+VIDEO_PRESETS = _video_presets()
+
+
+@pytest.mark.parametrize("name", VIDEO_PRESETS)
+def test_plan_on_the_video_trace_beats_every_tuned_baseline(name):
+    """`mmpipe plan` on the public video trace (video-mix: clips of 2 s to 3 min beside images and
+    text), every preset that takes video, pp=4 x dp=2, two 64-sample steps: the data-aware plan
+    fits and its mean step time beats each baseline tuned as docs/spec.md section 7 says, the best of
+    them by 20%."""
+    from mmpipe.planner.command import run_plan
+    from mmpipe.planner.trace import read_trace
+
+    assert {"qwen2-vl-7b", "llava-onevision-qwen2-7b"} <= set(VIDEO_PRESETS)
+    trace = WORKLOADS / "video-mix.jsonl"
+    m = model(name)
+    head = [features(m, meta) for meta, _ in zip(read_trace(trace), range(128))]
+    assert sum(len(f.video_segments) for f in head) >= 50  # the steps are planned with their clips
+    plan = run_plan(model=m, hardware=hardware("h100"), pp=4, dp=2, global_batch=64, micro_batches=4,
+                    trainable=("vision.proj", "llm"), policy="data-aware", trace_path=str(trace), out=None,
+                    steps=2, plot=None, quiet=True)
+    p = plan["predicted"]
+    ours = np.mean(p["step_time_s"])
+    assert p["fits"] and len(p["step_time_s"]) == 2
+    assert set(p["baselines"]) == {"ds-default", "llava-grouped", "packed-ffd"}
+    for base, b in p["baselines"].items():
+        assert ours < np.mean(b["step_time_s"]), base
+    # and by a margin (0.71 and 0.68 of the best baseline today): replicas dealt as stream-order
+    # slices instead of by work reach 0.83 with qwen2-vl-7b
+    best = min(np.mean(b["step_time_s"]) for b in p["baselines"].values())
+    assert ours <= 0.8 * best, (ours, best)
