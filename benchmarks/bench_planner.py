@@ -49,7 +49,7 @@ from mmpipe.planner.step import evaluate_step  # noqa: E402
 from mmpipe.planner.trace import read_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ROOT / "mmpipe" / "data" / "workloads"
+WORKLOADS = ROOT / "data" / "workloads"
 PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), ("llava-pretrain", "omni-7b"),
          ("llava-sft", "llava-1.5-7b"), ("llava-sft", "qwen2-vl-7b"), ("llava-sft", "omni-7b"),
          ("vision-dynamic", "llava-1.5-7b"), ("vision-dynamic", "qwen2-vl-7b"), ("vision-dynamic", "omni-7b"),
@@ -60,7 +60,7 @@ PAIRS = [("llava-pretrain", "llava-1.5-7b"), ("llava-pretrain", "qwen2-vl-7b"), 
          ("llava-pretrain", "qwen3-vl-8b"), ("llava-sft", "qwen3-vl-8b"), ("vision-dynamic", "qwen3-vl-8b"),
          ("llava-pretrain", "qwen2.5-vl-7b"), ("llava-sft", "qwen2.5-vl-7b"), ("vision-dynamic", "qwen2.5-vl-7b"),
          ("vision-dynamic", "qwen2.5-omni-7b"), ("audio-caption", "qwen2.5-omni-7b"), ("omni-mix", "qwen2.5-omni-7b"),
-         ("omni-mix", "omni-7b")]
+         ("omni-mix", "omni-7b"), ("video-mix", "qwen2-vl-7b"), ("video-mix", "llava-onevision-qwen2-7b")]
 TARGET = 0.78
 """Efficiency (lower bound / step time) the data-aware plan is meant to reach."""
 

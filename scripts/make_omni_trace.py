@@ -68,7 +68,7 @@ KINDS = {"image": 0.30, "audio": 0.25, "clips": 0.10, "image+audio": 0.15, "text
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "mmpipe" / "data" / "workloads" / "omni-mix.jsonl"))
+    ap.add_argument("--out", default=str(ROOT / "data" / "workloads" / "omni-mix.jsonl"))
     ap.add_argument("--lines", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=16)
     args = ap.parse_args()

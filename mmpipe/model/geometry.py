@@ -12,7 +12,9 @@ Video (`VideoSpec`): the frames sampled (`video_frame_indices`, Qwen2-VL's video
 frames (an odd count padded by repeating the last frame), then, per temporal patch, the
 frame's patch grid: a video of t temporal patches on a gh x gw grid has t * gh * gw encoder
 positions in t attention segments of gh * gw (one per temporal patch, as Qwen2-VL's vision
-cu_seqlens cut them) and t * gh * gw / merge**2 LLM tokens.
+cu_seqlens cut them) and t * gh * gw / merge**2 LLM tokens. LLaVA-OneVision samples frames by
+transformers' default rule (`indices: uniform`), runs each frame through the tower as an image
+tile (temporal patch 1), pools each frame's features 2x2 and ends a video with one newline token.
 """
 
 from __future__ import annotations
@@ -304,6 +306,8 @@ def video_frame_indices(vs: VideoSpec, frames: int, fps: float) -> tuple[int, ..
     t = vs.temporal_patch
     if vs.sample == "all":
         return tuple(range(frames))
+    if vs.indices == "uniform":
+        return _uniform_indices(vs, frames, fps)
     if vs.sample == "count":
         n: float = round(vs.frames / t) * t
     else:
@@ -319,6 +323,22 @@ def video_frame_indices(vs: VideoSpec, frames: int, fps: float) -> tuple[int, ..
     step = frames / n
     count = math.ceil(frames / step)  # torch.arange's length, in double precision
     return tuple(int(x) for x in (np.arange(count, dtype=np.float64) * step).astype(np.float32))
+
+
+def _uniform_indices(vs: VideoSpec, frames: int, fps: float) -> tuple[int, ...]:
+    """transformers' default_sample_indices_fn (BaseVideoProcessor.sample_frames, which
+    LLaVA-OneVision's video processor keeps): `count` takes `frames` frames, `fps` takes
+    max(1, int(frames / native fps * fps)) (the same float operations), at indices
+    arange(n) * frames // n; more frames than the clip has is an error there too."""
+    if vs.sample == "count":
+        n = vs.frames
+    else:
+        if not fps > 0:
+            raise ValueError(f"a clip at {fps} fps cannot be sampled at {vs.fps} fps (its frame rate is unknown)")
+        n = max(1, int(frames / fps * vs.fps))
+    if n > frames:
+        raise ValueError(f"{n} frames cannot be sampled from a clip of {frames}")
+    return tuple(i * frames // n for i in range(n))
 
 
 def video_frame_size(v: VisionSpec, height: int, width: int, sampled: int) -> tuple[int, int]:
@@ -345,14 +365,22 @@ def video_grid(v: VisionSpec, meta: VideoMeta) -> tuple[int, int, int]:
 
 
 def video_segments(v: VisionSpec, meta: VideoMeta) -> tuple[int, int]:
-    """(segments, positions each): one vision attention segment per temporal patch."""
+    """(segments, positions each): one vision attention segment per temporal patch (a tower pass
+    per frame for LLaVA-OneVision, with the class token of a CLIP tower)."""
     t, gh, gw = video_grid(v, meta)
-    return t, gh * gw
+    return t, gh * gw + (1 if v.cls_token else 0)
 
 
 def video_tokens(v: VisionSpec, meta: VideoMeta) -> int:
+    """LLM tokens of a clip: per temporal patch its merged patches, or with `pool` (OneVision)
+    its features pooled to ceil(rows / pool) x ceil(cols / pool); plus a `newline` per clip."""
+    vs = _video_spec(v)
     t, gh, gw = video_grid(v, meta)
-    return t * (gh // v.merge) * (gw // v.merge)
+    if vs.pool:
+        per = -(-gh // vs.pool) * -(-gw // vs.pool)
+    else:
+        per = (gh // v.merge) * (gw // v.merge)
+    return t * per + int(vs.newline)
 
 
 def _video_spec(v: VisionSpec) -> VideoSpec:

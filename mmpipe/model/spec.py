@@ -14,6 +14,8 @@ from typing import Any
 COMPONENTS = ("vision", "audio", "llm")
 FRAME_SAMPLING = ("all", "fps", "count")
 """How a video's frames are picked (VideoSpec.sample)."""
+FRAME_INDICES = ("qwen2_vl", "uniform")
+"""Whose frame-index rule `sample: fps / count` follows (VideoSpec.indices)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,7 +25,9 @@ class VideoSpec:
     processor (`Qwen2VLVideoProcessor`: do_sample_frames, fps, num_frames, min/max_frames, size,
     cap_pixels_per_frame, max_video_tokens), so that `mmpipe.model.geometry` gives the frames,
     patches and tokens that processor gives; mmpipe's tiny model uses the same rule with its own
-    figures (conf/model/tiny.yaml)."""
+    figures (conf/model/tiny.yaml). LLaVA-OneVision (`LlavaOnevisionVideoProcessor` and the
+    model's get_video_features) adds the last three fields: its frame-index rule, its per-frame
+    pooling and its one newline per video."""
 
     sample: str = "all"
     """`all`: every frame of the clip (Qwen2-VL's do_sample_frames=false, its default); `fps`: about
@@ -49,15 +53,27 @@ class VideoSpec:
     max_tokens tokens' worth of pixels over the clip's frames."""
     max_tokens: int = 128000
     """The token budget of `cap_pixels` (Qwen2-VL's max_video_tokens)."""
+    indices: str = "qwen2_vl"
+    """`qwen2_vl`: Qwen2-VL's sample_frames (min/max_frames, whole temporal patches); `uniform`:
+    transformers' default sampler (BaseVideoProcessor.sample_frames, LLaVA-OneVision's): `fps`
+    takes max(1, int(frames / native fps * fps)) frames, `count` takes `frames`, no clamp, at
+    indices arange(n) * frames // n."""
+    pool: int = 0
+    """Per-frame pooling of the projected features to ceil(rows / pool) x ceil(cols / pool)
+    (LLaVA-OneVision's bilinear apply_pooling: 2); 0: none."""
+    newline: bool = False
+    """One learned newline token after each video's features (LLaVA-OneVision's image_newline)."""
 
     def __post_init__(self) -> None:
         if self.sample not in FRAME_SAMPLING:
             raise ValueError(f"model.vision.video.sample={self.sample!r} is unknown; use all, fps or count")
+        if self.indices not in FRAME_INDICES:
+            raise ValueError(f"model.vision.video.indices={self.indices!r} is unknown; use qwen2_vl or uniform")
         for name in ("temporal_patch", "max_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"model.vision.video.{name}={v!r} must be a positive integer")
-        for name in ("frames", "min_frames", "max_frames", "min_pixels", "max_pixels"):
+        for name in ("frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "pool"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"model.vision.video.{name}={v!r} must be a non-negative integer")

@@ -2,7 +2,8 @@
 samples, its inputs built here from the shards' tar members with the checkpoint's own chat
 template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProcessor, Qwen3VLProcessor,
 Qwen2_5_VLProcessor, Qwen2_5OmniProcessor; for LLaVA-NeXT and OneVision the folder's own processor
-from AutoProcessor, a conversation's images nested as apply_chat_template nests them;
+from AutoProcessor, a conversation's images nested as apply_chat_template nests them, OneVision's
+clips decoded whole by transformers' `load_video` and given to it as frames;
 Qwen2VLProcessor with the folder's image processor (as AutoImageProcessor gives it: the torchvision
 backend) and video processor, a video decoded whole by transformers' own PyAV reader, `load_video`,
 and sampled by the processor), under the label convention of docs/data.md, written from that text.
@@ -30,7 +31,7 @@ import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARDS = ROOT / "mmpipe" / "data" / "shards"  # the shipped shards (package data)
+SHARDS = ROOT / "data" / "shards"  # the shipped shards
 PLACEHOLDER = re.compile(r"(<image>|<audio>|<video>)")
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 ANYRES = {"llava-next": "LlavaNextImageProcessor", "llava-onevision": "LlavaOnevisionImageProcessor"}
@@ -174,11 +175,12 @@ class Reference:
             out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values")}
         if self.kind in ANYRES:  # one conversation's images, nested as apply_chat_template nests them
-            n = text.count("<image>")
+            n, v = text.count("<image>"), text.count("<video>")
             nested = [images[:n]] if self.kind == "llava-onevision" else images[:n]
-            out = self.processor(text=text, images=nested if n else None, return_tensors="pt")
+            out = self.processor(text=text, images=nested if n else None, videos=[f for f, _ in videos[:v]] or None,
+                                 return_tensors="pt")
             return out["input_ids"][0].tolist(), {k: out.get(k) for k in ("pixel_values", "image_sizes",
-                                                                          "batch_num_images")}
+                                                                          "batch_num_images", "pixel_values_videos")}
         if self.kind == "qwen2-audio":
             n = text.count("<|AUDIO|>")
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
@@ -246,6 +248,18 @@ class Reference:
             types = [s["mm_token_type_ids"] for s in samples]
             out["mm_token_type_ids"] = torch.tensor([x + [0] * (t - len(x)) for x in types], dtype=torch.int32)
         return out
+
+    def loss(self, model, samples: list[dict]):
+        """The model's loss on the samples as one batch: the mean over all their label tokens.
+        LLaVA-OneVision's get_video_features stacks only clips of one frame count, so a step with
+        clips runs its samples one at a time, each loss weighted by its label tokens (the same mean)."""
+        if self.kind != "llava-onevision" or all(s.get("pixel_values_videos") is None for s in samples):
+            return model(**self.batch(samples)).loss
+        total, count = 0.0, 0
+        for s in samples:
+            n = sum(1 for y in s["labels"][1:] if y != -100)  # the labels the shifted loss counts
+            total, count = total + model(**self.batch([s])).loss * n, count + n
+        return total / count
 
     # ------------------------------------------------------------------ model
 

@@ -3,7 +3,8 @@ shipped shards) compute what transformers computes.
 
 For LLaVA, Qwen2-VL (pp=3; its step mixes video clips, one of an odd frame count, images and text
 from the shipped video mix), Qwen2-Audio, a composition (CLIP + a Qwen2 causal LM with tied
-embeddings + a projector from another folder), LLaVA-OneVision, LLaVA-NeXT (pp=3), Qwen3-VL (pp=3,
+embeddings + a projector from another folder), LLaVA-OneVision (its step holds clips of 7 to 20
+frames, images and text from the shipped video mix), LLaVA-NeXT (pp=3), Qwen3-VL (pp=3,
 cut between the tower's DeepStack blocks and between the decoder layers that add the DeepStack
 features), Qwen2.5-VL (pp=2, cut between a full-attention and a windowed vision block) and the
 Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on different stages): one SGD step
@@ -42,7 +43,8 @@ CASES = {  # model: its overrides (one launch each)
     "qwen2-vl": ["parallel.pp=3", "train.steps=1"],  # a middle stage carries the 3-D M-RoPE positions
     "qwen2-audio": ["parallel.pp=2", "train.steps=1"],
     "compose": ["parallel.pp=2", "train.steps=1"],
-    "llava-onevision": ["parallel.pp=2", "train.steps=1"],  # tiles, anyres_max_4, one-tile multi-image samples
+    # clips (every frame a tile, pooled 2x2, one newline each), tiles, anyres_max_4, one-tile multi-image samples
+    "llava-onevision": ["parallel.pp=2", "train.steps=1"],
     "llava-next": ["parallel.pp=3", "train.steps=1"],  # a middle stage carries the tiles' states and image sizes
     # block 0's DeepStack state crosses stages 0 -> 1 before its merger; the two merged features enter
     # llm.block.0 and llm.block.1, on different stages, so one crosses stages 1 -> 2 (and its gradient back)
@@ -74,8 +76,7 @@ def _step_keys(run, step: int) -> list[str]:
 
 def _reference_step(ref: Reference, model, keys: list[str]):
     raws = raw_samples(set(keys))
-    batch = ref.batch([ref.sample(raws[k]) for k in keys])
-    return model(**batch).loss
+    return ref.loss(model, [ref.sample(raws[k]) for k in keys])
 
 
 def _exported(ref: Reference, run, step: int, tmp_path):
@@ -100,7 +101,8 @@ def _check_step(kind, hf_checkpoints, run, tmp_path, *, next_loss=False):
     ref = Reference(kind, hf_checkpoints)
     model = ref.model()
     keys = _step_keys(run, 1)
-    if kind == "qwen2-vl":  # the step holds videos (one of an odd frame count), images and text-only samples
+    if kind in ("qwen2-vl", "llava-onevision"):  # the step holds videos (Qwen2-VL: one of an odd frame count),
+        # images and text-only samples
         raws = raw_samples(set(keys)).values()
         assert all(any(r[m] for r in raws) for m in ("videos", "images")), keys
         assert any(not r["videos"] and not r["images"] for r in raws), keys

@@ -148,7 +148,10 @@ class AnyresVisionProj(HFLayer):
     The IMAGE_GRID slot holds, per image, (tiles, rows, cols, height, width): how many of the
     micro-batch's tiles are its own (the whole image first, then the grid row by row) and the
     size transformers unpads to (`image_sizes`). The features of each image go through the
-    transformers model's own `pack_image_features`.
+    transformers model's own `pack_image_features`. OneVision's videos follow the images (the
+    carrier's VIDEOS slot counts them), a row (frames, 0, 0, S, S) each, every frame a tile: their
+    features go through the model's own `apply_pooling` (2x2 bilinear, per frame) and each video
+    ends with one image_newline, as `get_video_features` makes them.
     """
 
     def __init__(self, parts: dict[str, nn.Module], *, src: HFSource, drop_first: bool):
@@ -169,14 +172,22 @@ class AnyresVisionProj(HFLayer):
         if sum(tiles) != feats.shape[0]:
             raise ValueError(f"the micro-batch carries {feats.shape[0]} tiles but its images hold {sum(tiles)}; "
                              f"make its pixels with mmpipe.model.hf.media.preprocess_images")
-        sizes = torch.tensor([[g[3], g[4]] for g in grid], dtype=torch.long)
-        model = skeleton(self.src).model  # pack_image_features reads only the model's config
+        images = len(grid) - C.videos_in(slots)  # images first, then OneVision's videos (a frame per tile)
+        model = skeleton(self.src).model  # pack_image_features / apply_pooling read only the model's config
         config = hf_config(self.src)
-        per_image = list(torch.split(feats, tiles))
-        if config.model_type == "llava_onevision":
-            packed, _ = model.pack_image_features(per_image, sizes, image_newline=self.image_newline,
-                                                  vision_aspect_ratio=config.vision_aspect_ratio)
-        else:
-            packed, _ = model.pack_image_features(per_image, sizes, config.vision_feature_select_strategy,
-                                                  image_newline=self.image_newline)
-        slots[C.IMAGE] = torch.cat(packed)
+        parts = list(torch.split(feats, tiles))
+        out: list[torch.Tensor] = []
+        if images:
+            sizes = torch.tensor([[g[3], g[4]] for g in grid[:images]], dtype=torch.long)
+            if config.model_type == "llava_onevision":
+                packed, _ = model.pack_image_features(parts[:images], sizes, image_newline=self.image_newline,
+                                                      vision_aspect_ratio=config.vision_aspect_ratio)
+            else:
+                packed, _ = model.pack_image_features(parts[:images], sizes, config.vision_feature_select_strategy,
+                                                      image_newline=self.image_newline)
+            out += packed
+        if images < len(grid):  # get_video_features: each frame pooled, the video's frames, one newline
+            pooled = model.apply_pooling(torch.cat(parts[images:]))
+            for frames in torch.split(pooled, tiles[images:]):
+                out += [frames.reshape(-1, frames.shape[-1]), self.image_newline[None].to(frames.dtype)]
+        slots[C.IMAGE] = torch.cat(out)

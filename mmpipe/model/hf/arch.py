@@ -15,6 +15,7 @@ run is refused here, before any process starts, by a one-line ValueError.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +29,13 @@ from mmpipe.model.hf.anyres import default_processor as default_anyres_processor
 from mmpipe.model.hf.configs import ARCHITECTURES, config_from_dict, config_json
 from mmpipe.model.hf.media import make_feature_extractor, make_image_processor
 from mmpipe.model.hf.skeleton import LLAVA_TOWERS
-from mmpipe.model.hf.video import VIDEO_PROCESSORS, make_video_processor, read_video_processor_config, video_spec
+from mmpipe.model.hf.video import (
+    VIDEO_PROCESSORS,
+    make_video_processor,
+    onevision_video_spec,
+    read_video_processor_config,
+    video_spec,
+)
 from mmpipe.model.spec import AudioSpec, HFSource, LLMSpec, ModelSpec, VisionSpec
 
 LLM_TYPES = ("llama", "mistral", "qwen2")
@@ -186,10 +193,15 @@ def _llava_vision(config: PretrainedConfig, ip: Mapping[str, Any] | None, what: 
         proj=(text.hidden_size, text.hidden_size), channels=vc.num_channels)
 
 
-def _anyres_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> VisionSpec:
+def _anyres_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any] | None,
+                   what: str) -> VisionSpec:
     vc = config.vision_config
-    return anyres_vision(config, ip, what, blocks=_feature_layer(config, vc.num_hidden_layers, what),
+    spec = anyres_vision(config, ip, what, blocks=_feature_layer(config, vc.num_hidden_layers, what),
                          cls_token=VISION_TYPES[vc.model_type] == "clip", side=_fixed_side(ip, vc, what))
+    if config.model_type != "llava_onevision":
+        return spec
+    proc = make_video_processor(config.model_type, vp or {})  # OneVision's frames: one tile each
+    return dataclasses.replace(spec, video=onevision_video_spec(proc, side=spec.image_size, what=what))
 
 
 def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any], what: str) -> VisionSpec:
@@ -326,7 +338,7 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
         image_processor, feature_extractor: processor configs (transformers' defaults if None).
         max_seq_len: longest sample; the config's max_position_embeddings if None.
         video_processor: the video processor's config of an architecture that takes video
-            (Qwen2-VL); None: the image processor's, the fallback transformers takes for a
+            (Qwen2-VL, LLaVA-OneVision); None: the image processor's, the fallback transformers takes for a
             folder without a video processor file.
     """
     if not isinstance(config, PretrainedConfig):
@@ -354,7 +366,7 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
     elif kind == "qwen2_vl":
         vision = _qwen2_vl_vision(config, image_processor, video_processor, what)
     elif kind in ANYRES:
-        vision = _anyres_vision(config, image_processor, what)
+        vision = _anyres_vision(config, image_processor, video_processor, what)
     elif kind == "qwen3_vl":
         vision = qwen3.vision_spec(config, image_processor, what)
     elif kind in ("qwen2_5_vl", "qwen2_5_omni_thinker"):

@@ -61,9 +61,10 @@ NEXT_TEMPLATE = (  # LLaVA-NeXT on Mistral: "[INST] <image>\n... [/INST] answer<
     "{% for c in m['content'] if c['type'] == 'text' %}{{ c['text'] }}{% endfor %} [/INST]"
     "{% else %} {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
     "{% endfor %}")
-ONEVISION_TEMPLATE = (  # LLaVA-OneVision's ChatML (no default system message), a message's images first
+ONEVISION_TEMPLATE = (  # LLaVA-OneVision's ChatML (no default system message), a message's images, then videos first
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% for c in m['content'] if c['type'] == 'image' %}<image>\n{% endfor %}"
+    "{% for c in m['content'] if c['type'] == 'video' %}<video>\n{% endfor %}"
     "{% for c in m['content'] if c['type'] == 'text' %}{{ c['text'] }}{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 OMNI_TEMPLATE = _chatml(  # Qwen2.5-Omni's markers around each image and clip

@@ -277,15 +277,19 @@ def carrier_media(spec: ModelSpec, images: Sequence[ImageInput], clips: Sequence
     """The carrier's media slots of a micro-batch: (pixels, grid, features, frames).
 
     LLaVA: pixels [N, C, S, S], grid [N, 2]; LLaVA-NeXT / OneVision: every tile [T, C, S, S],
-    grid [N, 5] (tiles, rows, cols, height, width); Qwen2-VL: pixels [patches, C*T*p*p] of all
+    grid [N, 5] (tiles, rows, cols, height, width), then OneVision's videos, every frame a tile,
+    a row (frames, 0, 0, S, S) each; Qwen2-VL: pixels [patches, C*T*p*p] of all
     images in order and then of all videos (VideoInput) in order, grid_thw [images + videos, 3]
     (the carrier's VIDEOS slot says how many trailing rows are videos); Qwen2-Audio: features
     [clips, mel, F] zero-filled past each clip's own frames, frames [clips] (valid mel frames).
     """
     v, a = spec.vision, spec.audio
     if videos:
-        if v is None or v.resize in ("fixed", "anyres"):
+        if v is None or v.resize == "fixed":
             raise ValueError(f"model {spec.name} takes no video in its image slots")
+        if v.resize == "anyres":  # OneVision: every frame one tile [frames, C, S, S], row (frames, 0, 0, S, S)
+            videos = [ImageInput(pixels=vid.pixels, grid=(vid.grid[0], 0, 0, v.image_size, v.image_size))
+                      for vid in videos]
         images = [*images, *videos]  # same patch layout: [t*rows*cols, C*T*p*p] with grid (t, rows, cols)
     if images and v is not None and v.resize == "anyres":  # every tile of every image, in order
         pixels = torch.from_numpy(np.concatenate([img.pixels for img in images]))

@@ -6,7 +6,8 @@ The processor is the one transformers builds for the checkpoint: its class by th
 (`BaseVideoProcessor.get_video_processor_dict`: processor_config.json's `video_processor`, else
 video_preprocessor_config.json, else preprocessor_config.json, the image processor's own
 file), or for an inline preset the `video_processor` mapping, else its `image_processor` (the
-same fallback). `video_spec` turns its settings into the `VideoSpec` that
+same fallback). `video_spec` (Qwen2-VL's processor) and `onevision_video_spec`
+(LLaVA-OneVision's) turn its settings into the `VideoSpec` that
 `mmpipe.model.geometry` plans with, so the planner's frames, patches and tokens are the
 processor's (tests/unit/model/test_video_geometry.py compares them over many clips).
 
@@ -35,6 +36,8 @@ from mmpipe.model.spec import HFSource, ModelSpec, VideoSpec
 
 VIDEO_PROCESSORS = {
     "qwen2_vl": "transformers.models.qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor",
+    "llava_onevision": "transformers.models.llava_onevision.video_processing_llava_onevision."
+                       "LlavaOnevisionVideoProcessor",
 }
 """model_type -> the video processor class transformers pairs with it."""
 
@@ -44,9 +47,10 @@ class VideoInput:
     """One clip as the vision tower's first layer takes it."""
 
     pixels: np.ndarray
-    """float32 [t * rows * cols, C * T * p * p]: the processor's pixel_values_videos of the clip."""
+    """float32 [t * rows * cols, C * T * p * p]: the processor's pixel_values_videos of the clip
+    (LLaVA-OneVision: [frames, C, S, S], every frame one tile)."""
     grid: tuple[int, int, int]
-    """(t, rows, cols): its video_grid_thw."""
+    """(t, rows, cols): its video_grid_thw (LLaVA-OneVision: frames, and each frame's patch grid)."""
     sampled_fps: float
     """Frames per second of the sampled frames (transformers' VideoMetadata.sampled_fps)."""
 
@@ -111,6 +115,30 @@ def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str) -
                      cap_pixels=bool(proc.cap_pixels_per_frame), max_tokens=int(proc.max_video_tokens))
 
 
+def onevision_video_spec(proc: Any, *, side: int, what: str) -> VideoSpec:
+    """The VideoSpec of LLaVA-OneVision's video processor (LlavaOnevisionVideoProcessor) for a
+    tower of `side`-px tiles: every frame resized to the tile (checked: the tower has fixed
+    positions), frames picked by transformers' default sampler, one tower pass per frame, then
+    the model's 2x2 apply_pooling and one image_newline per video (get_video_features)."""
+    if not proc.do_resize:
+        raise ValueError(f"{what}: the video processor has do_resize=false; LLaVA-OneVision's tower takes "
+                         f"{side}x{side} frames only (set do_resize=true)")
+    box = proc.crop_size if proc.do_center_crop else proc.size
+    h, w = getattr(box, "height", None), getattr(box, "width", None)
+    if (h, w) != (side, side):
+        raise ValueError(f"{what}: the video processor outputs frames of size={dict(box.items()) if box else box} but "
+                         f"the vision tower takes {side}x{side}; set the video processor's size to "
+                         f"{{height: {side}, width: {side}}}")
+    fps, count = proc.fps, proc.num_frames
+    if proc.do_sample_frames and fps is not None and count is not None:
+        raise ValueError(f"{what}: the video processor sets both fps={fps} and num_frames={count}, which "
+                         f"transformers refuses as mutually exclusive; keep one")
+    # do_sample_frames without fps or num_frames: transformers' sampler takes every frame
+    sample = "count" if proc.do_sample_frames and count is not None else "fps" if proc.do_sample_frames else "all"
+    return VideoSpec(sample=sample, fps=float(fps) if fps else 2.0, frames=int(count or 0), temporal_patch=1,
+                     indices="uniform", pool=2, newline=True)
+
+
 def video_metadata(meta: VideoMeta, indices: Sequence[int]) -> dict[str, Any]:
     """transformers' VideoMetadata of a clip, as its PyAV reader fills it, with the sampled frames."""
     return {"total_num_frames": meta.frames, "fps": meta.fps, "duration": meta.seconds, "height": meta.height,
@@ -123,9 +151,16 @@ def preprocess_video(spec: ModelSpec, frames: np.ndarray, meta: VideoMeta, indic
     if spec.hf is None or spec.vision is None or spec.vision.video is None:
         raise ValueError(f"model {spec.name} has no Hugging Face video processor")
     proc = video_processor(spec.hf)
+    smart = spec.vision.resize == "smart"  # a Qwen2-VL-style processor (OneVision's has no pixel cap)
+    extra = {"cap_pixels_per_frame": spec.vision.video.cap_pixels} if smart else {}
     out = proc(videos=[np.ascontiguousarray(frames)], video_metadata=[video_metadata(meta, indices)],
-               do_sample_frames=False, cap_pixels_per_frame=spec.vision.video.cap_pixels, return_tensors="pt")
-    grid = tuple(int(x) for x in out["video_grid_thw"][0])
+               do_sample_frames=False, return_tensors="pt", **extra)
+    if smart:
+        grid = tuple(int(x) for x in out["video_grid_thw"][0])
+    else:  # OneVision: [1, frames, C, S, S], every frame a tower pass of an (S / patch)^2 grid
+        out["pixel_values_videos"] = out["pixel_values_videos"][0]
+        n, _, h, w = out["pixel_values_videos"].shape
+        grid = (n, h // spec.vision.patch, w // spec.vision.patch)
     planned = video_grid(spec.vision, meta)
     if grid != planned:
         raise ValueError(f"the video processor made a {grid} grid of {len(indices)} {meta.height}x{meta.width} frames "

@@ -192,3 +192,43 @@ def test_limits_and_broken_headers_are_found_before_any_frame_is_decoded(tmp_pat
         assert err.value.reason == reason, key
     with pytest.raises(ValueError, match=r"data\.max_video_seconds=0 must be > 0"):
         MediaLimits(max_video_seconds=0)
+
+
+def test_hostile_clips_are_counted_skips_for_a_transformers_checkpoint(tmp_path, hf_checkpoints, deadline):
+    """The same hostile shard read for LLaVA-OneVision (its folder's tokenizer, chat template and
+    video processor, set to sample 8 frames a clip as the 7B preset samples 32): every clip is the
+    same counted skip naming shard and key; the one-frame clip is refused by OneVision's own frame
+    rule (8 frames asked of 1), the truncated data by the decode that feeds its video processor;
+    the good clip reaches the model as the processor's 8 frames."""
+    import shutil
+
+    from mmpipe.data.chat import templater_for
+    from mmpipe.model.hf.arch import spec_from_folder
+
+    folder = tmp_path / "ov"
+    shutil.copytree(hf_checkpoints["llava-onevision"], folder)
+    proc = json.loads((folder / "processor_config.json").read_text())
+    proc["video_processor"] |= {"do_sample_frames": True, "num_frames": 8}
+    (folder / "processor_config.json").write_text(json.dumps(proc))
+    spec = spec_from_folder(folder)
+    tok = templater_for(folder, spec, key="model.path")
+    cases = hostile(tmp_path)
+    members = [m for k, (_, data) in cases.items() for m in (js(k, "<video>\nWhat moves?", "a shape"),
+                                                              (f"{k}.0.mp4", data))]
+    members += [js("zgood", "<video>\nWhat moves?", "a shape"), ("zgood.0.mp4", clip(16, 8))]
+    write_shard(tmp_path / "v-0.tar", members)
+    s = SampleStream(path=str(tmp_path / "v-0.tar"), tokenizer=tok, spec=spec, epochs=1, limits=LIMITS,
+                     skips=SkipCounter.for_run(tmp_path, dp_rank=0))
+    kept = list(s)
+    side = spec.vision.image_size
+    assert [x.key for x in kept] == ["zgood"]
+    assert kept[0].videos[0].grid[0] == 8 and kept[0].videos[0].pixels.shape == (8, 3, side, side)
+    journal = {j["key"]: j for j in map(json.loads, (tmp_path / "skips.jsonl").read_text().splitlines())}
+    assert {k: (j["reason"], j["shard"]) for k, j in journal.items()} == {
+        k: (reason, "v-0.tar") for k, (reason, _) in cases.items()}
+    assert "data.max_video_frames=36,000" in journal["billion"]["detail"]
+    assert "data.max_video_seconds=1200" in journal["eons"]["detail"]
+    assert "no video stream" in journal["audioonly"]["detail"]
+    assert "declares no frames" in journal["noframes"]["detail"]
+    assert "the data ends after" in journal["cutdata"]["detail"]
+    assert "8 frames cannot be sampled from a clip of 1" in journal["oneframe"]["detail"]

@@ -479,3 +479,63 @@ def processed_images(folder, images: list[bytes]):
     picks by default: torchvision) makes of the images."""
     proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     return proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+
+
+# ----------------------------------------------------------------------------- OneVision video
+
+
+ONEVISION_VIDEO = [  # per sample: images (height, width), then clips (frames, height, width)
+    ([(40, 60)], [(5, 40, 56)]),  # an image alone (tiled) and a clip: videos do not count as images
+    ([(90, 33), (20, 50)], [(3, 28, 28)]),  # two images (one tile each) and a clip
+    ([], []),  # text only
+    ([], [(7, 60, 30)]),  # a clip alone
+    ([], [(4, 28, 84), (4, 50, 50)]),  # two clips
+]
+"""The LLaVA-OneVision video parity case: clips of 3 to 7 frames of several sizes (each frame
+resized to one tile) beside tiled and untiled images and text."""
+
+
+def onevision_video_samples(spec, rng):
+    """Samples of ONEVISION_VIDEO: placeholders by the geometry (images first, then videos, as
+    OneVision's template puts them), random frames, so that their order matters."""
+    from mmpipe.model.geometry import VideoMeta, sample_image_tokens, video_tokens
+
+    out = []
+    for k, (sizes, clips) in enumerate(ONEVISION_VIDEO):
+        pieces = [text(rng, 3)]
+        for n in sample_image_tokens(spec.vision, tuple(sizes)):
+            pieces += [[IMAGE] * n, text(rng, 2)]
+        videos = []
+        for n, h, w in clips:
+            meta = VideoMeta(frames=n, fps=4.0, height=h, width=w)
+            videos.append((rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8), meta))
+            pieces += [[VIDEO] * video_tokens(spec.vision, meta), text(rng, 2)]
+        pieces.append(text(rng, 9))
+        out.append(sample(f"v{k}", pieces, images=[random_image(rng, h, w) for h, w in sizes], videos=videos))
+    return out
+
+
+def onevision_reference_loss(folder, hf_model, samples):
+    """transformers' LLaVA-OneVision on each sample alone (its get_video_features batches only clips
+    of one frame count), with the folder's image and video processors as AutoImageProcessor and
+    AutoVideoProcessor load them; the samples' losses weighted by their label tokens: the mean over
+    every label token, as one batch's loss is."""
+    from transformers import AutoImageProcessor, AutoVideoProcessor
+
+    images = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    videos = AutoVideoProcessor.from_pretrained(folder, local_files_only=True)
+    total, count = 0.0, 0
+    for s in samples:
+        inputs = {}
+        if s.images:
+            pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in s.images]
+            out = images(images=[pil], return_tensors="pt")
+            inputs |= {k: out[k] for k in ("pixel_values", "image_sizes", "batch_num_images")}
+        if s.videos:
+            inputs["pixel_values_videos"] = videos(videos=[f for f, _ in s.videos], return_tensors="pt")[
+                "pixel_values_videos"]
+        labels = torch.tensor([s.labels])
+        loss = hf_model(input_ids=torch.tensor([s.input_ids]), labels=labels, **inputs).loss
+        n = int((labels[0, 1:] != -100).sum())
+        total, count = total + loss * n, count + n
+    return total / count

@@ -292,3 +292,19 @@ def test_qwen2_5_omni_thinker_layers_equal_transformers(qwen2_5_omni):
     hf = H.load_reference(Qwen2_5OmniThinkerForConditionalGeneration, qwen2_5_omni)
     loss = omni_reference_loss(qwen2_5_omni, hf, samples, imgs, clips)
     H.compare(spec, build_layers(spec, seed=0), hf, loss, samples)
+
+
+def test_onevision_video_layers_equal_transformers(llava_onevision):
+    """LLaVA-OneVision videos: every frame a tower pass, each frame's features pooled 2x2 by the
+    model's own apply_pooling, one newline per video; clips of 3 to 7 frames beside a tiled image,
+    two one-tile images, two clips in one sample and a text-only sample: transformers' loss and
+    gradients, packed and padded."""
+    from mmpipe.model.geometry import video_segments
+
+    spec = spec_from_folder(llava_onevision)
+    samples = H.onevision_video_samples(spec, np.random.default_rng(7))
+    side = spec.vision.image_size // spec.vision.patch
+    assert [video_segments(spec.vision, m) for _, m in samples[0].videos] == [(5, side * side)]
+    hf = H.load_reference(LlavaOnevisionForConditionalGeneration, llava_onevision)
+    loss = H.onevision_reference_loss(llava_onevision, hf, samples)
+    H.compare(spec, build_layers(spec, seed=0), hf, loss, samples)

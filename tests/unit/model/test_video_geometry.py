@@ -154,3 +154,121 @@ def test_video_positions_are_get_rope_index(qwen2_vl):
         assert np.array_equal(ours, theirs[:, 0].numpy()), order
         flat = mrope_positions(ids, used["i"], image_token=H.IMAGE, merge=2)  # videos as text: 1-D
         assert not np.array_equal(flat, theirs[:, 0].numpy())
+
+
+# ----------------------------------------------------------------------------- LLaVA-OneVision
+
+ONEVISION_CONFIGS = {  # LlavaOnevisionVideoProcessor settings (28-px tiles)
+    "defaults": {},  # every frame (do_sample_frames=false, transformers' default for this class)
+    "fps": {"do_sample_frames": True, "fps": 1.0},
+    "fps-odd": {"do_sample_frames": True, "fps": 0.7},
+    "count": {"do_sample_frames": True, "num_frames": 8},
+    "count-32": {"do_sample_frames": True, "num_frames": 32},
+}
+
+
+def _onevision(tower: str, config: dict):
+    """A tiny OneVision spec (SigLIP `full`, or CLIP `default` with its class token) and its model."""
+    from transformers import CLIPVisionConfig, LlavaOnevisionConfig, SiglipVisionConfig
+
+    from mmpipe.model.hf.arch import spec_from_config
+
+    v = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+             patch_size=7)
+    vc = CLIPVisionConfig(**v) if tower == "clip" else SiglipVisionConfig(**v, vision_use_head=False)
+    cfg = LlavaOnevisionConfig(vision_config=vc, text_config=dict(model_type="qwen2", vocab_size=64, hidden_size=16,
+                                                                  intermediate_size=32, num_hidden_layers=1,
+                                                                  num_attention_heads=2, num_key_value_heads=1),
+                               image_token_id=60, video_token_id=61, vision_feature_layer=-1,
+                               vision_feature_select_strategy="default" if tower == "clip" else "full",
+                               image_grid_pinpoints=H.ONEVISION_PINPOINTS, vision_aspect_ratio="anyres_max_4")
+    side = {"height": 28, "width": 28}
+    image = {"image_processor_type": "LlavaOnevisionImageProcessor", "size": side,
+             "image_grid_pinpoints": H.ONEVISION_PINPOINTS}
+    video = {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": side, **config}
+    return spec_from_config(cfg, name=f"onevision-{tower}", image_processor=image, video_processor=video), cfg
+
+
+@pytest.mark.parametrize("config", sorted(ONEVISION_CONFIGS))
+def test_onevision_sampled_frames_are_the_processors(config):
+    """transformers' default sampler (LlavaOnevisionVideoProcessor.sample_frames) over many clips:
+    the same frames, or an error where transformers refuses the clip."""
+    from transformers import LlavaOnevisionVideoProcessor
+
+    proc = LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28}, **ONEVISION_CONFIGS[config])
+    spec, _ = _onevision("siglip", ONEVISION_CONFIGS[config])
+    vs = spec.vision.video
+    assert (vs.temporal_patch, vs.pool, vs.newline, vs.indices) == (1, 2, True, "uniform")
+    for frames, fps in CLIPS:
+        meta = VideoMetadata(total_num_frames=frames, fps=fps, duration=frames / fps)
+        try:
+            theirs = proc.sample_frames(meta).tolist() if proc.do_sample_frames else list(range(frames))
+        except ValueError:
+            with pytest.raises(ValueError):
+                video_frame_indices(vs, frames, fps)
+            continue
+        assert list(video_frame_indices(vs, frames, fps)) == theirs, (config, frames, fps)
+
+
+@pytest.mark.parametrize("tower", ["siglip", "clip"])
+def test_onevision_passes_and_tokens_are_the_processors_and_models(tower):
+    """From the header alone, over many clips and every frame rule: the frames the processor makes
+    (each one tower pass of 28 x 28 px: 16 positions, 17 with CLIP's class token), and the LLM
+    tokens that both LlavaOnevisionProcessor counts and the model's get_video_features makes
+    (each frame 2 x 2 pooled to 4, one newline per video)."""
+    from transformers import LlavaOnevisionForConditionalGeneration, LlavaOnevisionProcessor
+
+    from mmpipe.model.geometry import video_segments
+    from mmpipe.model.hf.video import preprocess_video
+
+    model = None
+    checked = modelled = 0
+    for config in sorted(ONEVISION_CONFIGS):
+        spec, cfg = _onevision(tower, ONEVISION_CONFIGS[config])
+        if model is None:
+            torch.manual_seed(0)
+            model = LlavaOnevisionForConditionalGeneration(cfg).eval()
+        from mmpipe.model.hf.video import video_processor
+
+        proc = video_processor(spec.hf)
+        counter = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)  # its token count needs no tokenizer
+        counter.num_image_tokens = 16
+        for (n, fps), (h, w) in itertools.product(CLIPS[::5], SIZES):
+            meta = VideoMeta(frames=n, fps=fps, height=h, width=w)
+            try:
+                indices = video_frame_indices(spec.vision.video, n, fps)
+            except ValueError:
+                continue
+            assert video_grid(spec.vision, meta) == (len(indices), 4, 4)
+            assert video_segments(spec.vision, meta) == (len(indices), 16 + (tower == "clip"))
+            tokens = video_tokens(spec.vision, meta)
+            assert counter._get_num_multimodal_tokens(video_sizes=[(len(indices), h, w)])["num_video_tokens"] == [
+                tokens]
+            checked += 1
+            if checked % 6 or len(indices) * h * w > 400_000:
+                continue  # resizing many large frames is slow and adds nothing: the processor and model on some
+            frames = np.zeros((len(indices), h, w, 3), np.uint8)
+            out = proc(videos=[frames], do_sample_frames=False, return_tensors="pt")["pixel_values_videos"]
+            assert tuple(out.shape) == (1, len(indices), 3, 28, 28)
+            assert preprocess_video(spec, frames, meta, indices).pixels.shape == tuple(out.shape[1:])
+            with torch.no_grad():
+                feats = model.model.get_video_features(out).pooler_output
+            assert tuple(feats.shape[:2]) == (1, tokens), (config, n, fps)
+            modelled += 1
+    assert checked >= 150 and modelled >= 10, (checked, modelled)
+
+
+def test_onevision_unresized_frames_become_the_documented_pixel_values():
+    """28 x 28 frames (the tile: no resize) reach the model as the processor's documented math gives
+    them: x / 255, then (x - mean) / std per channel with its configured mean and std, frames in
+    order, channels first."""
+    from mmpipe.model.hf.video import preprocess_video
+
+    spec, _ = _onevision("siglip", {"image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.25, 0.3]})
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (6, 28, 28, 3), dtype=np.uint8)
+    meta = VideoMeta(frames=6, fps=3.0, height=28, width=28)
+    ours = preprocess_video(spec, frames, meta, tuple(range(6)))
+    want = ((frames / 255.0 - np.array([0.5, 0.4, 0.3])) / np.array([0.2, 0.25, 0.3])).transpose(0, 3, 1, 2)
+    assert ours.grid == (6, 4, 4)
+    np.testing.assert_allclose(ours.pixels, want, rtol=0, atol=2e-6)
