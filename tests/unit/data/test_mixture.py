@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from mmpipe.paths import PACKAGE_ROOT
+from mmpipe.paths import CONF_DIR, PACKAGE_ROOT
 from mmpipe.data.mixture import Mixture, mixture_from_dicts
 
 from .helpers import all_keys
 
-REPO = PACKAGE_ROOT  # the shipped configs and data live in the package
+REPO = PACKAGE_ROOT  # the shipped data resolves beside the package
 
 
 def mixture_sources(mini_data, **b) -> list[dict]:
@@ -76,7 +76,7 @@ def test_mixture_config_errors_name_the_key(entry, message) -> None:
 def test_shipped_mixture_config_is_valid(mini_tok, tiny_spec) -> None:
     import yaml
 
-    cfg = yaml.safe_load((REPO / "conf/data/mixture.yaml").read_text())
+    cfg = yaml.safe_load((CONF_DIR / "data/mixture.yaml").read_text())
     m = Mixture(sources=mixture_from_dicts(cfg["sources"]), tokenizer=mini_tok, spec=tiny_spec, root=REPO,
                 epochs=1)
     assert [s.name for s in m.sources] and all(n != 0 for n in m.sizes)

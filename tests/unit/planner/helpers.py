@@ -11,14 +11,14 @@ from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGE = ROOT / "mmpipe"  # the shipped configs and data live in the package
-WORKLOADS = PACKAGE / "data" / "workloads"
+CONF = ROOT / "conf"  # the shipped configs
+WORKLOADS = ROOT / "data" / "workloads"
 
 
 def model(name: str) -> ModelSpec:
     """A model preset as `model=NAME` builds it (the 7B presets through their inline Hub configs)."""
-    return model_from_group(yaml.safe_load((PACKAGE / "conf" / "model" / f"{name}.yaml").read_text())).spec
+    return model_from_group(yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())).spec
 
 
 def hardware(name: str) -> HardwareSpec:
-    return hardware_from_dict(yaml.safe_load((PACKAGE / "conf" / "hardware" / f"{name}.yaml").read_text()))
+    return hardware_from_dict(yaml.safe_load((CONF / "hardware" / f"{name}.yaml").read_text()))

@@ -16,7 +16,7 @@ from mmpipe.planner.samples import STREAMS, sample_table
 from mmpipe.planner.stage_cost import sample_work, stage_costs
 from mmpipe.planner.step import evaluate_step
 
-from .helpers import PACKAGE, WORKLOADS, hardware, model
+from .helpers import CONF, WORKLOADS, hardware, model
 
 VPOS, VTOK, LLM = STREAMS.index("vpos"), STREAMS.index("vtok"), STREAMS.index("llm")
 
@@ -97,9 +97,8 @@ def test_a_long_onevision_clip_gets_a_micro_batch_of_its_own():
     from mmpipe.model.group import model_from_group
     from mmpipe.model.spec import layer_names
 
-    from .helpers import PACKAGE
 
-    group = yaml.safe_load((PACKAGE / "conf" / "model" / "llava-onevision-qwen2-7b.yaml").read_text())
+    group = yaml.safe_load((CONF / "model" / "llava-onevision-qwen2-7b.yaml").read_text())
     group["video_processor"] = {**group["video_processor"], "do_sample_frames": False}
     m = model_from_group(group).spec
     clip = SampleMeta(text_tokens=100, videos=(VideoMeta(frames=48, fps=24.0, height=360, width=640),))
@@ -120,7 +119,7 @@ def test_a_long_onevision_clip_gets_a_micro_batch_of_its_own():
 def _video_presets() -> list[str]:
     """The Hub-checkpoint presets (an inline `config`) whose vision encoder takes video."""
     out = []
-    for path in sorted((PACKAGE / "conf" / "model").glob("*.yaml")):
+    for path in sorted((CONF / "model").glob("*.yaml")):
         if "config" in yaml.safe_load(path.read_text()):
             v = model(path.stem).vision
             if v is not None and v.video is not None:
