@@ -346,3 +346,27 @@ def test_video_positions_are_the_classes_get_rope_index(case, request):
         assert np.array_equal(ours, theirs[:, 0].numpy()), layout
         checked += 1
     assert checked >= 4
+
+
+def test_video_windows_are_transformers_window_index():
+    """The windows the planner prices for a clip's windowed blocks (every temporal patch cut on its
+    own) are the segments transformers' get_vision_window_index cuts the clip's video_grid_thw
+    into, and a sample's features list them after its images'."""
+    from transformers.vision_utils import get_vision_window_index
+
+    from mmpipe.model.geometry import SampleMeta, features, image_windows, video_windows
+
+    spec = _qwen25_spec("qwen2_5_vl", {})
+    v = spec.vision
+    checked = 0
+    for (n, fps), (h, w) in itertools.product([(1, 2.0), (5, 4.0), (8, 23.976)], [(56, 56), (84, 200), (300, 17)]):
+        meta = VideoMeta(frames=n, fps=fps, height=h, width=w)
+        grid = video_grid(v, meta)
+        _, cu = get_vision_window_index(torch.tensor([grid]), spatial_merge_size=v.merge, window_size=v.window,
+                                        patch_size=v.patch)
+        assert list(np.diff(cu.numpy())) == list(video_windows(v, meta)), (n, h, w, grid)
+        checked += grid[0] > 1 and len(video_windows(v, meta)) > grid[0]  # several frames, several windows each
+    assert checked
+    meta = VideoMeta(frames=5, fps=4.0, height=84, width=200)
+    f = features(spec, SampleMeta(text_tokens=3, images=((56, 90),), videos=(meta,)))
+    assert f.image_windows == image_windows(v, 56, 90) + video_windows(v, meta)
