@@ -2,19 +2,19 @@
 shipped shards) compute what transformers computes.
 
 For LLaVA, Qwen2-VL (pp=3; its step mixes video clips, one of an odd frame count, images and text
-from the shipped video mix), Qwen2-Audio, a composition (CLIP + a Qwen2 causal LM with tied
-embeddings + a projector from another folder), LLaVA-OneVision, LLaVA-NeXT (pp=3), Qwen3-VL (pp=3,
-cut between the tower's DeepStack blocks and between the decoder layers that add the DeepStack
-features), Qwen2.5-VL (pp=2, cut between a full-attention and a windowed vision block) and the
-Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on different stages): one SGD step
-through the pipeline gives the loss of the transformers model's own forward on the same samples
-(`train.record_samples=true` says which), and the same updated parameters as its own backward and
-step, read back through `mmpipe export` (so the export loads with the original class). The
-reference builds its inputs from the raw tar members with the checkpoint's processors and chat
-template (tests/distributed/hf_reference.py), never with mmpipe's data code. For LLaVA and Omni
-the exported step-1 model also reproduces the run's step-2 loss on step 2's samples. Omni at pp=2 x
-dp=2 with ZeRO-1, one replica reading only samples without audio, gives the same step. A short
-Omni run shows the loss falling.
+from the shipped video mix, as the Qwen2.5-VL and Omni steps do), Qwen2-Audio, a composition (CLIP +
+a Qwen2 causal LM with tied embeddings + a projector from another folder), LLaVA-OneVision,
+LLaVA-NeXT (pp=3), Qwen3-VL (pp=3, cut between the tower's DeepStack blocks and between the decoder
+layers that add the DeepStack features), Qwen2.5-VL (pp=2, cut between a full-attention and a
+windowed vision block) and the Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on
+different stages): one SGD step through the pipeline gives the loss of the transformers model's own
+forward on the same samples (`train.record_samples=true` says which), and the same updated
+parameters as its own backward and step, read back through `mmpipe export` (so the export loads with
+the original class). The reference builds its inputs from the raw tar members with the checkpoint's
+processors and chat template (tests/distributed/hf_reference.py), never with mmpipe's data code. For
+LLaVA and Omni the exported step-1 model also reproduces the run's step-2 loss on step 2's samples.
+Omni at pp=2 x dp=2 with ZeRO-1, one replica reading only samples without audio, gives the same
+step. A short Omni run shows the loss falling.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ CASES = {  # model: its overrides (one launch each)
                      "plan.stages=[vision.embed:vision.proj,audio.embed:llm.block.0,llm.block.1:llm.head]"],
 }
 NEXT_LOSS = ("llava", "qwen2.5-omni")
+VIDEO_CASES = ("qwen2-vl", "qwen2.5-vl", "qwen2.5-omni")
+"""Cases whose first step must hold video, image and text-only samples (from the shipped video mix)."""
 """Cases whose exported step-1 model must reproduce the run's step-2 loss."""
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 5e-4  # fp32 summation order differs (micro-batches vs one batch); a wrong or missing tensor is O(1)
@@ -99,7 +101,7 @@ def _check_step(kind, hf_checkpoints, run, tmp_path, *, next_loss=False):
     ref = Reference(kind, hf_checkpoints)
     model = ref.model()
     keys = _step_keys(run, 1)
-    if kind == "qwen2-vl":  # the step holds videos (one of an odd frame count), images and text-only samples
+    if kind in VIDEO_CASES:  # the step holds videos, images and text-only samples
         raws = raw_samples(set(keys)).values()
         assert all(any(r[m] for r in raws) for m in ("videos", "images")), keys
         assert any(not r["videos"] and not r["images"] for r in raws), keys

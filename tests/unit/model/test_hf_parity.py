@@ -372,9 +372,10 @@ def test_qwen2_5_omni_video_layers_equal_transformers(qwen2_5_omni, audio_in_vid
     """The Omni thinker with videos beside images, clips and text (its processor forces frames up to
     128 x 28^2 pixels; temporal positions 25 per second of video_second_per_grid). With
     use_audio_in_video each clip's audio track goes through the audio tower and its tokens are
-    interleaved with the frames' in 2-s chunks (video, audio, video, audio), a clip before and after
-    a standalone clip: transformers' processor makes the ids and features (the tracks given one per
-    slot), its forward the positions; packed and padded."""
+    interleaved with the frames' in 2-s chunks (video, audio, video, audio), a video with its track
+    before a standalone clip (the tower takes the track first, in token order): transformers'
+    processor makes the ids and features (the tracks given one per slot), its forward the
+    positions; packed and padded."""
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
     spec = spec_from_folder(qwen2_5_omni, use_audio_in_video=audio_in_video)
@@ -385,17 +386,17 @@ def test_qwen2_5_omni_video_layers_equal_transformers(qwen2_5_omni, audio_in_vid
     imgs = [H.random_image(rng, 70, 70)]
     own = [(rng.standard_normal(20_800) * 0.1).astype(np.float32)]
     v, i, a = [H.VSTART, H.VIDEO, H.VEND], [H.VSTART, H.IMAGE, H.VEND], [H.ASTART, H.AUDIO, H.AEND]
-    audio_b = [own[0], clips[1][2]] if audio_in_video else own
+    audio_b = [clips[1][2], own[0]] if audio_in_video else own  # the slots in token order: the track first
     made = [_processed(proc, "qwen2_5_omni", "a", H.text(rng, 3) + v + H.text(rng, 2) + i, H.text(rng, 6),
                        images=imgs, videos=clips[:1], audio=[clips[0][2]] if audio_in_video else (),
                        tracks=[0] if audio_in_video else ()),
             _processed(proc, "qwen2_5_omni", "t", H.text(rng, 5), H.text(rng, 4)),
-            _processed(proc, "qwen2_5_omni", "b", H.text(rng, 2) + a + v, H.text(rng, 5), videos=clips[1:],
-                       audio=audio_b, tracks=[None, 0] if audio_in_video else ())]
+            _processed(proc, "qwen2_5_omni", "b", H.text(rng, 2) + v + a, H.text(rng, 5), videos=clips[1:],
+                       audio=audio_b, tracks=[0, None] if audio_in_video else ())]
     samples, outs = [s for s, _ in made], [o for _, o in made]
-    if audio_in_video:  # the layout interleaves: a video run, an audio run, a video run again
+    if audio_in_video:  # the layout interleaves (video, audio, video, audio), then the standalone clip
         runs = [k for k, _ in itertools.groupby(samples[2].input_ids) if k in (H.VIDEO, H.AUDIO)]
-        assert runs[:5] == [H.AUDIO, H.VIDEO, H.AUDIO, H.VIDEO, H.AUDIO], runs
+        assert runs == [H.VIDEO, H.AUDIO, H.VIDEO, H.AUDIO, H.AUDIO], runs
     hf = H.load_reference(Qwen2_5OmniThinkerForConditionalGeneration, qwen2_5_omni)
     out = hf(**_reference_batch(samples, outs, "qwen2_5_omni"), use_audio_in_video=audio_in_video)
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
