@@ -94,7 +94,15 @@ def test_an_odd_frame_count_is_padded_to_whole_temporal_patches():
         assert video_grid(v, VideoMeta(frames=n, fps=8.0, height=56, width=56)) == ((n + 1) // 2, 4, 4)
 
 
-def test_unresized_frames_become_the_documented_pixel_values():
+UNRESIZED = {  # model: clips (frames, height, width) that its processor call does not resize
+    "qwen2_vl": ((3, 56, 84), (4, 28, 56)),
+    "qwen2_5_vl": ((3, 56, 84), (4, 28, 56)),
+    "qwen2_5_omni": ((3, 308, 336),),  # the Omni processor's forced minimum is 128 x 28^2 pixels
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNRESIZED))
+def test_unresized_frames_become_the_documented_pixel_values(kind):
     """Frames whose size smart_resize keeps (sides multiples of 28, area in bounds) reach the model
     as the processor's documented math gives them, computed here without the processor: x / 255,
     then (x - CLIP mean) / CLIP std per channel, an odd count padded with the last frame, and
@@ -102,14 +110,18 @@ def test_unresized_frames_become_the_documented_pixel_values():
     flattened as (channel, frame in patch, patch row, patch col)."""
     from mmpipe.model.hf.arch import spec_from_config
 
-    vp = {"video_processor_type": "Qwen2VLVideoProcessor", "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16}
-    spec = spec_from_config(H.qwen2_vl_config(), name="qwen2-vl-video", video_processor=vp)
+    vp = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16}
+    if kind == "qwen2_vl":
+        spec = spec_from_config(H.qwen2_vl_config(), name="qwen2-vl-video",
+                                video_processor={"video_processor_type": "Qwen2VLVideoProcessor", **vp})
+    else:
+        spec = _qwen25_spec(kind, vp)
     from mmpipe.model.hf.video import preprocess_video
 
     rng = np.random.default_rng(3)
     mean = np.array([0.48145466, 0.4578275, 0.40821073])
     std = np.array([0.26862954, 0.26130258, 0.27577711])
-    for n, h, w in ((3, 56, 84), (4, 28, 56)):
+    for n, h, w in UNRESIZED[kind]:
         frames = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
         meta = VideoMeta(frames=n, fps=4.0, height=h, width=w)
         ours = preprocess_video(spec, frames, meta, tuple(range(n)))
