@@ -97,6 +97,19 @@ def test_typos_in_a_model_group_suggest_its_own_keys(capsys):
     assert _error(capsys) == "mmpipe train: error: model.llm.pth=x: no such config key; did you mean model.llm.path?"
 
 
+def test_use_audio_in_video_is_omnis_only(capsys, tmp_path, hf_checkpoints):
+    """model.use_audio_in_video: a one-line error before launch for a model other than Omni, or a
+    value that is not a boolean."""
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    assert main(["train", *model_overrides("qwen2.5-vl", hf_checkpoints), "model.use_audio_in_video=true", run]) == 2
+    assert _error(capsys).endswith("model.use_audio_in_video=true: only Qwen2.5-Omni reads a video's audio track, "
+                                   "this model is qwen2_5_vl; set model.use_audio_in_video=false")
+    assert main(["train", *model_overrides("qwen2.5-omni", hf_checkpoints), "model.use_audio_in_video=sometimes",
+                 run]) == 2
+    assert _error(capsys).endswith("model.use_audio_in_video='sometimes' must be true or false")
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_tokenizer_must_be_the_models(capsys, hf_checkpoints):
     assert main(["train", *model_overrides("llava", hf_checkpoints), "data.tokenizer=data/tokenizer.json"]) == 2
     assert re.search(r"data\.tokenizer='.*data/tokenizer\.json': its image token is id 5, but model llava replaces "
