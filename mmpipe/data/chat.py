@@ -448,7 +448,6 @@ class ChatTemplate:
                                                         f"itself, or a template that drops media items?)")
         return Templated(input_ids=out_ids, labels=out_labels, text_tokens=len(ids) - sum(seen.values()))
 
-
     def _media_ids(self, token: int, count: Any) -> list[int]:
         """One placeholder's ids: `count` copies of its token, or for the runs of an interleaved
         clip (geometry.interleaved_runs) <audio_bos>, each run's video or audio tokens, <audio_eos>:
