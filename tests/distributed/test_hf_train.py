@@ -178,7 +178,7 @@ def test_omni_zero1_replica_without_clips(hf_checkpoints, run_mmpipe, tmp_path):
 
 
 def test_a_checkpoint_learns(hf_checkpoints, run_mmpipe):
-    """The Qwen2.5-Omni thinker from its checkpoint (images, clips, both, text), pp=2, AdamW: the
+    """The Qwen2.5-Omni thinker from its checkpoint (videos, images, clips, both, text), pp=2, AdamW: the
     loss falls by half a nat within 12 steps (from about ln(vocabulary) = 6.6, chance)."""
     run = run_mmpipe("train", *model_overrides("qwen2.5-omni", hf_checkpoints), "train.steps=12", "train.lr=3e-3",
                      "train.warmup_steps=2", timeout=600)
