@@ -137,8 +137,11 @@ class ChatTemplate:
     system = True
 
     def __init__(self, tokenizer: Any, *, path: Path, chat_template: str, list_content: bool,
-                 media: Sequence[MediaToken], pad_id: int, lead: Sequence[int]) -> None:
-        """Use from_checkpoint, which probes the template for `list_content` and `media`."""
+                 media: Sequence[MediaToken], pad_id: int, lead: Sequence[int],
+                 track: tuple[int, int] | None = None) -> None:
+        """Use from_checkpoint, which probes the template for `list_content` and `media`; `track`:
+        the <audio_bos> / <audio_eos> ids around an interleaved clip (Qwen2.5-Omni's
+        use_audio_in_video)."""
         self.tokenizer = tokenizer
         self.path = path
         self.chat_template = chat_template
@@ -146,6 +149,7 @@ class ChatTemplate:
         self.media = {m.kind: m for m in media}
         self.pad_id = pad_id
         self.lead = tuple(lead)
+        self.track = track
         self.bos = tokenizer.bos_token
         self.fallbacks = 0
         self._fingerprint: str | None = None
@@ -209,8 +213,15 @@ class ChatTemplate:
         list_content = probe._probe_content(where)
         media = [MediaToken(kind=k, id=tid, text=tok.convert_ids_to_tokens(tid),
                             placed=list_content and probe._probe_placed(k, tid, where)) for k, tid in ids.items()]
+        track = None
+        if video is not None and video.audio_in_video:  # the processor's markers around a clip and its track
+            bos, eos = config.get("audio_start_token_id"), config.get("audio_end_token_id")
+            if not isinstance(bos, int) or not isinstance(eos, int):
+                raise ValueError(f"{where}: model.use_audio_in_video needs the config's audio_start_token_id and "
+                                 f"audio_end_token_id (Qwen2.5-Omni's <|audio_bos|> / <|audio_eos|>)")
+            track = (_check_token(tok, bos, "audio start", where), _check_token(tok, eos, "audio end", where))
         out = cls(tok, path=folder, chat_template=template, list_content=list_content, media=media,
-                  pad_id=pad or 0, lead=full[:at])
+                  pad_id=pad or 0, lead=full[:at], track=track)
         out._probe_convention(where)
         return out
 
@@ -426,8 +437,9 @@ class ChatTemplate:
             seen[m.kind] += 1
             if k >= len(counts[m.kind]):
                 break
-            out_ids.extend([x] * counts[m.kind][k])
-            out_labels.extend([IGNORE] * counts[m.kind][k])
+            expanded = self._media_ids(x, counts[m.kind][k])
+            out_ids.extend(expanded)
+            out_labels.extend([IGNORE] * len(expanded))
         for kind, n in seen.items():
             if n != len(counts[kind]):
                 token = self.media[kind].text if kind in self.media else kind
@@ -435,6 +447,17 @@ class ChatTemplate:
                                                         f"{len(counts[kind])} {kind}(s) (a media token in the text "
                                                         f"itself, or a template that drops media items?)")
         return Templated(input_ids=out_ids, labels=out_labels, text_tokens=len(ids) - sum(seen.values()))
+
+    def _media_ids(self, token: int, count: Any) -> list[int]:
+        """One placeholder's ids: `count` copies of its token, or for the runs of an interleaved
+        clip (geometry.interleaved_runs) <audio_bos>, each run's video or audio tokens, <audio_eos>:
+        what Qwen2_5OmniProcessor.replace_video_with_audio_token puts in the clip's place."""
+        if isinstance(count, int):
+            return [token] * count
+        if self.track is None or "audio" not in self.media:
+            raise SampleError(NO_ENCODER, f"{self.path} has no audio track markers (model.use_audio_in_video)")
+        ids = {"video": token, "audio": self.media["audio"].id}
+        return [self.track[0], *(ids[kind] for kind, n in count for _ in range(n)), self.track[1]]
 
 
 def _strip_edges(items: list[dict[str, Any]], *, end: bool = False) -> None:

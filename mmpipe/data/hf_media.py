@@ -12,16 +12,21 @@ extractor is: a cut before resampling would change the last samples before the c
 waveform is then cut or zero-padded to the samples its header duration gives (resampling may add
 or drop one), so its valid frames, and hence its LLM tokens, are the ones the planner counted;
 an image's patch grid (tiles) is checked against the geometry by `preprocess_images` itself.
+With Qwen2.5-Omni's use_audio_in_video a clip's audio track is read the same way (decoded whole
+with PyAV, resampled whole, cut or padded to the duration its header declares) and rides in the
+clip's VideoInput.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, decode_waveform, open_image, say
+from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits, decode_waveform, open_image, resample, say
 from mmpipe.data.skips import UNDECODABLE_AUDIO, UNDECODABLE_IMAGE, UNDECODABLE_VIDEO, SampleError
-from mmpipe.data.video import decode_frames
-from mmpipe.model.geometry import SampleMeta, VideoMeta, audio_frames, audio_samples, video_frame_indices
+from mmpipe.data.video import decode_audio_track, decode_frames
+from mmpipe.model.geometry import SampleMeta, VideoMeta, audio_frames, audio_samples, video_frame_indices, video_track
 from mmpipe.model.spec import ModelSpec
 
 
@@ -82,9 +87,28 @@ def hf_video(data: bytes, spec: ModelSpec, meta: VideoMeta, limits: MediaLimits 
         raise SampleError(UNDECODABLE_VIDEO, f"the model's video rule refuses it ({err})") from None
     frames = decode_frames(data, indices, meta, limits)
     try:
-        return preprocess_video(spec, frames, meta, indices)
+        out = preprocess_video(spec, frames, meta, indices)
     except ValueError as err:
         raise SampleError(UNDECODABLE_VIDEO, f"the model's video processor refuses it ({say(err)})") from None
+    if video_track(spec.vision, meta):  # Qwen2.5-Omni's use_audio_in_video: the track, as a clip
+        x, rate = decode_audio_track(data, limits)
+        try:
+            x = resample(x, rate, spec.audio.sample_rate)
+        except (ValueError, MemoryError, OverflowError) as err:
+            raise SampleError(UNDECODABLE_VIDEO, f"its audio track at {rate} Hz cannot be resampled ({say(err)})"
+                              ) from None
+        out = dataclasses.replace(out, audio=_track(spec, x, meta))
+    return out
+
+
+def _track(spec: ModelSpec, x: np.ndarray, meta: VideoMeta):
+    """A track's waveform (at the model's rate) cut or zero-padded to its header duration, through
+    the feature extractor, as hf_audio does a clip."""
+    from mmpipe.model.hf.media import preprocess_audio
+
+    n = audio_samples(spec.audio, meta.audio_seconds)
+    x = x[:n] if len(x) >= n else np.pad(x, (0, n - len(x)))
+    return preprocess_audio(spec, x, spec.audio.sample_rate)
 
 
 def blank_hf_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list, list, list]:
@@ -100,5 +124,8 @@ def blank_hf_media(meta: SampleMeta, spec: ModelSpec) -> tuple[list, list, list]
     for m in meta.videos:
         indices = video_frame_indices(spec.vision.video, m.frames, m.fps)
         frames = np.zeros((len(indices), m.height, m.width, 3), np.uint8)
-        videos.append(preprocess_video(spec, frames, m, indices))
+        vid = preprocess_video(spec, frames, m, indices)
+        if video_track(spec.vision, m):
+            vid = dataclasses.replace(vid, audio=_track(spec, np.zeros(0, np.float32), m))
+        videos.append(vid)
     return images, audio, videos

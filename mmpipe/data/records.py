@@ -40,7 +40,7 @@ from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.data.video import VIDEO_EXTS, decode_video, probe_video
 from mmpipe.model.spec import ModelSpec
 from mmpipe.model.geometry import (
-    SampleMeta, audio_frames, features, meta_from_json, modality_name, resize_image,
+    SampleMeta, audio_frames, features, meta_from_json, modality_name, resize_image, video_track,
 )
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
@@ -219,6 +219,12 @@ def check_meta(stored: SampleMeta, true: SampleMeta, spec: ModelSpec, *, text: b
     if [(m.frames, m.fps, m.height, m.width) for m in stored.videos] != header:
         problems.append(f"videos (frames, fps, height, width) {[(m.frames, m.fps, m.height, m.width) for m in stored.videos]} "
                         f"stored, {header} in the containers")
+    if spec.audio is not None and len(stored.videos) == len(true.videos):  # interleaved tracks (Omni)
+        tracks = [[audio_frames(spec.audio, s) if (s := video_track(spec.vision, m)) else 0 for m in x.videos]
+                  for x in (stored, true)]
+        if tracks[0] != tracks[1]:
+            problems.append(f"video audio tracks {[m.audio_seconds for m in stored.videos]} s stored, "
+                            f"{[m.audio_seconds for m in true.videos]} s in the containers")
     if problems:
         raise SampleError(META_MISMATCH, "; ".join(problems) + " (regenerate the shards or the meta)")
 

@@ -33,7 +33,9 @@ from mmpipe.data.skips import (
 )
 from mmpipe.data.tokenizer import AUDIO, IMAGE, VIDEO, Tokenizer
 from mmpipe.model.spec import ModelSpec
-from mmpipe.model.geometry import SampleMeta, audio_tokens, sample_image_tokens, video_tokens
+from mmpipe.model.geometry import (
+    SampleMeta, audio_tokens, interleaved_runs, sample_image_tokens, video_tokens, video_track,
+)
 
 IGNORE = -100
 """Label of a position that carries no loss."""
@@ -221,7 +223,10 @@ class Templater(Protocol):
     def template(self, turns: Sequence[Turn], *, image_tokens: Sequence[int] = (),
                  audio_tokens: Sequence[int] = (), video_tokens: Sequence[int] = ()) -> Templated:
         """input_ids and labels; placeholder k of a kind expands into image_tokens[k] /
-        audio_tokens[k] / video_tokens[k] ids. Raises SampleError (the caller adds shard and key)."""
+        audio_tokens[k] / video_tokens[k] ids. A video_tokens entry may instead be the runs of an
+        interleaved clip (Qwen2.5-Omni's use_audio_in_video: ((`video`, n), (`audio`, m), ...),
+        geometry.interleaved_runs), which a templater that supports it expands into <audio_bos>,
+        the runs and <audio_eos>. Raises SampleError (the caller adds shard and key)."""
         ...
 
     def text_tokens(self, turns: Sequence[Turn]) -> int:
@@ -285,9 +290,10 @@ def as_templater(tok: Templater | Tokenizer) -> Templater:
     return TinyTemplate(tok) if isinstance(tok, Tokenizer) else tok
 
 
-def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int], list[int]]:
+def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int], list]:
     """LLM tokens of each image, each clip and each video of a sample under a model (the geometry
-    rules).
+    rules); a video whose audio track is interleaved (Qwen2.5-Omni's use_audio_in_video) gives its
+    runs (geometry.interleaved_runs) instead of a count.
 
     Raises:
         SampleError: `no encoder` when the sample has a medium the model cannot encode;
@@ -307,7 +313,8 @@ def media_tokens(spec: ModelSpec, meta: SampleMeta) -> tuple[list[int], list[int
         raise SampleError(UNDECODABLE_IMAGE, f"the model's image processor refuses it ({err})") from None
     aud = [audio_tokens(spec.audio, s) for s in meta.audio_seconds] if spec.audio else []
     try:
-        vid = [video_tokens(spec.vision, m) for m in meta.videos]
+        vid = [interleaved_runs(spec, m) if video_track(spec.vision, m) else video_tokens(spec.vision, m)
+               for m in meta.videos]
     except ValueError as err:
         raise SampleError(UNDECODABLE_VIDEO, f"the model's video rule refuses it ({err})") from None
     return img, aud, vid

@@ -22,6 +22,8 @@ own video processor instead, `mmpipe.data.hf_media.hf_video`): the picked frames
 the model's image rule (PIL bicubic, as images), an odd count padded to whole temporal patches by
 repeating the last frame (Qwen2-VL's processor does the same).
 
+`decode_audio_track` decodes a clip's first audio track whole (Qwen2.5-Omni's use_audio_in_video).
+
 Every error of the container or the decoder becomes a `SampleError` (`undecodable video`,
 `media too large`), never an exception of PyAV's own.
 """
@@ -161,6 +163,41 @@ def decode_frames(data: bytes, indices: tuple[int, ...], meta: VideoMeta,
         raise SampleError(UNDECODABLE_VIDEO, f"the header declares {meta.frames} frames but the data ends after "
                                              f"{seen}; frame {last} was planned")
     return np.stack([out[i] for i in indices])
+
+
+def decode_audio_track(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[np.ndarray, int]:
+    """The first audio track of a container, whole, as a mono float32 waveform (the channels
+    averaged) and its sample rate; what Qwen2.5-Omni's use_audio_in_video encodes. The caller
+    resamples it and cuts it to the track's header duration, as a clip's wav is cut: decoders
+    emit whole codec frames, so an AAC track decodes to its last frame's end (up to 1023 samples
+    of encoder padding past the duration its header declares).
+
+    Raises:
+        SampleError: `undecodable video` (no audio track, a decoder error, no samples).
+    """
+    limits.check_bytes(data, "video")
+    import av
+
+    chunks: list[np.ndarray] = []
+    rate = 0
+    try:
+        with _open(data) as container:
+            if not container.streams.audio:
+                raise SampleError(UNDECODABLE_VIDEO, "the container has no audio track")
+            stream = container.streams.audio[0]
+            stream.thread_count = 1
+            planar = av.AudioResampler(format="fltp")  # float planes, the track's own layout and rate
+            for frame in container.decode(stream):
+                for out in planar.resample(frame):
+                    chunks.append(out.to_ndarray().mean(axis=0))
+                    rate = out.sample_rate
+    except SampleError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever FFmpeg / PyAV raise on hostile bytes
+        raise SampleError(UNDECODABLE_VIDEO, f"decoding its audio track failed ({say(err)})") from None
+    if not chunks or rate <= 0:
+        raise SampleError(UNDECODABLE_VIDEO, "its audio track holds no samples")
+    return np.concatenate(chunks).astype(np.float32, copy=False), rate
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

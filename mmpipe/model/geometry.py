@@ -97,10 +97,13 @@ class SampleFeatures:
         return tuple(n * length for n, length in self.video_segments)
     image_windows: tuple[int, ...] = ()
     """Vision-encoder positions of every attention window of the windowed blocks, over all
-    images (Qwen2.5-VL's window attention); empty when the tower has no windowed blocks."""
+    images and then every temporal patch of every video (Qwen2.5-VL's window attention); empty
+    when the tower has no windowed blocks."""
     audio_chunks: tuple[int, ...] = ()
     """Audio-encoder positions of every attention chunk, over all clips (Qwen2.5-Omni's
-    `n_window` chunks); empty when each clip attends as a whole."""
+    `n_window` chunks); empty when each clip attends as a whole. With Qwen2.5-Omni's
+    use_audio_in_video the clips (here and in audio_positions / audio_tokens) are the sample's
+    own, then the audio tracks of its videos; the tracks' <audio_bos> / <audio_eos> are text."""
 
     @property
     def llm_len(self) -> int:
@@ -404,9 +407,21 @@ def image_windows(v: VisionSpec, height: int, width: int) -> tuple[int, ...]:
     """Patches of each attention window of an image's windowed blocks, row by row of windows
     (transformers' `get_vision_window_index`: windows of window // merge // patch merged tokens a
     side, the last row and column of windows shorter); () when the tower has no windowed blocks."""
+    return _grid_windows(v, *image_grid(v, height, width))
+
+
+def video_windows(v: VisionSpec, meta: VideoMeta) -> tuple[int, ...]:
+    """The windows of a clip's windowed blocks: each temporal patch (frame pair) is cut into
+    windows on its own, as `get_vision_window_index` cuts every temporal patch of a grid."""
     if not v.window:
         return ()
-    gh, gw = image_grid(v, height, width)
+    t, gh, gw = video_grid(v, meta)
+    return _grid_windows(v, gh, gw) * t
+
+
+def _grid_windows(v: VisionSpec, gh: int, gw: int) -> tuple[int, ...]:
+    if not v.window:
+        return ()
     side = v.window // v.merge // v.patch * v.merge  # in patches: whole merge units
     return tuple(r * c for r in _pieces(gh, side) for c in _pieces(gw, side))
 
@@ -428,6 +443,53 @@ def audio_chunks(a: AudioSpec, seconds: float) -> tuple[int, ...]:
     return tuple(chunk_positions(audio_frames(a, seconds), window=a.window, conv_stride=a.conv_stride))
 
 
+# ----------------------------------------------------------------------------- a video's audio track
+# Qwen2.5-Omni with use_audio_in_video: a clip's audio track is a clip of the audio tower, and its
+# processor replaces the clip's video placeholder with <audio_bos>, the video tokens and the track's
+# audio tokens interleaved chunk by chunk, <audio_eos> (Qwen2_5OmniProcessor.replace_video_with_audio_token,
+# written here because the planner imports no transformers; tests/unit/model/test_video_geometry.py
+# holds the two equal). A clip without an audio track keeps its plain video tokens.
+
+TRACK_MARKERS = 2
+"""Text tokens an interleaved clip adds to its sample (its <audio_bos> and <audio_eos>)."""
+
+
+def video_track(v: VisionSpec | None, meta: VideoMeta) -> float:
+    """Seconds of a clip's audio track that the model encodes (0: none; only with audio_in_video)."""
+    return meta.audio_seconds if v is not None and v.video is not None and v.video.audio_in_video \
+        and meta.has_audio else 0.0
+
+
+def _chunks(values: list[float], per_chunk: int) -> list[int]:
+    """Run lengths of the processor's `get_chunked_index`: a run ends at the first value that
+    reaches the next multiple of `per_chunk` (one multiple per value, as it counts)."""
+    out, start, chunk = [], 0, 1
+    for i, x in enumerate(values):
+        if x >= chunk * per_chunk:
+            out.append(i - start)
+            start, chunk = i, chunk + 1
+    out.append(len(values) - start)
+    return out
+
+
+def interleaved_runs(spec: ModelSpec, meta: VideoMeta) -> tuple[tuple[str, int], ...]:
+    """The runs of `video` and `audio` tokens between an interleaved clip's <audio_bos> and
+    <audio_eos>: chunk j's video tokens, then chunk j's audio tokens, for every chunk."""
+    v, a = spec.vision, spec.audio
+    vs = _video_spec(v)
+    t, gh, gw = video_grid(v, meta)
+    per = (gh // v.merge) * (gw // v.merge)
+    per_chunk = int(vs.positions_per_second * vs.chunk_seconds)
+    frames = [k * vs.grid_seconds * vs.positions_per_second for k in range(t) for _ in range(per)]
+    video = _chunks(frames, per_chunk)
+    audio = _chunks(list(range(audio_tokens(a, meta.audio_seconds))), per_chunk)
+    runs: list[tuple[str, int]] = []
+    for j in range(max(len(video), len(audio))):
+        runs += [("video", video[j])] if j < len(video) else []
+        runs += [("audio", audio[j])] if j < len(audio) else []
+    return tuple(runs)
+
+
 def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> SampleFeatures:
     """Features of one sample under a model; `where` names it in errors (e.g. 'trace line 7')."""
     if meta.images and spec.vision is None:
@@ -438,19 +500,22 @@ def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> Sam
         raise ValueError(f"{where} has videos but model {spec.name} takes no video")
     v, a = spec.vision, spec.audio
     try:
-        vids = [(video_segments(v, m), video_tokens(v, m)) for m in meta.videos]
+        vids = [(video_segments(v, m), video_tokens(v, m), video_windows(v, m)) for m in meta.videos]
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+    tracks = tuple(s for s in (video_track(v, m) for m in meta.videos) if s)  # audio tower clips too
+    clips = meta.audio_seconds + tracks
     return SampleFeatures(
         image_positions=sample_image_positions(v, meta.images) if v else (),
         image_tokens=sample_image_tokens(v, meta.images) if v else (),
-        audio_positions=tuple(audio_positions(a, s) for s in meta.audio_seconds) if a else (),
-        audio_tokens=tuple(audio_tokens(a, s) for s in meta.audio_seconds) if a else (),
-        text_tokens=meta.text_tokens,
-        video_segments=tuple(seg for seg, _ in vids),
-        video_tokens=tuple(tok for _, tok in vids),
-        image_windows=tuple(n for h, w in meta.images for n in image_windows(v, h, w)) if v else (),
-        audio_chunks=tuple(n for s in meta.audio_seconds for n in audio_chunks(a, s)) if a else (),
+        audio_positions=tuple(audio_positions(a, s) for s in clips) if a else (),
+        audio_tokens=tuple(audio_tokens(a, s) for s in clips) if a else (),
+        text_tokens=meta.text_tokens + TRACK_MARKERS * len(tracks),
+        video_segments=tuple(seg for seg, _, _ in vids),
+        video_tokens=tuple(tok for _, tok, _ in vids),
+        image_windows=(tuple(n for h, w in meta.images for n in image_windows(v, h, w))
+                       + tuple(n for _, _, win in vids for n in win)) if v else (),
+        audio_chunks=tuple(n for s in clips for n in audio_chunks(a, s)) if a else (),
     )
 
 

@@ -63,6 +63,18 @@ class VideoSpec:
     (LLaVA-OneVision's bilinear apply_pooling: 2); 0: none."""
     newline: bool = False
     """One learned newline token after each video's features (LLaVA-OneVision's image_newline)."""
+    grid_seconds: float = 0.0
+    """Seconds one temporal patch spans in the 3-D positions when the model's processor fixes it
+    (Qwen2.5-Omni's video_second_per_grid: temporal_patch / its call's fps, 2.0 by default); 0: the
+    clip's own, temporal_patch / its sampled frame rate (Qwen2.5-VL's second_per_grid_ts)."""
+    audio_in_video: bool = False
+    """Qwen2.5-Omni's use_audio_in_video: a clip's audio track goes through the audio tower and its
+    tokens are interleaved with the frames' in chunks of chunk_seconds (model.use_audio_in_video)."""
+    positions_per_second: float = 25.0
+    """Temporal position ids per second of video, which the chunks of `audio_in_video` are cut by
+    (the Omni processor's position_id_per_seconds)."""
+    chunk_seconds: float = 2.0
+    """Seconds of video and audio per interleaved chunk (the Omni processor's seconds_per_chunk)."""
 
     def __post_init__(self) -> None:
         if self.sample not in FRAME_SAMPLING:
@@ -81,6 +93,10 @@ class VideoSpec:
             raise ValueError(f"model.vision.video.fps={self.fps!r} must be > 0 with sample=fps")
         if self.sample == "count" and self.frames < 1:
             raise ValueError(f"model.vision.video.frames={self.frames!r} must be >= 1 with sample=count")
+        if not self.grid_seconds >= 0 or not self.positions_per_second > 0 or not self.chunk_seconds > 0:
+            raise ValueError(f"model.vision.video: grid_seconds={self.grid_seconds!r} must be >= 0, "
+                             f"positions_per_second={self.positions_per_second!r} and "
+                             f"chunk_seconds={self.chunk_seconds!r} > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -126,11 +126,14 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
     Each sample's `images` are `ImageInput`s and `audio` are `AudioInput`s (made by
     `mmpipe.model.hf.media.preprocess_image` / `preprocess_audio`); the carrier slots hold what
     that architecture's first layers take (model/carrier.py). Qwen2-VL's positions are its 3-D
-    M-RoPE positions [3, B, T], computed per sample, so packing restarts them per sample.
+    M-RoPE positions [3, B, T], computed per sample, so packing restarts them per sample; the
+    clips are each sample's in token order, a video's audio track included (Qwen2.5-Omni's
+    use_audio_in_video: `sample_clips`).
     `media=False`: the samples were decoded without media (a last stage, which reads only the
     targets): the media slots stay empty and the positions are the plain 1-D ones.
     """
-    from mmpipe.model.hf.media import carrier_media, image_segments, sample_positions, uses_mrope
+    from mmpipe.model.hf.media import carrier_media, image_segments, sample_clips
+    from mmpipe.model.hf.positions import sample_positions, uses_mrope
 
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
@@ -145,8 +148,9 @@ def collate_hf(samples: Sequence[SampleLike], *, spec: ModelSpec, packed: bool, 
             for i, p in enumerate(per):
                 pos[:, i, :p.shape[1]] = p
     videos = _videos(samples) if media else []
+    clips = [c for s in samples for c in sample_clips(spec, s.input_ids, s.audio, getattr(s, "videos", ()))]
     pixels, grid, feats, frames = carrier_media(spec, [img for s in samples for img in s.images] if media else [],
-                                                [clip for s in samples for clip in s.audio] if media else [], videos)
+                                                clips if media else [], videos)
     a = spec.audio
     lay = _layout(samples, grid, frames, a.conv_stride if a is not None else 1, image_segments(spec, grid.tolist()),
                   a.window if a is not None else 0)

@@ -4,9 +4,10 @@ template (`apply_chat_template`) and processors (LlavaProcessor, Qwen2AudioProce
 Qwen2_5_VLProcessor, Qwen2_5OmniProcessor; for LLaVA-NeXT and OneVision the folder's own processor
 from AutoProcessor, a conversation's images nested as apply_chat_template nests them, OneVision's
 clips decoded whole by transformers' `load_video` and given to it as frames;
-Qwen2VLProcessor with the folder's image processor (as AutoImageProcessor gives it: the torchvision
-backend) and video processor, a video decoded whole by transformers' own PyAV reader, `load_video`,
-and sampled by the processor), under the label convention of docs/data.md, written from that text.
+Qwen2VLProcessor, Qwen2_5_VLProcessor and Qwen2_5OmniProcessor with the folder's image processor (as
+AutoImageProcessor gives it: the torchvision backend) and video processor, a video decoded whole by
+transformers' own PyAV reader, `load_video`, and sampled by the processor), under the label
+convention of docs/data.md, written from that text.
 None of mmpipe's data code is used.
 
 The convention: a turn `human` is a `user` message, `gpt` an `assistant` one; with structured
@@ -186,12 +187,15 @@ class Reference:
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"input_features": out.get("input_features"),
                                                   "feature_attention_mask": out.get("feature_attention_mask")}
-        if self.kind in ("qwen2.5-vl", "qwen2.5-omni"):
-            n = text.count(self.processor.image_token)
+        if self.kind in ("qwen2.5-vl", "qwen2.5-omni"):  # + second_per_grid_ts / video_second_per_grid
+            n, v = text.count(self.processor.image_token), text.count(self.processor.video_token)
             m = text.count("<|AUDIO|>") if self.kind == "qwen2.5-omni" else 0
-            out = self.processor(text=text, images=images[:n] or None, audio=clips[:m] or None, return_tensors="pt")
+            out = self.processor(text=text, images=images[:n] or None, audio=clips[:m] or None,
+                                 videos=[f for f, _ in videos[:v]] or None,
+                                 video_metadata=[meta for _, meta in videos[:v]] or None, return_tensors="pt")
             return out["input_ids"][0].tolist(), {k: out.get(k) for k in (
-                "pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")}
+                "pixel_values", "image_grid_thw", "input_features", "feature_attention_mask", "pixel_values_videos",
+                "video_grid_thw", "second_per_grid_ts", "video_second_per_grid")}
         if self.kind == "qwen3-vl":  # Qwen3VLProcessor expands each <|image_pad|> and marks image tokens
             n = text.count("<|image_pad|>")
             out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
@@ -234,7 +238,8 @@ class Reference:
                                                for s in samples]),
                "labels": torch.tensor([s["labels"] + [-100] * (t - len(s["labels"])) for s in samples])}
         for key in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask", "image_sizes",
-                    "batch_num_images", "pixel_values_videos", "video_grid_thw"):
+                    "batch_num_images", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                    "video_second_per_grid"):
             parts = [s[key] for s in samples if s.get(key) is not None]
             if key == "pixel_values" and self.kind in ANYRES and parts:  # [images, tiles, ...]: pad the tiles
                 most = max(p.shape[1] for p in parts)

@@ -2,20 +2,20 @@
 shipped shards) compute what transformers computes.
 
 For LLaVA, Qwen2-VL (pp=3; its step mixes video clips, one of an odd frame count, images and text
-from the shipped video mix), Qwen2-Audio, a composition (CLIP + a Qwen2 causal LM with tied
-embeddings + a projector from another folder), LLaVA-OneVision (its step holds clips of 7 to 20
-frames, images and text from the shipped video mix), LLaVA-NeXT (pp=3), Qwen3-VL (pp=3,
-cut between the tower's DeepStack blocks and between the decoder layers that add the DeepStack
-features), Qwen2.5-VL (pp=2, cut between a full-attention and a windowed vision block) and the
-Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on different stages): one SGD step
-through the pipeline gives the loss of the transformers model's own forward on the same samples
-(`train.record_samples=true` says which), and the same updated parameters as its own backward and
-step, read back through `mmpipe export` (so the export loads with the original class). The
-reference builds its inputs from the raw tar members with the checkpoint's processors and chat
-template (tests/distributed/hf_reference.py), never with mmpipe's data code. For LLaVA and Omni
-the exported step-1 model also reproduces the run's step-2 loss on step 2's samples. Omni at pp=2 x
-dp=2 with ZeRO-1, one replica reading only samples without audio, gives the same step. A short
-Omni run shows the loss falling.
+from the shipped video mix, as the Qwen2.5-VL and Omni steps do), Qwen2-Audio, a composition (CLIP +
+a Qwen2 causal LM with tied embeddings + a projector from another folder), LLaVA-OneVision (its
+step holds clips of 7 to 20 frames, images and text from the shipped video mix), LLaVA-NeXT (pp=3),
+Qwen3-VL (pp=3, cut between the tower's DeepStack blocks and between the decoder layers that add the
+DeepStack features), Qwen2.5-VL (pp=2, cut between a full-attention and a
+windowed vision block) and the Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on
+different stages): one SGD step through the pipeline gives the loss of the transformers model's own
+forward on the same samples (`train.record_samples=true` says which), and the same updated
+parameters as its own backward and step, read back through `mmpipe export` (so the export loads with
+the original class). The reference builds its inputs from the raw tar members with the checkpoint's
+processors and chat template (tests/distributed/hf_reference.py), never with mmpipe's data code. For
+LLaVA and Omni the exported step-1 model also reproduces the run's step-2 loss on step 2's samples.
+Omni at pp=2 x dp=2 with ZeRO-1, one replica reading only samples without audio, gives the same
+step. A short Omni run shows the loss falling.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ CASES = {  # model: its overrides (one launch each)
 }
 NEXT_LOSS = ("llava", "qwen2.5-omni")
 """Cases whose exported step-1 model must reproduce the run's step-2 loss."""
+VIDEO_CASES = ("qwen2-vl", "llava-onevision", "qwen2.5-vl", "qwen2.5-omni")
+"""Cases whose first step must hold video, image and text-only samples (from the shipped video mix)."""
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 5e-4  # fp32 summation order differs (micro-batches vs one batch); a wrong or missing tensor is O(1)
 """Largest |pipeline - reference| of an updated tensor, relative to the reference's largest update
@@ -101,8 +103,7 @@ def _check_step(kind, hf_checkpoints, run, tmp_path, *, next_loss=False):
     ref = Reference(kind, hf_checkpoints)
     model = ref.model()
     keys = _step_keys(run, 1)
-    if kind in ("qwen2-vl", "llava-onevision"):  # the step holds videos (Qwen2-VL: one of an odd frame count),
-        # images and text-only samples
+    if kind in VIDEO_CASES:  # videos (Qwen2-VL: one of an odd frame count), images and text-only samples
         raws = raw_samples(set(keys)).values()
         assert all(any(r[m] for r in raws) for m in ("videos", "images")), keys
         assert any(not r["videos"] and not r["images"] for r in raws), keys
@@ -179,13 +180,14 @@ def test_omni_zero1_replica_without_clips(hf_checkpoints, run_mmpipe, tmp_path):
 
 
 def test_a_checkpoint_learns(hf_checkpoints, run_mmpipe):
-    """The Qwen2.5-Omni thinker from its checkpoint (images, clips, both, text), pp=2, AdamW: the
-    loss falls by half a nat within 12 steps (from about ln(vocabulary) = 6.6, chance). From step 9
-    on (the re-fit's 6 warm-up steps, and the feeder two steps ahead) the micro-batches are planned
-    with the run's own step-time fit, and the console says so once; the summary sets the measured
-    peak memory of each stage beside the prediction."""
+    """The Qwen2.5-Omni thinker from its checkpoint (images, clips, both, text: the shipped shards
+    without the video mix, whose frames Omni's processor enlarges to 128 x 28^2 pixels and which
+    the step test covers), pp=2, AdamW: the loss falls by half a nat within 12 steps (from about
+    ln(vocabulary) = 6.6, chance). From step 9 on (the re-fit's 6 warm-up steps, and the feeder two
+    steps ahead) the micro-batches are planned with the run's own step-time fit, and the console
+    says so once; the summary sets the measured peak memory of each stage beside the prediction."""
     run = run_mmpipe("train", *model_overrides("qwen2.5-omni", hf_checkpoints), "train.steps=12", "train.lr=3e-3",
-                     "train.warmup_steps=2", timeout=600)
+                     "train.warmup_steps=2", f"data.path='{SHARDS}/train-{{000000..000007}}.tar'", timeout=600)
     assert run.code == 0, run.out[-3000:]
     losses = [m["loss"] for m in run.metrics()]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses

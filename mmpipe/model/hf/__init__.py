@@ -3,8 +3,9 @@
 Supported: `LlavaForConditionalGeneration` (CLIP / SigLIP tower, Llama / Mistral / Qwen2),
 `LlavaNextForConditionalGeneration` and `LlavaOnevisionForConditionalGeneration` (any-resolution
 tiles), `Qwen2VLForConditionalGeneration` (images and videos), `Qwen2AudioForConditionalGeneration`,
-`Qwen3VLForConditionalGeneration` (dense; qwen3.py), `Qwen2_5_VLForConditionalGeneration`,
-`Qwen2_5OmniThinkerForConditionalGeneration` (a thinker or a full Qwen2.5-Omni folder), and
+`Qwen3VLForConditionalGeneration` (dense; qwen3.py), `Qwen2_5_VLForConditionalGeneration` (images
+and videos), `Qwen2_5OmniThinkerForConditionalGeneration` (a thinker or a full Qwen2.5-Omni folder;
+images, clips, videos, and with use_audio_in_video a video's audio track), and
 compositions of unimodal checkpoints (`model=compose`). See docs/hf.md.
 
 What the runtime calls:

@@ -264,22 +264,27 @@ def check_qwen25(config: PretrainedConfig, what: str) -> None:
                              f"{ac.max_source_positions} (each chunk's positions index the sinusoidal table)")
 
 
-def _qwen25_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> VisionSpec:
+def _qwen25_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any], what: str,
+                   audio_in_video: bool) -> VisionSpec:
     """Qwen2.5-VL's tower (also Qwen2.5-Omni's): RMSNorm + SwiGLU blocks, windowed attention in all
-    blocks but `fullatt_block_indexes`, out_hidden_size into the LLM."""
+    blocks but `fullatt_block_indexes`, out_hidden_size into the LLM; videos as the model's
+    processor calls its video processor (model/hf/video.py)."""
     vc = config.vision_config
     proc = make_image_processor(ip)
     for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
                       ("temporal_patch_size", vc.temporal_patch_size)):
         if getattr(proc, key) != ours:
             raise ValueError(f"{what}: the image processor has {key}={getattr(proc, key)} but the vision tower {ours}")
+    video = video_spec(make_video_processor(config.model_type, vp), patch=vc.patch_size, merge=vc.spatial_merge_size,
+                       temporal=vc.temporal_patch_size, what=what, model_type=config.model_type,
+                       audio_in_video=audio_in_video)
     merged = vc.hidden_size * vc.spatial_merge_size ** 2
     return VisionSpec(
         blocks=vc.depth, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_heads, patch=vc.patch_size,
         resize="smart", min_pixels=int(proc.size.shortest_edge), max_pixels=int(proc.size.longest_edge),
         merge=vc.spatial_merge_size, temporal_patch=vc.temporal_patch_size, proj=(merged, vc.out_hidden_size),
         channels=vc.in_channels, window=int(vc.window_size), mlp_gated=True,
-        full_blocks=tuple(int(b) for b in vc.fullatt_block_indexes))
+        full_blocks=tuple(int(b) for b in vc.fullatt_block_indexes), video=video)
 
 
 def _omni_audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) -> AudioSpec:
@@ -328,7 +333,8 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
                      image_processor: Mapping[str, Any] | None = None,
                      feature_extractor: Mapping[str, Any] | None = None,
                      max_seq_len: int | None = None, what: str = "model.config",
-                     video_processor: Mapping[str, Any] | None = None) -> ModelSpec:
+                     video_processor: Mapping[str, Any] | None = None,
+                     use_audio_in_video: bool = False) -> ModelSpec:
     """The spec of a supported architecture given its transformers config.
 
     Args:
@@ -340,11 +346,16 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
         video_processor: the video processor's config of an architecture that takes video
             (Qwen2-VL, LLaVA-OneVision); None: the image processor's, the fallback transformers takes for a
             folder without a video processor file.
+        use_audio_in_video: Qwen2.5-Omni's use_audio_in_video: a clip's audio track is encoded
+            and interleaved with its frames (model.use_audio_in_video; an error for other models).
     """
     if not isinstance(config, PretrainedConfig):
         config = config_from_dict(config, what=what)
     config = unwrap_omni(config)
     kind = check_supported(config, what=what)
+    if use_audio_in_video and kind != "qwen2_5_omni_thinker":
+        raise ValueError(f"model.use_audio_in_video=true: only Qwen2.5-Omni reads a video's audio track, this model "
+                         f"is {kind}; set model.use_audio_in_video=false")
     if kind in VISION_KINDS:
         image_processor = dict(image_processor or default_image_processor(config))
     if kind in AUDIO_KINDS:
@@ -370,7 +381,7 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
     elif kind == "qwen3_vl":
         vision = qwen3.vision_spec(config, image_processor, what)
     elif kind in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
-        vision = _qwen25_vision(config, image_processor, what)
+        vision = _qwen25_vision(config, image_processor, video_processor, what, use_audio_in_video)
     if kind == "qwen2_audio":
         audio = _audio(config, feature_extractor, what)
     elif kind == "qwen2_5_omni_thinker":
@@ -379,7 +390,7 @@ def spec_from_config(config: PretrainedConfig | Mapping[str, Any], *, name: str,
 
 
 def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len: int | None = None,
-                     what: str = "model.path") -> ModelSpec:
+                     what: str = "model.path", use_audio_in_video: bool = False) -> ModelSpec:
     """The spec of a checkpoint folder (its config.json, preprocessor files and weights)."""
     config = unwrap_omni(read_config(folder, what=what))
     check_supported(config, what=f"{what}={str(folder)!r}")
@@ -390,4 +401,5 @@ def spec_from_folder(folder: str | Path, *, name: str | None = None, max_seq_len
     return spec_from_config(config, name=name or Path(folder).name, weights=(("model", str(folder)),),
                             image_processor=read_processor_config(folder, "image_processor"),
                             feature_extractor=read_processor_config(folder, "feature_extractor"),
-                            max_seq_len=max_seq_len, what=f"{what}={str(folder)!r}", video_processor=video)
+                            max_seq_len=max_seq_len, what=f"{what}={str(folder)!r}", video_processor=video,
+                            use_audio_in_video=use_audio_in_video)

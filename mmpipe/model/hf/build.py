@@ -22,7 +22,7 @@ from mmpipe.model.hf import omni, qwen25
 from mmpipe.model.hf import qwen3 as Q
 from mmpipe.model.hf.anyres import ANYRES, AnyresVisionProj
 from mmpipe.model.hf.configs import hf_config
-from mmpipe.model.hf.media import MROPE_TYPES
+from mmpipe.model.hf.positions import MROPE_TYPES
 from mmpipe.model.hf.skeleton import (
     LLAVA_TOWERS,
     TOWERS,

@@ -67,9 +67,10 @@ ONEVISION_TEMPLATE = (  # LLaVA-OneVision's ChatML (no default system message), 
     "{% for c in m['content'] if c['type'] == 'video' %}<video>\n{% endfor %}"
     "{% for c in m['content'] if c['type'] == 'text' %}{{ c['text'] }}{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-OMNI_TEMPLATE = _chatml(  # Qwen2.5-Omni's markers around each image and clip
+OMNI_TEMPLATE = _chatml(  # Qwen2.5-Omni's markers around each image, clip and video
     "{% if content['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
-    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>" + _TEXT)
+    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>" + _TEXT)
 TEXT_TEMPLATE = (  # a text LLM's ChatML: string content only
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -337,8 +338,10 @@ def _image_processor():
 
 
 def write_qwen2_5_vl(root: Path, texts: list[str]) -> Path:
-    """The Qwen2.5-VL tower above + its M-RoPE decoder, ChatML with Qwen2-VL's image markers; the
-    processor (image and video processors, tokenizer, template) saved by Qwen2_5_VLProcessor."""
+    """The Qwen2.5-VL tower above + its M-RoPE decoder (tokens_per_second 4: the shipped clips' frame
+    pairs, every frame taken, are 2 to 4 temporal positions apart), ChatML with Qwen2-VL's image and
+    video markers; the processor (image and video processors, tokenizer, template) saved by
+    Qwen2_5_VLProcessor. Video frames of 4 to 16 tokens."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -353,8 +356,9 @@ def write_qwen2_5_vl(root: Path, texts: list[str]) -> Path:
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     folder = _save(Qwen2_5_VLForConditionalGeneration(cfg), tok, QWEN2_VL_TEMPLATE, root / "qwen2.5-vl", 47)
-    Qwen2_5_VLProcessor(image_processor=_image_processor(), video_processor=Qwen2VLVideoProcessor(), tokenizer=tok,
-                        chat_template=QWEN2_VL_TEMPLATE).save_pretrained(folder)
+    Qwen2_5_VLProcessor(image_processor=_image_processor(), tokenizer=tok, chat_template=QWEN2_VL_TEMPLATE,
+                        video_processor=Qwen2VLVideoProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+                        ).save_pretrained(folder)
     return folder
 
 
@@ -362,7 +366,9 @@ def write_qwen2_5_omni(root: Path, texts: list[str]) -> Path:
     """A Qwen2.5-Omni thinker: the Qwen2.5-VL tower above, a 2-block audio tower over 16 mel bins
     attending within chunks of 25 positions (0.5 s: the shipped clips of 0.3 to 5.4 s span 1 to 11),
     clips cut at 8 s, the M-RoPE decoder; Omni's markers in ChatML; the processor saved by
-    Qwen2_5OmniProcessor (image, video and feature extractor, tokenizer, template)."""
+    Qwen2_5OmniProcessor (image, video and feature extractor, tokenizer, template). Its video
+    processor samples 2 frames a second (at least 4), which its processor resizes to 128 to 768
+    x 28^2 pixels whatever the file says."""
     from transformers import (
         Qwen2_5OmniProcessor,
         Qwen2_5OmniThinkerConfig,
@@ -384,7 +390,8 @@ def write_qwen2_5_omni(root: Path, texts: list[str]) -> Path:
         vision_end_token_id=ids["vision_eos_token"], audio_start_token_id=ids["audio_bos_token"],
         audio_end_token_id=ids["audio_eos_token"])
     folder = _save(Qwen2_5OmniThinkerForConditionalGeneration(cfg), tok, OMNI_TEMPLATE, root / "qwen2.5-omni", 48)
-    Qwen2_5OmniProcessor(image_processor=_image_processor(), video_processor=Qwen2VLVideoProcessor(),
+    Qwen2_5OmniProcessor(image_processor=_image_processor(),
+                         video_processor=Qwen2VLVideoProcessor(do_sample_frames=True, fps=2.0),
                          feature_extractor=WhisperFeatureExtractor(feature_size=16, chunk_length=8), tokenizer=tok,
                          chat_template=OMNI_TEMPLATE).save_pretrained(folder)
     return folder

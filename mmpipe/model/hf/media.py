@@ -1,4 +1,4 @@
-"""Media preprocessing with the checkpoint's own processors, and Qwen2-VL's 3-D positions.
+"""Media preprocessing with the checkpoint's own processors.
 
 Images go through transformers' image processor of the checkpoint (its preprocessor config),
 audio through its Whisper feature extractor, so the arrays are exactly what the transformers
@@ -8,7 +8,7 @@ mmpipe), else PIL. The two backends resize differently (bicubic pixels differ by
 which moves the patch embedding's gradient by about 1e-3 of itself, so mmpipe follows
 transformers' choice and gives the model what a transformers user's processor gives.
 Videos go through the checkpoint's video processor (model/hf/video.py, on torchvision); their
-patches join the images' in the carrier (`carrier_media`) and their tokens get 3-D positions here.
+patches join the images' in the carrier (`carrier_media`); 3-D positions are model/hf/positions.py's.
 Placeholder expansion and tokens are the text side's; these functions give each sample's arrays
 and the counts the placeholders must match (equal to `mmpipe.model.geometry` by construction,
 and checked).
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import io
-import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -205,62 +204,35 @@ def preprocess_audio(spec: ModelSpec, waveform: np.ndarray, sample_rate: int) ->
                       frames=valid)
 
 
-def mrope_positions(input_ids: Sequence[int], grids: Sequence[Sequence[int]], *, image_token: int,
-                    merge: int, video_token: int = -1, video_grids: Sequence[Sequence[int]] = ()) -> np.ndarray:
-    """Qwen2-VL's 3-D positions [3, n] of one sample, as transformers' `get_rope_index` makes
-    them: text runs count on from the current position on all three axes; a run of image tokens
-    (one image) or of video tokens (one video) takes (t, row, col) of its merged grid offset by
-    the current position (a video's t counts its temporal patches), which then advances by
-    max(rows, cols) / merge."""
-    ids = np.asarray(input_ids)
-    kind = np.where(ids == image_token, 1, np.where((ids == video_token) & (video_token >= 0), 2, 0))
-    parts, pos = [], 0
-    items = {1: iter(grids), 2: iter(video_grids)}
-    for k, run in itertools.groupby(kind.tolist()):
-        n = len(list(run))
-        if not k:
-            parts.append(np.broadcast_to(np.arange(pos, pos + n), (3, n)))
-            pos += n
-            continue
-        what = "image" if k == 1 else "video"
-        t, h, w = next(items[k], (0, 0, 0))
-        gh, gw = h // merge, w // merge
-        if t * gh * gw != n:
-            raise ValueError(f"a run of {n} {what} tokens does not match an {what} of {t * gh * gw} tokens; "
-                             f"images and videos must be separated by text (Qwen2-VL's "
-                             f"<|vision_start|>/<|vision_end|>)")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        parts.append(np.stack([tt, hh, ww]).reshape(3, -1) + pos)
-        pos += max(h, w) // merge
-    for k, what in ((1, "images"), (2, "videos")):
-        if next(items[k], None) is not None:
-            raise ValueError(f"more {what} than {what[:-1]}-token runs in a sample")
-    return np.concatenate(parts, axis=1).astype(np.int64) if parts else np.zeros((3, 0), dtype=np.int64)
-
-
-MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "qwen3_vl")
-"""Decoders that take 3-D M-RoPE positions. For images (and text, and Qwen2.5-Omni's audio tokens,
-which advance one position each like text) all of them compute them as Qwen2-VL does: the
-Qwen2.5-VL and Omni rules differ only for video (time-scaled temporal axis), which mmpipe does not
-train yet; tests compare each with its class's own get_rope_index."""
-
-
-def uses_mrope(spec: ModelSpec) -> bool:
-    """Whether the decoder takes 3-D M-RoPE positions [3, B, T]."""
-    return spec.hf is not None and json.loads(spec.hf.config).get("model_type") in MROPE_TYPES
-
-
-def sample_positions(spec: ModelSpec, input_ids: Sequence[int], images: Sequence[ImageInput],
-                     videos: Sequence[Any] = ()) -> np.ndarray:
-    """A sample's M-RoPE positions [3, n] from its tokens, processed images and videos."""
+def sample_clips(spec: ModelSpec, input_ids: Sequence[int], clips: Sequence[AudioInput],
+                 videos: Sequence[Any] = ()) -> list[AudioInput]:
+    """A sample's audio-tower clips in the order their tokens appear: its own clips and, with
+    Qwen2.5-Omni's use_audio_in_video, each video's audio track (VideoInput.audio) where that
+    video's interleaved tokens are; the order in which transformers' masked_scatter places audio
+    features and its get_rope_index reads their lengths."""
+    if not any(getattr(v, "audio", None) is not None for v in videos):
+        return list(clips)
     from mmpipe.model.hf.configs import hf_config
+    from mmpipe.model.hf.positions import clip_tokens
 
     config = hf_config(spec.hf)
-    image_token = config.image_token_id  # Omni's config names it image_token_index
-    video_token = getattr(config, "video_token_id", None) if videos else None
-    return mrope_positions(input_ids, [img.grid for img in images], image_token=image_token,
-                           merge=spec.vision.merge, video_token=-1 if video_token is None else video_token,
-                           video_grids=[vid.grid for vid in videos])
+    audio, video, unit = config.audio_token_id, config.video_token_id, spec.vision.merge ** 2
+    own, vids, out, ids, i = iter(clips), iter(videos), [], list(input_ids), 0
+    while i < len(ids):
+        if ids[i] == video:  # a clip's tokens: its frames', and its track's interleaved with them
+            v = next(vids)
+            i += int(np.prod(v.grid)) // unit + (clip_tokens(spec, v.audio.frames) if v.audio is not None else 0)
+            out += [v.audio] if v.audio is not None else []
+        elif ids[i] == audio:
+            c = next(own)
+            out.append(c)
+            i += clip_tokens(spec, c.frames)
+        else:
+            i += 1
+    if len(out) != len(clips) + sum(v.audio is not None for v in videos):
+        raise ValueError(f"a sample's tokens hold {len(out)} clips but it has {len(clips)} and "
+                         f"{sum(v.audio is not None for v in videos)} video tracks")
+    return out
 
 
 def image_segments(spec: ModelSpec, grid: Sequence[Sequence[int]]) -> list[int]:

@@ -11,9 +11,10 @@ from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.compose import spec_from_compose
 from mmpipe.model.spec import ModelSpec
 
-FOLDER_KEYS = ("name", "path", "max_seq_len")
+FOLDER_KEYS = ("name", "path", "max_seq_len", "use_audio_in_video")
 """`model=hf` (conf/model/hf.yaml)."""
-CONFIG_KEYS = ("name", "config", "image_processor", "feature_extractor", "video_processor", "max_seq_len")
+CONFIG_KEYS = ("name", "config", "image_processor", "feature_extractor", "video_processor", "max_seq_len",
+               "use_audio_in_video")
 """A preset stating its transformers config inline (conf/model/llava-1.5-7b.yaml ...)."""
 COMPOSE_KEYS = ("name", "vision", "audio", "llm", "projector", "vision_feature_layer", "vision_feature_select_strategy",
                 "projector_hidden_act", "image_token_id", "audio_token_id", "max_seq_len")
@@ -39,7 +40,9 @@ def spec_from_settings(group: Mapping[str, Any]) -> ModelSpec:
         projector: {path: null}   # a folder holding a projector (a LLaVA checkpoint, an export), or null
         vision_feature_layer: -2  # ... (conf/model/compose.yaml)
 
-    each with an optional `max_seq_len`. Unknown keys and missing values are errors naming the key.
+    each with an optional `max_seq_len`, and for Qwen2.5-Omni `use_audio_in_video` (a clip's audio
+    track interleaved with its frames; transformers takes it as a processor and forward argument,
+    which no checkpoint file records). Unknown keys and missing values are errors naming the key.
     """
     group = dict(group)
     llm = group.get("llm")
@@ -48,18 +51,22 @@ def spec_from_settings(group: Mapping[str, Any]) -> ModelSpec:
     form, keys = ("path", FOLDER_KEYS) if "path" in group else ("config", CONFIG_KEYS)
     _known(group, keys, f"model={'hf' if form == 'path' else group.get('name')}")
     name, max_len = group.get("name"), group.get("max_seq_len")
+    audio_in_video = group.get("use_audio_in_video") or False
+    if not isinstance(audio_in_video, bool):
+        raise ValueError(f"model.use_audio_in_video={audio_in_video!r} must be true or false")
     if form == "path":
         if group["path"] in UNSET:
             raise ValueError("model.path is not set; give model.path=DIR, a local checkpoint folder written by "
                              "save_pretrained (LLaVA, Qwen2-VL, Qwen2-Audio or Qwen3-VL)")
-        return spec_from_folder(str(group["path"]), name=name, max_seq_len=max_len)
+        return spec_from_folder(str(group["path"]), name=name, max_seq_len=max_len,
+                                use_audio_in_video=audio_in_video)
     if not isinstance(group.get("config"), Mapping):
         raise ValueError(f"model.config={group.get('config')!r} must be a mapping shaped like config.json")
     if not name:
         raise ValueError("model.name is missing; a preset with an inline config names itself")
     return spec_from_config(group["config"], name=name, image_processor=group.get("image_processor"),
                             feature_extractor=group.get("feature_extractor"), max_seq_len=max_len,
-                            video_processor=group.get("video_processor"))
+                            video_processor=group.get("video_processor"), use_audio_in_video=audio_in_video)
 
 
 def _known(group: Mapping[str, Any], keys: tuple[str, ...], what: str) -> None:

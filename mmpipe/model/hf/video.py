@@ -15,13 +15,20 @@ The data layer decodes only the frames the geometry picks (`mmpipe.data.video.de
 and hands them to `preprocess_video`, which calls the processor with `do_sample_frames=False`
 (the frames are already the sampled ones) and the clip's `VideoMetadata`, `frames_indices`
 included, as transformers' own decoding would have filled it: resize, rescale, normalize,
-temporal padding and patch layout are the processor's. For the later architectures
-(Qwen2.5-VL's `second_per_grid_ts`, Omni's `video_second_per_grid`) `VideoInput.sampled_fps`
-is that metadata's `sampled_fps`.
+temporal padding and patch layout are the processor's. For the time-aligned positions of
+Qwen2.5-VL and Qwen2.5-Omni, `VideoInput.second_per_grid` is what their processors compute:
+Qwen2.5-VL's `second_per_grid_ts` (temporal patch / that metadata's `sampled_fps`), Omni's
+`video_second_per_grid` (temporal patch / the fps of the processor call, 2.0 unless the video
+processor samples frames by fps: `VideoSpec.grid_seconds`).
+
+Qwen2.5-Omni's processor passes its own `videos_kwargs` to the video processor on every call
+(frames resized within 128 to 768 x 28^2 pixels, whatever the video processor's config says):
+`processor_call` gives them, and both the geometry (`video_spec`) and `preprocess_video` use them.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -34,12 +41,18 @@ import numpy as np
 from mmpipe.model.geometry import VideoMeta, video_grid
 from mmpipe.model.spec import HFSource, ModelSpec, VideoSpec
 
+_QWEN2_VL_VIDEO = "transformers.models.qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor"
 VIDEO_PROCESSORS = {
-    "qwen2_vl": "transformers.models.qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor",
+    "qwen2_vl": _QWEN2_VL_VIDEO,
+    "qwen2_5_vl": _QWEN2_VL_VIDEO,
+    "qwen2_5_omni_thinker": _QWEN2_VL_VIDEO,
     "llava_onevision": "transformers.models.llava_onevision.video_processing_llava_onevision."
                        "LlavaOnevisionVideoProcessor",
 }
-"""model_type -> the video processor class transformers pairs with it."""
+"""model_type -> the video processor class transformers pairs with it (its video_processing_auto)."""
+OMNI = "qwen2_5_omni_thinker"
+OMNI_DEFAULT_FPS = 2.0
+"""The fps Qwen2_5OmniProcessor assumes when its call names none (hard-coded there too)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +66,12 @@ class VideoInput:
     """(t, rows, cols): its video_grid_thw (LLaVA-OneVision: frames, and each frame's patch grid)."""
     sampled_fps: float
     """Frames per second of the sampled frames (transformers' VideoMetadata.sampled_fps)."""
+    second_per_grid: float = 0.0
+    """Seconds per temporal patch in the 3-D positions (Qwen2.5-VL's second_per_grid_ts, Omni's
+    video_second_per_grid); unused by Qwen2-VL."""
+    audio: Any = None
+    """The clip's audio track as the audio tower takes it (an mmpipe.model.hf.media.AudioInput),
+    with Qwen2.5-Omni's use_audio_in_video and a track; else None."""
 
 
 def _import(path: str) -> Any:
@@ -92,8 +111,26 @@ def video_processor(src: HFSource) -> Any:
     return make_video_processor(hf_config(src).model_type, json.loads(src.video_processor))
 
 
-def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str) -> VideoSpec:
-    """The VideoSpec of a Qwen2-VL-style video processor, checked against the tower's figures."""
+def processor_call(model_type: str, proc: Any) -> dict[str, Any]:
+    """The keyword arguments the model's processor gives its video processor on every call, beyond
+    the video processor's own settings: Qwen2.5-Omni's class-level `videos_kwargs` (its frame size
+    bounds), plus, when the video processor samples by fps, that fps (what a user passes to the
+    Omni processor so that its video_second_per_grid is the frames' real spacing); nothing for the
+    other classes."""
+    if model_type != OMNI:
+        return {}
+    from transformers import Qwen2_5OmniProcessor
+
+    call = copy.deepcopy(Qwen2_5OmniProcessor.videos_kwargs)
+    if proc.do_sample_frames and proc.fps is not None and proc.num_frames is None:
+        call["fps"] = float(proc.fps)
+    return call
+
+
+def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str, model_type: str = "qwen2_vl",
+               audio_in_video: bool = False) -> VideoSpec:
+    """The VideoSpec of a Qwen2-VL-style video processor as the model's processor calls it
+    (`processor_call`), checked against the tower's figures."""
     for key, ours in (("patch_size", patch), ("merge_size", merge), ("temporal_patch_size", temporal)):
         if getattr(proc, key) != ours:
             raise ValueError(f"{what}: the video processor has {key}={getattr(proc, key)} but the vision tower {ours}")
@@ -109,10 +146,19 @@ def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str) -
         sample = "count"
     elif proc.do_sample_frames and fps is not None:
         sample = "fps"
+    call = processor_call(model_type, proc)
+    size = call.get("size") or {"shortest_edge": proc.size.shortest_edge, "longest_edge": proc.size.longest_edge}
+    timing = {}
+    if model_type == OMNI:
+        from transformers import Qwen2_5OmniProcessor as P
+
+        timing = dict(grid_seconds=temporal / call.get("fps", OMNI_DEFAULT_FPS),
+                      positions_per_second=float(P.position_id_per_seconds), chunk_seconds=float(P.seconds_per_chunk))
     return VideoSpec(sample=sample, fps=float(fps) if fps else 2.0, frames=int(count or 0),
                      min_frames=int(proc.min_frames), max_frames=int(proc.max_frames), temporal_patch=temporal,
-                     min_pixels=int(proc.size.shortest_edge), max_pixels=int(proc.size.longest_edge),
-                     cap_pixels=bool(proc.cap_pixels_per_frame), max_tokens=int(proc.max_video_tokens))
+                     min_pixels=int(size["shortest_edge"]), max_pixels=int(size["longest_edge"]),
+                     cap_pixels=bool(proc.cap_pixels_per_frame), max_tokens=int(proc.max_video_tokens),
+                     audio_in_video=audio_in_video, **timing)
 
 
 def onevision_video_spec(proc: Any, *, side: int, what: str) -> VideoSpec:
@@ -150,9 +196,12 @@ def preprocess_video(spec: ModelSpec, frames: np.ndarray, meta: VideoMeta, indic
     checkpoint's video processor. Raises ValueError if its grid is not the one the planner counted."""
     if spec.hf is None or spec.vision is None or spec.vision.video is None:
         raise ValueError(f"model {spec.name} has no Hugging Face video processor")
+    vs = spec.vision.video
     proc = video_processor(spec.hf)
     smart = spec.vision.resize == "smart"  # a Qwen2-VL-style processor (OneVision's has no pixel cap)
-    extra = {"cap_pixels_per_frame": spec.vision.video.cap_pixels} if smart else {}
+    # Omni's call overrides the config's frame size bounds (the others' are their own)
+    extra = ({"cap_pixels_per_frame": vs.cap_pixels,
+              "size": {"shortest_edge": vs.min_pixels, "longest_edge": vs.max_pixels}} if smart else {})
     out = proc(videos=[np.ascontiguousarray(frames)], video_metadata=[video_metadata(meta, indices)],
                do_sample_frames=False, return_tensors="pt", **extra)
     if smart:
@@ -166,4 +215,11 @@ def preprocess_video(spec: ModelSpec, frames: np.ndarray, meta: VideoMeta, indic
         raise ValueError(f"the video processor made a {grid} grid of {len(indices)} {meta.height}x{meta.width} frames "
                          f"but the model's geometry says {planned}; the processor config and the spec disagree")
     pixels = out["pixel_values_videos"].numpy().astype(np.float32, copy=False)
-    return VideoInput(pixels=pixels, grid=grid, sampled_fps=len(indices) / meta.frames * meta.fps)
+    fps = len(indices) / meta.frames * meta.fps
+    return VideoInput(pixels=pixels, grid=grid, sampled_fps=fps, second_per_grid=second_per_grid(vs, fps))
+
+
+def second_per_grid(vs: VideoSpec, sampled_fps: float) -> float:
+    """Seconds per temporal patch of a clip sampled at `sampled_fps`: the processor's fixed figure
+    (Omni), else temporal patch / sampled fps (Qwen2.5-VL's processor: 24 fps when unknown)."""
+    return vs.grid_seconds or vs.temporal_patch / (sampled_fps or 24.0)

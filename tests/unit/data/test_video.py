@@ -232,3 +232,20 @@ def test_hostile_clips_are_counted_skips_for_a_transformers_checkpoint(tmp_path,
     assert "declares no frames" in journal["noframes"]["detail"]
     assert "the data ends after" in journal["cutdata"]["detail"]
     assert "8 frames cannot be sampled from a clip of 1" in journal["oneframe"]["detail"]
+
+
+def test_an_audio_track_decodes_whole_and_a_bad_one_is_a_counted_reason():
+    """Omni's use_audio_in_video reads a clip's tone track: the waveform the clip was written with
+    (AAC-coded: close, not equal), at its rate, at least as long as the header says; a clip without
+    audio, garbage and a cut container are `undecodable video` SampleErrors, not PyAV exceptions."""
+    good = clip(16, 8, tone=True)
+    meta = V.probe_video(good)
+    wave, rate = V.decode_audio_track(good)
+    assert rate == meta.audio_rate == 8000 and len(wave) >= round(meta.audio_seconds * rate)
+    tone = np.sin(np.arange(16 * 8000 // 8) / 5.0) * 0.3
+    mid = slice(2000, 14000)  # away from the codec's edges
+    assert np.corrcoef(wave[mid], tone[mid])[0, 1] > 0.95
+    for data, why in ((clip(16, 8), "no audio track"), (bytes(range(256)) * 20, ""), (good[:len(good) // 2], "")):
+        with pytest.raises(SampleError) as err:
+            V.decode_audio_track(data)
+        assert err.value.reason == "undecodable video" and why in str(err.value), str(err.value)

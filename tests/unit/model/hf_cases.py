@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -268,7 +268,8 @@ class Sample:
     images: list = field(default_factory=list)
     audio: list = field(default_factory=list)
     videos: list = field(default_factory=list)
-    """(uint8 frames [n, H, W, 3], VideoMeta) per clip: the frames its video processor takes."""
+    """(uint8 frames [n, H, W, 3], VideoMeta) per clip: the frames its video processor takes; a
+    third item, the clip's audio track at 16 kHz, for Qwen2.5-Omni's use_audio_in_video."""
 
 
 def random_image(rng: np.random.Generator, h: int, w: int) -> bytes:
@@ -417,9 +418,14 @@ def compare(spec, layers, hf_model, hf_loss, samples, *, packings=(True, False))
     from mmpipe.model.hf.video import preprocess_video
 
     hf_loss.backward()
+
+    def video(f, m, *track):
+        vid = preprocess_video(spec, f, m, tuple(range(len(f))))
+        return replace(vid, audio=preprocess_audio(spec, track[0], 16000)) if track else vid
+
     ours = [Sample(s.key, s.input_ids, s.labels, preprocess_images(spec, s.images),
-                   [preprocess_audio(spec, w, 16000) for w in s.audio],
-                   [preprocess_video(spec, f, m, tuple(range(len(f)))) for f, m in s.videos]) for s in samples]
+                   [preprocess_audio(spec, w, 16000) for w in s.audio], [video(*v) for v in s.videos])
+            for s in samples]
     for packed in packings:
         mb = collate_hf(ours, spec=spec, packed=packed, pad_id=0)
         loss = our_loss_and_grads(layers, mb)
@@ -472,6 +478,58 @@ def anyres_reference_inputs(folder, samples, *, nested: bool) -> dict:
     out = proc(images=images, return_tensors="pt")
     keys = ("pixel_values", "image_sizes") + (("batch_num_images",) if nested else ())
     return {k: out[k] for k in keys}
+
+
+QWEN25_WORDS = {"qwen2_5_vl": {"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|vision_start|>": VSTART,
+                               "<|vision_end|>": VEND},
+                "qwen2_5_omni": {"<|IMAGE|>": IMAGE, "<|AUDIO|>": AUDIO, "<|VIDEO|>": VIDEO, "<|vision_bos|>": VSTART,
+                                 "<|vision_eos|>": VEND, "<|audio_bos|>": ASTART, "<|audio_eos|>": AEND}}
+"""The placeholder and marker tokens of each class's processor, at this module's ids."""
+QWEN25_NAMES = {"qwen2_5_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                               "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
+                "qwen2_5_omni": {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+                                 "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                                 "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}}
+"""The same tokens as the tokenizer's named special tokens (the processors read them by name)."""
+
+
+def qwen25_processor(folder, kind: str, video_processor=None):
+    """transformers' own Qwen2_5_VLProcessor (`qwen2_5_vl`) or Qwen2_5OmniProcessor (`qwen2_5_omni`)
+    around the folder's image processor, video processor and feature extractor as transformers
+    loads them (folder None: their defaults, a 16-bin extractor; `video_processor` replaces the
+    folder's), with a word-level tokenizer whose ids are this module's: `w<i>` is token i, the
+    placeholders and markers are IMAGE, VIDEO, VSTART, ... (so its input_ids are the samples')."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLProcessor,
+        Qwen2_5OmniProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    words = QWEN25_WORDS[kind]
+    vocab = {f"w{i}": i for i in range(VOCAB) if i not in words.values()} | words
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="w0", extra_special_tokens=QWEN25_NAMES[kind])
+    local = dict(local_files_only=True)
+    image = AutoImageProcessor.from_pretrained(folder, **local) if folder else Qwen2VLImageProcessor()
+    video = video_processor or (Qwen2VLVideoProcessor.from_pretrained(folder, **local) if folder
+                                else Qwen2VLVideoProcessor())
+    parts = dict(image_processor=image, video_processor=video, tokenizer=tok)
+    if kind == "qwen2_5_vl":
+        return Qwen2_5_VLProcessor(**parts)
+    fe = (WhisperFeatureExtractor.from_pretrained(folder, **local) if folder
+          else WhisperFeatureExtractor(feature_size=16, chunk_length=30))
+    return Qwen2_5OmniProcessor(**parts, feature_extractor=fe)
+
+
+def words(ids, kind: str) -> str:
+    """Text that kind's qwen25_processor tokenizes into `ids`, before it expands placeholders."""
+    names = {v: k for k, v in QWEN25_WORDS[kind].items()}
+    return " ".join(names.get(i, f"w{i}") for i in ids)
 
 
 def processed_images(folder, images: list[bytes]):

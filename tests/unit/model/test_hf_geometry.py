@@ -145,7 +145,7 @@ def test_preprocessed_images_are_the_processors_arrays(qwen2_vl, llava_clip_llam
 
 def test_mrope_positions_are_get_rope_index(qwen2_vl):
     """Qwen2-VL's 3-D positions of a sample equal transformers' own get_rope_index."""
-    from mmpipe.model.hf.media import mrope_positions
+    from mmpipe.model.hf.positions import mrope_positions
     from mmpipe.model.hf.skeleton import skeleton
 
     spec = spec_from_folder(qwen2_vl)
@@ -381,7 +381,7 @@ def test_mrope_positions_are_the_classes_get_rope_index(case, request):
     """Qwen2.5-VL's and Qwen2.5-Omni's 3-D positions of samples with images (and Omni's clips
     framed by <|audio_bos|>/<|audio_eos|>, which advance one position per token) equal each class's
     own get_rope_index."""
-    from mmpipe.model.hf.media import mrope_positions
+    from mmpipe.model.hf.positions import mrope_positions
     from mmpipe.model.hf.skeleton import skeleton
 
     spec = spec_from_folder(request.getfixturevalue(case))

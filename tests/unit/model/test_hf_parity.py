@@ -4,6 +4,7 @@ gradients of the transformers model itself, on inputs made by the checkpoint's p
 from __future__ import annotations
 
 import io
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -308,3 +309,110 @@ def test_onevision_video_layers_equal_transformers(llava_onevision):
     hf = H.load_reference(LlavaOnevisionForConditionalGeneration, llava_onevision)
     loss = H.onevision_reference_loss(llava_onevision, hf, samples)
     H.compare(spec, build_layers(spec, seed=0), hf, loss, samples)
+
+
+# ----------------------------------------------------------------------------- Qwen2.5 video
+
+
+def _clip(rng, n, h, w, fps, track=0.0):
+    """Random frames of a clip, its header figures, and (track seconds > 0) a 16-kHz audio track."""
+    from mmpipe.model.geometry import VideoMeta
+
+    frames = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+    meta = VideoMeta(frames=n, fps=fps, height=h, width=w, audio_seconds=track, audio_rate=16000 if track else 0)
+    wave = (rng.standard_normal(round(track * 16000)) * 0.1).astype(np.float32)
+    return (frames, meta, wave) if track else (frames, meta)
+
+
+def _processed(proc, kind, key, prompt, answer, *, images=(), audio=(), videos=(), tracks=(), **call):
+    """One sample through the class's own processor: its ids (placeholders expanded by transformers),
+    labels on the answer, its media inputs; `tracks`: the audio slot of each clip (Omni's
+    use_audio_in_video: audio_from_video_indices), in token order."""
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    media = dict(images=pil or None, audio=list(audio) or None,
+                 videos=[v[0] for v in videos] or None,
+                 video_metadata=[{"total_num_frames": v[1].frames, "fps": v[1].fps} for v in videos] or None)
+    if tracks:
+        media.update(audio_from_video_indices=list(tracks), load_audio_from_video=True)
+    out = proc(text=H.words(prompt + answer, kind), return_tensors="pt", **media, **call)
+    ids = out["input_ids"][0].tolist()
+    own = [a for a, slot in zip(audio, tracks or [None] * len(audio)) if slot is None]
+    sample = H.Sample(key, ids, [-100] * (len(ids) - len(answer)) + answer, list(images), own, list(videos))
+    return sample, out
+
+
+def _reference_batch(samples, outs, kind):
+    batch = {"input_ids": H.padded(samples, "input_ids"), "attention_mask": H.mask(samples),
+             "labels": H.padded(samples, "labels")}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                "video_second_per_grid", "input_features", "feature_attention_mask"):
+        parts = [o[key] for o in outs if key in o]
+        if parts:
+            batch[key] = torch.cat(parts)
+    if kind == "qwen2_5_vl":
+        ids = batch["input_ids"]
+        batch["mm_token_type_ids"] = (ids == H.IMAGE).int() + 2 * (ids == H.VIDEO).int()
+    return batch
+
+
+def test_qwen2_5_vl_video_layers_equal_transformers(qwen2_5_vl):
+    """Videos and images in one sample (both orders), two videos in one, a text-only sample: clips of
+    4, 6 and 23.976 fps (temporal positions 2, 1.33 and 0.33 apart: tokens_per_second 4 x
+    second_per_grid_ts), an odd frame count, frames spanning several 4 x 4-patch windows per temporal
+    patch; transformers' Qwen2_5_VLProcessor makes the ids, pixels and second_per_grid_ts; packed
+    and padded."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    spec = spec_from_folder(qwen2_5_vl)
+    proc = H.qwen25_processor(qwen2_5_vl, "qwen2_5_vl")
+    rng = np.random.default_rng(7)
+    clips = [_clip(rng, 5, 84, 112, 4.0), _clip(rng, 4, 56, 56, 6.0), _clip(rng, 6, 28, 140, 23.976)]
+    imgs = [H.random_image(rng, h, w) for h, w in ((56, 90), (70, 70))]
+    v, i = [H.VSTART, H.VIDEO, H.VEND], [H.VSTART, H.IMAGE, H.VEND]
+    made = [_processed(proc, "qwen2_5_vl", "a", H.text(rng, 3) + v + H.text(rng, 2) + i, H.text(rng, 6),
+                       images=imgs[:1], videos=clips[:1]),
+            _processed(proc, "qwen2_5_vl", "t", H.text(rng, 5), H.text(rng, 4)),
+            _processed(proc, "qwen2_5_vl", "b", H.text(rng, 2) + i + v + H.text(rng, 1) + v, H.text(rng, 5),
+                       images=imgs[1:], videos=clips[1:])]
+    samples, outs = [s for s, _ in made], [o for _, o in made]
+    assert [float(x) for o in outs if "second_per_grid_ts" in o for x in o["second_per_grid_ts"]] == pytest.approx(
+        [0.5, 1 / 3, 2 / 23.976])
+    assert any(int(o["video_grid_thw"][0][1]) > 4 for o in outs if "video_grid_thw" in o)  # several windows
+    hf = H.load_reference(Qwen2_5_VLForConditionalGeneration, qwen2_5_vl)
+    out = hf(**_reference_batch(samples, outs, "qwen2_5_vl"))
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
+
+
+@pytest.mark.parametrize("audio_in_video", [False, True])
+def test_qwen2_5_omni_video_layers_equal_transformers(qwen2_5_omni, audio_in_video):
+    """The Omni thinker with videos beside images, clips and text (its processor forces frames up to
+    128 x 28^2 pixels; temporal positions 25 per second of video_second_per_grid). With
+    use_audio_in_video each clip's audio track goes through the audio tower and its tokens are
+    interleaved with the frames' in 2-s chunks (video, audio, video, audio), a video with its track
+    before a standalone clip (the tower takes the track first, in token order): transformers'
+    processor makes the ids and features (the tracks given one per slot), its forward the
+    positions; packed and padded."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    spec = spec_from_folder(qwen2_5_omni, use_audio_in_video=audio_in_video)
+    proc = H.qwen25_processor(qwen2_5_omni, "qwen2_5_omni")
+    rng = np.random.default_rng(8)
+    track = (lambda s: s) if audio_in_video else (lambda s: 0.0)
+    clips = [_clip(rng, 6, 56, 56, 4.0, track(1.5)), _clip(rng, 8, 28, 56, 4.0, track(2.3))]
+    imgs = [H.random_image(rng, 70, 70)]
+    own = [(rng.standard_normal(20_800) * 0.1).astype(np.float32)]
+    v, i, a = [H.VSTART, H.VIDEO, H.VEND], [H.VSTART, H.IMAGE, H.VEND], [H.ASTART, H.AUDIO, H.AEND]
+    audio_b = [clips[1][2], own[0]] if audio_in_video else own  # the slots in token order: the track first
+    made = [_processed(proc, "qwen2_5_omni", "a", H.text(rng, 3) + v + H.text(rng, 2) + i, H.text(rng, 6),
+                       images=imgs, videos=clips[:1], audio=[clips[0][2]] if audio_in_video else (),
+                       tracks=[0] if audio_in_video else ()),
+            _processed(proc, "qwen2_5_omni", "t", H.text(rng, 5), H.text(rng, 4)),
+            _processed(proc, "qwen2_5_omni", "b", H.text(rng, 2) + v + a, H.text(rng, 5), videos=clips[1:],
+                       audio=audio_b, tracks=[0, None] if audio_in_video else ())]
+    samples, outs = [s for s, _ in made], [o for _, o in made]
+    if audio_in_video:  # the layout interleaves (video, audio, video, audio), then the standalone clip
+        runs = [k for k, _ in itertools.groupby(samples[2].input_ids) if k in (H.VIDEO, H.AUDIO)]
+        assert runs == [H.VIDEO, H.AUDIO, H.VIDEO, H.AUDIO, H.AUDIO], runs
+    hf = H.load_reference(Qwen2_5OmniThinkerForConditionalGeneration, qwen2_5_omni)
+    out = hf(**_reference_batch(samples, outs, "qwen2_5_omni"), use_audio_in_video=audio_in_video)
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)

@@ -94,7 +94,15 @@ def test_an_odd_frame_count_is_padded_to_whole_temporal_patches():
         assert video_grid(v, VideoMeta(frames=n, fps=8.0, height=56, width=56)) == ((n + 1) // 2, 4, 4)
 
 
-def test_unresized_frames_become_the_documented_pixel_values():
+UNRESIZED = {  # model: clips (frames, height, width) that its processor call does not resize
+    "qwen2_vl": ((3, 56, 84), (4, 28, 56)),
+    "qwen2_5_vl": ((3, 56, 84), (4, 28, 56)),
+    "qwen2_5_omni": ((3, 308, 336),),  # the Omni processor's forced minimum is 128 x 28^2 pixels
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNRESIZED))
+def test_unresized_frames_become_the_documented_pixel_values(kind):
     """Frames whose size smart_resize keeps (sides multiples of 28, area in bounds) reach the model
     as the processor's documented math gives them, computed here without the processor: x / 255,
     then (x - CLIP mean) / CLIP std per channel, an odd count padded with the last frame, and
@@ -102,14 +110,18 @@ def test_unresized_frames_become_the_documented_pixel_values():
     flattened as (channel, frame in patch, patch row, patch col)."""
     from mmpipe.model.hf.arch import spec_from_config
 
-    vp = {"video_processor_type": "Qwen2VLVideoProcessor", "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16}
-    spec = spec_from_config(H.qwen2_vl_config(), name="qwen2-vl-video", video_processor=vp)
+    vp = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16}
+    if kind == "qwen2_vl":
+        spec = spec_from_config(H.qwen2_vl_config(), name="qwen2-vl-video",
+                                video_processor={"video_processor_type": "Qwen2VLVideoProcessor", **vp})
+    else:
+        spec = _qwen25_spec(kind, vp)
     from mmpipe.model.hf.video import preprocess_video
 
     rng = np.random.default_rng(3)
     mean = np.array([0.48145466, 0.4578275, 0.40821073])
     std = np.array([0.26862954, 0.26130258, 0.27577711])
-    for n, h, w in ((3, 56, 84), (4, 28, 56)):
+    for n, h, w in UNRESIZED[kind]:
         frames = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
         meta = VideoMeta(frames=n, fps=4.0, height=h, width=w)
         ours = preprocess_video(spec, frames, meta, tuple(range(n)))
@@ -127,7 +139,7 @@ def test_video_positions_are_get_rope_index(qwen2_vl):
     """Text, images and videos in any order: M-RoPE positions as transformers' get_rope_index gives
     them (a video's temporal index runs over its temporal patches)."""
     from mmpipe.model.hf.arch import spec_from_folder
-    from mmpipe.model.hf.media import mrope_positions
+    from mmpipe.model.hf.positions import mrope_positions
     from mmpipe.model.hf.skeleton import skeleton
 
     spec = spec_from_folder(qwen2_vl)
@@ -272,3 +284,219 @@ def test_onevision_unresized_frames_become_the_documented_pixel_values():
     want = ((frames / 255.0 - np.array([0.5, 0.4, 0.3])) / np.array([0.2, 0.25, 0.3])).transpose(0, 3, 1, 2)
     assert ours.grid == (6, 4, 4)
     np.testing.assert_allclose(ours.pixels, want, rtol=0, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- Qwen2.5-VL and Qwen2.5-Omni
+
+
+QWEN25_CONFIGS = {name: CONFIGS[name] for name in ("defaults", "fps-odd", "count")}
+QWEN25_CLIPS = [(n, fps) for n in (1, 2, 3, 5, 8, 9, 16, 25, 31, 48) for fps in (1.0, 2.5, 8.0, 23.976, 30.0)]
+QWEN25_SIZES = [(28, 28), (48, 64), (17, 300), (360, 640)]
+
+
+def _qwen25_spec(kind: str, vp: dict, **extra):
+    from mmpipe.model.hf.arch import spec_from_config
+
+    if kind == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        config = Qwen2_5_VLConfig(vision_config=H.QWEN25_VISION, text_config=H.QWEN25_TEXT, image_token_id=H.IMAGE,
+                                  video_token_id=H.VIDEO, vision_start_token_id=H.VSTART, vision_end_token_id=H.VEND)
+    else:
+        config = H.omni_thinker_config()
+    ip = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 12}
+    fe = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 16, "chunk_length": 30}
+    return spec_from_config(config, name=kind, image_processor=ip,
+                            video_processor={"video_processor_type": "Qwen2VLVideoProcessor", **vp},
+                            feature_extractor=fe if kind == "qwen2_5_omni" else None, **extra)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen2_5_omni"])
+@pytest.mark.parametrize("config", sorted(QWEN25_CONFIGS))
+def test_qwen25_video_geometry_is_the_processors(kind, config):
+    """Qwen2_5_VLProcessor and Qwen2_5OmniProcessor themselves, given a clip's decoded frames and its
+    metadata, sample, resize and expand as the geometry plans: video_grid_thw, the video tokens in
+    input_ids, and the seconds per temporal patch of the positions (Qwen2.5-VL's second_per_grid_ts
+    from the sampled frame rate; Omni's video_second_per_grid, 2 / the call's fps: 2.0 by default,
+    the video processor's own fps when it samples by fps, which is passed to the call). Omni resizes
+    frames within its own 128 to 768 x 28^2 pixels, not the video processor's."""
+    from mmpipe.model.hf.video import second_per_grid
+
+    vp = QWEN25_CONFIGS[config]
+    spec = _qwen25_spec(kind, vp)
+    proc = H.qwen25_processor(None, kind, Qwen2VLVideoProcessor(**vp))
+    v = spec.vision
+    if kind == "qwen2_5_omni":
+        assert (v.video.min_pixels, v.video.max_pixels) == (128 * 28 * 28, 768 * 28 * 28)
+    call = {"fps": vp["fps"]} if kind == "qwen2_5_omni" and "fps" in vp else {}
+    words = H.QWEN25_WORDS[kind]
+    video_word = next(k for k, i in words.items() if i == H.VIDEO)
+    checked = 0
+    for (n, fps), (h, w) in itertools.product(QWEN25_CLIPS[::3], QWEN25_SIZES):
+        meta = VideoMeta(frames=n, fps=fps, height=h, width=w)
+        try:
+            indices = video_frame_indices(v.video, n, fps)
+        except ValueError:
+            continue
+        if len(indices) * max(h * w, v.video.min_pixels) > 900_000:
+            continue  # resizing many large frames is slow and adds nothing
+        out = proc(text=f"w3 {video_word} w4", videos=[np.zeros((n, h, w, 3), np.uint8)],
+                   video_metadata=[{"total_num_frames": n, "fps": fps, "duration": n / fps}], return_tensors="pt",
+                   **call)
+        grid = tuple(out["video_grid_thw"][0].tolist())
+        assert video_grid(v, meta) == grid, (kind, config, n, fps, h, w)
+        assert int((out["input_ids"] == H.VIDEO).sum()) == video_tokens(v, meta)
+        ours = second_per_grid(v.video, len(indices) / n * fps)
+        theirs = out["second_per_grid_ts" if kind == "qwen2_5_vl" else "video_second_per_grid"]
+        assert theirs.dtype == torch.float32 and float(theirs[0]) == float(np.float32(ours)), (n, fps, ours)
+        checked += 1
+    assert checked >= 6
+
+
+OMNI_TRACK_CASES = [  # video processor config, clips (frames, fps, audio seconds)
+    ({}, [(6, 4.0, 1.5), (16, 8.0, 0.4), (9, 2.5, 4.5)]),  # every frame; 1 s per temporal patch (the default)
+    ({"do_sample_frames": True, "fps": 0.7}, [(48, 8.0, 6.0), (31, 23.976, 1.3)]),  # 2.86 s: chunks skipped
+    ({"do_sample_frames": True, "fps": 4.0}, [(40, 8.0, 4.2), (13, 6.0, 2.0)]),  # 0.5 s: 12.5 positions
+]
+
+
+@pytest.mark.parametrize("case", range(len(OMNI_TRACK_CASES)))
+def test_interleaved_tokens_are_the_omni_processors(case):
+    """With use_audio_in_video, Qwen2_5OmniProcessor (given each clip's audio track, one per slot)
+    replaces a clip's <|VIDEO|> by <|audio_bos|>, then chunk by chunk (2 s: 50 temporal positions)
+    the chunk's video tokens and its audio tokens, then <|audio_eos|>: the ids mmpipe's templater
+    makes from geometry.interleaved_runs, the planner's LLM length, and the track's valid mel
+    frames (an audio tower clip the planner counts); videos outlasting their track and tracks
+    outlasting their video."""
+    from mmpipe.model.geometry import SampleMeta, audio_frames, features, interleaved_runs
+
+    vp, clips = OMNI_TRACK_CASES[case]
+    spec = _qwen25_spec("qwen2_5_omni", vp, use_audio_in_video=True)
+    proc = H.qwen25_processor(None, "qwen2_5_omni", Qwen2VLVideoProcessor(**vp))
+    call = {"fps": vp["fps"]} if "fps" in vp else {}
+    shapes = set()
+    for n, fps, seconds in clips:
+        meta = VideoMeta(frames=n, fps=fps, height=28, width=28, audio_seconds=seconds, audio_rate=44100)
+        out = proc(text="w3 <|vision_bos|><|VIDEO|><|vision_eos|> w4", videos=[np.zeros((n, 28, 28, 3), np.uint8)],
+                   video_metadata=[{"total_num_frames": n, "fps": fps, "duration": n / fps}],
+                   audio=[np.zeros(round(seconds * 16000), np.float32)], audio_from_video_indices=[0],
+                   load_audio_from_video=True, return_tensors="np", **call)
+        runs = interleaved_runs(spec, meta)
+        token = {"video": H.VIDEO, "audio": H.AUDIO}
+        ours = [3, H.VSTART, H.ASTART, *(token[k] for k, m in runs for _ in range(m)), H.AEND, H.VEND, 4]
+        assert out["input_ids"][0].tolist() == ours, (case, n, fps, seconds, runs)
+        f = features(spec, SampleMeta(text_tokens=4, videos=(meta,)))
+        assert f.llm_len == len(ours) and f.audio_tokens == (sum(m for k, m in runs if k == "audio"),)
+        assert int(out["feature_attention_mask"].sum()) == audio_frames(spec.audio, seconds)
+        shapes.add(tuple(k for k, _ in runs))
+    assert any(s.count("video") > 1 and s.count("audio") > 1 for s in shapes)  # really interleaved
+
+
+def _fake_video(grid, seconds, track_frames=0):
+    from mmpipe.model.hf.media import AudioInput
+    from mmpipe.model.hf.video import VideoInput
+
+    audio = AudioInput(features=np.zeros((16, track_frames), np.float32), frames=track_frames) if track_frames else None
+    return VideoInput(pixels=np.zeros((0, 1)), grid=tuple(grid), sampled_fps=0.0, second_per_grid=seconds, audio=audio)
+
+
+def _omni_tokens(p: int) -> int:
+    """Audio LLM tokens of a clip of `p` valid mel frames (transformers' formula)."""
+    return (((p - 1) // 2 + 1) - 2) // 2 + 1
+
+
+@pytest.mark.parametrize("case", ["qwen2_5_vl", "qwen2_5_omni"])
+def test_video_positions_are_the_classes_get_rope_index(case, request):
+    """Text, images, videos (and Omni's clips) in many orders: sample_positions, what collate gives
+    every sample, equals each class's own get_rope_index: Qwen2.5-VL's temporal index
+    trunc(k x tokens_per_second x second_per_grid_ts), Omni's trunc(k x video_second_per_grid x 25)
+    with every segment starting one past the last one's largest position, and with use_audio_in_video
+    the interleaved clips (ids from Qwen2_5OmniProcessor's own replacement text): both openers on one
+    position, video and audio positions from the same start, chunk by chunk, both closers on one."""
+    from mmpipe.model.hf.arch import spec_from_folder
+    from mmpipe.model.hf.media import ImageInput
+    from mmpipe.model.hf.positions import sample_positions
+    from mmpipe.model.hf.skeleton import skeleton
+
+    spec = spec_from_folder(request.getfixturevalue(case))
+    model = skeleton(spec.hf).model
+    rng = np.random.default_rng(5)
+    image_grids = [(1, 4, 6), (1, 2, 2)]
+    video_grids = [(3, 4, 4), (1, 2, 6), (5, 4, 8), (7, 2, 2)]
+    seconds = [0.5, 2 / 6, 2 / 23.976, 2 / 0.7]  # every frame at 4, 6, 23.976 fps; 0.7-fps sampling
+    track_frames = [120, 400, 33, 1000]  # mel frames of each video's audio track (Omni's use_audio_in_video)
+    clip_frames = [50, 333]
+    layouts = [["v0"], ["i0", "v1"], ["v2", "i1", "v3"], ["v3", "v0", "i0", "i1"], ["a0", "v2", "a1"]]
+    if case == "qwen2_5_omni":
+        layouts += [["V0"], ["i0", "V2", "a1"], ["a0", "V3", "V1", "i1"], ["V1", "V0"]]  # V: its track interleaved
+    proc = H.qwen25_processor(None, "qwen2_5_omni") if case == "qwen2_5_omni" else None
+    checked = 0
+    for layout in layouts:
+        if case == "qwen2_5_vl" and any(x.startswith("a") for x in layout):
+            continue
+        ids, images, videos, grids_i, grids_v, secs, seqlens = H.text(rng, 3), [], [], [], [], [], []
+        for item in layout:
+            k = int(item[1])
+            if item[0] == "i":
+                ids += [H.VSTART] + [H.IMAGE] * (np.prod(image_grids[k]) // 4) + [H.VEND]
+                images.append(ImageInput(pixels=np.zeros((0, 1)), grid=image_grids[k]))
+                grids_i.append(image_grids[k])
+            elif item[0] == "a":
+                ids += [H.ASTART] + [H.AUDIO] * _omni_tokens(clip_frames[k]) + [H.AEND]
+                seqlens.append(clip_frames[k])
+            else:
+                g, s = video_grids[k], seconds[k]
+                if item[0] == "V":  # transformers' own replacement text for the clip and its track
+                    text = proc.replace_video_with_audio_token(
+                        {"video_grid_thw": torch.tensor([g]), "video_second_per_grid": [s]}, 0,
+                        {"num_audio_tokens": [_omni_tokens(track_frames[k])]}, 0, position_id_per_seconds=25,
+                        seconds_per_chunk=2.0)
+                    ids += [H.VSTART] + proc.tokenizer(text, add_special_tokens=False)["input_ids"] + [H.VEND]
+                    seqlens.append(track_frames[k])
+                else:
+                    ids += [H.VSTART] + [H.VIDEO] * (np.prod(g) // 4) + [H.VEND]
+                videos.append(_fake_video(g, s, track_frames[k] if item[0] == "V" else 0))
+                grids_v.append(g)
+                secs.append(s)
+            ids += H.text(rng, int(rng.integers(1, 4)))
+        ids = [int(x) for x in ids]
+        ours = sample_positions(spec, ids, images, videos)
+        x = torch.tensor([ids])
+        gi = torch.tensor(grids_i) if grids_i else None
+        if case == "qwen2_5_vl":
+            types = (x == H.IMAGE).int() + 2 * (x == H.VIDEO).int()
+            theirs, _ = model.get_rope_index(x, mm_token_type_ids=types, image_grid_thw=gi,
+                                             video_grid_thw=torch.tensor(grids_v),
+                                             second_per_grid_ts=torch.tensor(secs))
+        else:
+            theirs, _ = model.get_rope_index(x, image_grid_thw=gi, video_grid_thw=torch.tensor(grids_v),
+                                             attention_mask=torch.ones_like(x), second_per_grids=torch.tensor(secs),
+                                             use_audio_in_video=any(v[0] == "V" for v in layout),
+                                             audio_seqlens=torch.tensor(seqlens) if seqlens else None)
+        assert np.array_equal(ours, theirs[:, 0].numpy()), layout
+        checked += 1
+    assert checked >= 4
+
+
+def test_video_windows_are_transformers_window_index():
+    """The windows the planner prices for a clip's windowed blocks (every temporal patch cut on its
+    own) are the segments transformers' get_vision_window_index cuts the clip's video_grid_thw
+    into, and a sample's features list them after its images'."""
+    from transformers.vision_utils import get_vision_window_index
+
+    from mmpipe.model.geometry import SampleMeta, features, image_windows, video_windows
+
+    spec = _qwen25_spec("qwen2_5_vl", {})
+    v = spec.vision
+    checked = 0
+    for (n, fps), (h, w) in itertools.product([(1, 2.0), (5, 4.0), (8, 23.976)], [(56, 56), (84, 200), (300, 17)]):
+        meta = VideoMeta(frames=n, fps=fps, height=h, width=w)
+        grid = video_grid(v, meta)
+        _, cu = get_vision_window_index(torch.tensor([grid]), spatial_merge_size=v.merge, window_size=v.window,
+                                        patch_size=v.patch)
+        assert list(np.diff(cu.numpy())) == list(video_windows(v, meta)), (n, h, w, grid)
+        checked += grid[0] > 1 and len(video_windows(v, meta)) > grid[0]  # several frames, several windows each
+    assert checked
+    meta = VideoMeta(frames=5, fps=4.0, height=84, width=200)
+    f = features(spec, SampleMeta(text_tokens=3, images=((56, 90),), videos=(meta,)))
+    assert f.image_windows == image_windows(v, 56, 90) + video_windows(v, meta)

@@ -98,27 +98,50 @@ def test_typos_in_a_model_group_suggest_its_own_keys(capsys):
     assert _error(capsys) == "mmpipe train: error: model.llm.pth=x: no such config key; did you mean model.llm.path?"
 
 
+def test_use_audio_in_video_is_omnis_only(capsys, tmp_path, hf_checkpoints):
+    """model.use_audio_in_video: a one-line error before launch for a model other than Omni, or a
+    value that is not a boolean."""
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    assert main(["train", *model_overrides("qwen2.5-vl", hf_checkpoints), "model.use_audio_in_video=true", run]) == 2
+    assert _error(capsys).endswith("model.use_audio_in_video=true: only Qwen2.5-Omni reads a video's audio track, "
+                                   "this model is qwen2_5_vl; set model.use_audio_in_video=false")
+    assert main(["train", *model_overrides("qwen2.5-omni", hf_checkpoints), "model.use_audio_in_video=sometimes",
+                 run]) == 2
+    assert _error(capsys).endswith("model.use_audio_in_video='sometimes' must be true or false")
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_tokenizer_must_be_the_models(capsys, hf_checkpoints):
     assert main(["train", *model_overrides("llava", hf_checkpoints), "data.tokenizer=data/tokenizer.json"]) == 2
     assert re.search(r"data\.tokenizer='.*data/tokenizer\.json': its image token is id 5, but model llava replaces "
                      r"id \d+ \(image_token_id of its config\)", _error(capsys))
 
 
-@pytest.mark.parametrize("name", MODELS)
+VIDEO_MODELS = ("qwen2-vl", "qwen2.5-vl", "qwen2.5-omni+track")
+"""The cases whose shipped video samples are trained (the rest skip them as `no encoder`)."""
+
+
+@pytest.mark.parametrize("name", [*MODELS, "qwen2.5-omni+track"])
 def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
     """The planner's LLM length of a sample (from its metadata) is the length the runtime collates
     with the checkpoint's templater and processors, and the towers make as many embeddings as
-    the text holds media tokens (the embedding layer refuses any other count)."""
+    the text holds media tokens (the embedding layer refuses any other count). `qwen2.5-omni+track`:
+    Omni with model.use_audio_in_video=true on the video mix, whose clips with a tone track are
+    decoded twice (frames, then the track) and interleaved in the text."""
     # the shipped data starts with the video mix (videos, images, audio, text); a model with an audio tower
     # reads the part with image+audio samples too
     data = ["data.path='data/shards/train-{000000..000007}.tar'"] if name in ("qwen2-audio", "qwen2.5-omni") else []
-    rc = load([*model_overrides(name, hf_checkpoints), *data], job="test")
+    track = name.endswith("+track")
+    name = name.removesuffix("+track")
+    rc = load([*model_overrides(name, hf_checkpoints), *data, *(["model.use_audio_in_video=true"] if track else [])],
+              job="test")
     spec, tok = rc.model, load_templater(rc)
     names = layer_names(spec)
     front = [build_layer(spec, n, seed=0) for n in names[:names.index("llm.embed") + 1]]
     kinds: Counter = Counter()
+    tracks: Counter = Counter()
     samples, planned = [], []
-    for rec in islice(make_stream(rc, tokenizer=tok, dp_rank=0, skips=SkipCounter()).records(), 40):
+    for rec in islice(make_stream(rc, tokenizer=tok, dp_rank=0, skips=SkipCounter()).records(), 12 if track else 40):
         f = features(spec, rec.meta)
         sample = decode_record(rec, tok, spec)
         mb = collate_hf([sample], spec=spec, packed=True, pad_id=tok.pad_id)
@@ -135,11 +158,19 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         hidden = carrier[7]
         assert hidden.shape == (1, f.llm_len, spec.llm.hidden)
         kinds[f.modality] += 1
+        for m in rec.meta.videos:
+            tracks[bool(m.has_audio)] += 1
+        if track and rec.meta.videos and rec.meta.videos[0].has_audio:  # <audio_bos> video.. audio.. <audio_eos>
+            ids = sample.input_ids
+            start = ids.index(tok.video_id)
+            assert ids[start - 1] == tok.track[0] and tok.audio_id in ids[start:ids.index(tok.track[1], start)], rec.key
         samples.append(sample)
         planned.append(f.llm_len)
     assert kinds["text"] and kinds["image" if spec.vision is not None else "audio"], kinds
-    assert kinds["video"] if name == "qwen2-vl" else not kinds["video"], kinds
-    if spec.vision is not None and spec.audio is not None:  # Qwen2.5-Omni: every kind of sample
+    assert kinds["video"] if name + "+track" * track in VIDEO_MODELS else not kinds["video"], kinds
+    if track:  # some clips carry a tone track, interleaved (audio tokens inside the video's run), some none
+        assert tracks[True] and tracks[False], tracks
+    elif spec.vision is not None and spec.audio is not None:  # Qwen2.5-Omni: every kind of sample
         assert kinds["audio"] and kinds["image+audio"], kinds
     for packed in (True, False):
         mb = collate_hf(samples, spec=spec, packed=packed, pad_id=tok.pad_id)
