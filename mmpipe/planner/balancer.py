@@ -181,11 +181,10 @@ def check_static(sc: StageCosts, budget: np.ndarray) -> None:
     s = int(np.argmin(budget))
     a, b = sc.stages[s]
     names = sc.cost.names
-    hw = sc.cost.hardware
     raise ValueError(
         f"stage {s} ({names[a]}..{names[b - 1]}) needs {sc.static[s] / GB:.3g} GB for weights, "
         f"gradients and optimizer states alone, more than the {sc.cost.usable_text()} "
-        f"(hardware.memory_gb={hw.memory_gb:g}); raise parallel.pp or parallel.dp, or train fewer "
+        f"({sc.cost.memory_text()}); raise parallel.pp or parallel.dp, or train fewer "
         f"layers (train.trainable)")
 
 

@@ -105,9 +105,18 @@ class CostModel:
 
     def usable_text(self) -> str:
         """How much a plan may fill, for messages: `72 GB usable` (and the headroom, if any)."""
-        text = f"{self.usable_bytes / 1e9:.3g} GB usable"
+        text = f"{max(0.0, self.usable_bytes) / 1e9:.3g} GB usable"  # a size, never negative
         if self.memory_headroom:
             text += f" after plan.memory_headroom={self.memory_headroom:g}"
+        return text
+
+    def memory_text(self) -> str:
+        """The device memory a plan starts from, for messages: `hardware.memory_gb=40`, and what a
+        rank holds before its model where the hardware says (`hardware.reserved_gb`)."""
+        hw = self.hardware
+        text = f"hardware.memory_gb={hw.memory_gb:g}"
+        if hw.reserved_gb:
+            text += f", of which a rank holds {hw.reserved_gb:.3g} GB before its model: hardware.reserved_gb"
         return text
 
     def static_bytes(self, start: int, end: int) -> float:

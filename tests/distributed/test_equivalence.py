@@ -37,7 +37,8 @@ CASES = {
     # steps of 4 samples per replica: in step 1 replica 0 holds no audio clip, replica 1 does (so
     # the audio encoder has a gradient on one replica only; checked below).
     "pp2xdp2-zero1": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=8", "train.micro_batches=2",
-                      "train.zero_stage=1", "train.steps=3", "train.save_every=1"],
+                      "train.zero_stage=1", "train.steps=3", "train.save_every=1",
+                      "plan.policy=ds-default"],  # two micro-batches a replica (data-aware packs these four in one)
 }
 COMMON = ["train.steps=1", "train.optimizer=sgd", "train.lr=0.5", "train.warmup_steps=0",
           "train.grad_clip=1.0", "train.record_samples=true", "train.save_final=true"]  # the updated weights

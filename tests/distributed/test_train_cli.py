@@ -52,29 +52,28 @@ def test_default_run_learns_and_reports(run_mmpipe):
         assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-12), key
 
 
-def _check_refit(m: list[dict], window: int = 32, min_steps: int = 6) -> None:
-    """Every logged prediction is the re-fit of the steps before it, recomputed here from the
-    logged figures alone (no timing bound: the figures are whatever this machine measured):
-    the raw simulation for the first `min_steps` steps, then measured = a * simulated + b *
-    micro_batches + c, least squares in relative error over the last `window` steps before it
-    (out of sample), and prediction_error = measured / predicted - 1."""
-    import numpy as np
+def _check_refit(m: list[dict]) -> None:
+    """Every logged prediction is the re-fit of the steps before it (out of sample), replayed
+    here from the logged figures alone (no timing bound: the figures are whatever this machine
+    measured): the hardware config's own prediction for the warm-up steps, then the bounded,
+    robust fit of measured = a * compute + b * micro_batches + c over the steps before it, with
+    compute the simulated step time less the config's fixed costs; every fitted fixed cost is a
+    cost (b, c >= 0), and prediction_error = measured / predicted - 1."""
+    from mmpipe.planner.api import StepCalibration
 
-    for k, r in enumerate(m):
-        past = m[max(0, k - window):k]
-        if len(past) < min_steps:
-            want = r["simulated_step_time"]
-        else:
-            h = np.array([[p["simulated_step_time"], p["micro_batches"], p["engine_time"]] for p in past])
-            A = np.stack([h[:, 0], h[:, 1], np.ones(len(h))], axis=1)
-            (a, b, c), *_ = np.linalg.lstsq(A / h[:, 2:3], np.ones(len(h)), rcond=None)
-            if a <= 0:  # a degenerate window: scale only
-                a, b, c = h[:, 2].sum() / h[:, 0].sum(), 0.0, 0.0
-            want = a * r["simulated_step_time"] + b * r["micro_batches"] + c
+    hw = hardware_spec(load([], job="test"))  # the default run's hardware=cpu
+    cal = StepCalibration.for_hardware(hw)
+    for r in m:
+        compute = r["simulated_step_time"] - hw.micro_batch_overhead_s * r["micro_batches"] - hw.step_overhead_s
+        want = cal.predict(compute, r["micro_batches"])
         assert r["predicted_step_time"] == pytest.approx(want, rel=1e-9), \
             f"step {r['step']}: predicted {r['predicted_step_time']}, the fit of the steps before it gives {want}"
         assert r["prediction_error"] == pytest.approx(r["engine_time"] / want - 1.0, rel=1e-9, abs=1e-12), r["step"]
-    assert len({tuple(r["calibration"]) for r in m[min_steps:]}) > 1  # the fit moves with the steps
+        cal.observe(compute, r["micro_batches"], r["engine_time"])
+        assert r["calibration"] == pytest.approx(list(cal.coef), rel=1e-9), r["step"]
+        a, b, c = r["calibration"]
+        assert a > 0 and b >= 0 and c >= 0, r["calibration"]  # a physical fit
+    assert cal.fitted and len({tuple(r["calibration"]) for r in m[cal.min_steps:]}) > 1  # the fit moves with the steps
 
 
 def test_config_error_launches_nothing(run_mmpipe):
