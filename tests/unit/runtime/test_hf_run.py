@@ -117,7 +117,7 @@ def test_the_tokenizer_must_be_the_models(capsys, hf_checkpoints):
                      r"id \d+ \(image_token_id of its config\)", _error(capsys))
 
 
-VIDEO_MODELS = ("qwen2-vl", "qwen2.5-vl", "qwen2.5-omni+track")
+VIDEO_MODELS = ("qwen2-vl", "llava-onevision", "qwen2.5-vl", "qwen2.5-omni+track")
 """The cases whose shipped video samples are trained (the rest skip them as `no encoder`)."""
 
 
