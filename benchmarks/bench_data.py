@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--generated", type=int, default=5000)
     args = ap.parse_args()
-    group = yaml.safe_load((ROOT / "mmpipe" / "conf" / "model" / f"{args.model}.yaml").read_text())
+    group = yaml.safe_load((ROOT / "conf" / "model" / f"{args.model}.yaml").read_text())
     spec = model_from_group(group).spec
     return run_bench_data(path=args.path, tokenizer=args.tokenizer, model=spec, samples=args.samples,
                           generated=args.generated)

@@ -86,7 +86,7 @@ def generate(name: str, seed: int = 0) -> list[dict]:
 
 
 def _model(name: str):
-    return model_from_group(yaml.safe_load((ROOT / "mmpipe" / "conf" / "model" / f"{name}.yaml").read_text())).spec
+    return model_from_group(yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())).spec
 
 
 def main() -> None:
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--rows", help="only rows whose 'trace model trainable' contains this text")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    hw = hardware_from_dict(yaml.safe_load((ROOT / "mmpipe" / "conf" / "hardware" / "h100.yaml").read_text()))
+    hw = hardware_from_dict(yaml.safe_load((ROOT / "conf" / "hardware" / "h100.yaml").read_text()))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.write or tmp)
         folder.mkdir(parents=True, exist_ok=True)

@@ -114,7 +114,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    preset = ROOT / "mmpipe" / "conf" / "model" / f"{args.model}.yaml"
+    preset = ROOT / "conf" / "model" / f"{args.model}.yaml"
     spec = model_from_group(yaml.safe_load(preset.read_text())).spec
     tiny = TinyTemplate(load_tokenizer(args.tokenizer))
     with tempfile.TemporaryDirectory() as tmp:

@@ -98,12 +98,13 @@ def test_one_pipeline_step_equals_transformers(kind, hf_checkpoints, run_mmpipe,
     _check_step(kind, hf_checkpoints, run, tmp_path, next_loss=kind in NEXT_LOSS)
 
 
-def _check_step(kind, hf_checkpoints, run, tmp_path, *, next_loss=False):
-    """Step 1's loss and updated parameters (the gradients) equal transformers' on its samples."""
+def _check_step(kind, hf_checkpoints, run, tmp_path, *, next_loss=False, video=True):
+    """Step 1's loss and updated parameters (the gradients) equal transformers' on its samples
+    (`video`: a VIDEO_CASES run on the shipped video mix, whose step must hold every kind)."""
     ref = Reference(kind, hf_checkpoints)
     model = ref.model()
     keys = _step_keys(run, 1)
-    if kind in VIDEO_CASES:  # videos (Qwen2-VL: one of an odd frame count), images and text-only samples
+    if video and kind in VIDEO_CASES:  # videos (Qwen2-VL: one of an odd frame count), images and text-only samples
         raws = raw_samples(set(keys)).values()
         assert all(any(r[m] for r in raws) for m in ("videos", "images")), keys
         assert any(not r["videos"] and not r["images"] for r in raws), keys
@@ -176,7 +177,7 @@ def test_omni_zero1_replica_without_clips(hf_checkpoints, run_mmpipe, tmp_path):
     fed = [{k for mb in run.samples(int(p.stem.removeprefix("samples_rank")))[0]["micro_batches"] for k in mb}
            for p in run.run_dir.glob("samples_rank*.jsonl")]  # each replica's first and last stage
     assert {any(raws[k]["audio"] for k in keys) for keys in fed} == {False, True}  # one replica: no clip
-    _check_step("qwen2.5-omni", hf_checkpoints, run, tmp_path)
+    _check_step("qwen2.5-omni", hf_checkpoints, run, tmp_path, video=False)  # its own two shards
 
 
 def test_a_checkpoint_learns(hf_checkpoints, run_mmpipe):
