@@ -36,7 +36,7 @@ from mmpipe.model.hf.video import (
     read_video_processor_config,
     video_spec,
 )
-from mmpipe.model.spec import AudioSpec, HFSource, LLMSpec, ModelSpec, VisionSpec
+from mmpipe.model.spec import AudioSpec, HFSource, LLMSpec, ModelSpec, VideoSpec, VisionSpec
 
 LLM_TYPES = ("llama", "mistral", "qwen2")
 """Decoder families a LLaVA (1.5, NeXT, OneVision), Qwen2-Audio or composed model may use."""
@@ -204,7 +204,10 @@ def _anyres_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[
     return dataclasses.replace(spec, video=onevision_video_spec(proc, side=spec.image_size, what=what))
 
 
-def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any], what: str) -> VisionSpec:
+def _qwen_processors(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any], what: str,
+                     audio_in_video: bool = False) -> tuple[Any, VideoSpec]:
+    """A Qwen-VL-family tower's image processor, checked against the tower's patch, merge and
+    temporal figures, and its VideoSpec (as the model's processor calls its video processor)."""
     vc = config.vision_config
     proc = make_image_processor(ip)
     for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
@@ -212,7 +215,14 @@ def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mappin
         if getattr(proc, key) != ours:
             raise ValueError(f"{what}: the image processor has {key}={getattr(proc, key)} but the vision tower {ours}")
     video = video_spec(make_video_processor(config.model_type, vp), patch=vc.patch_size, merge=vc.spatial_merge_size,
-                       temporal=vc.temporal_patch_size, what=what)
+                       temporal=vc.temporal_patch_size, what=what, model_type=config.model_type,
+                       audio_in_video=audio_in_video)
+    return proc, video
+
+
+def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any], what: str) -> VisionSpec:
+    vc = config.vision_config
+    proc, video = _qwen_processors(config, ip, vp, what)
     merged = vc.embed_dim * vc.spatial_merge_size ** 2
     return VisionSpec(
         blocks=vc.depth, hidden=vc.embed_dim, mlp=int(vc.embed_dim * vc.mlp_ratio), heads=vc.num_heads,
@@ -270,14 +280,7 @@ def _qwen25_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[
     blocks but `fullatt_block_indexes`, out_hidden_size into the LLM; videos as the model's
     processor calls its video processor (model/hf/video.py)."""
     vc = config.vision_config
-    proc = make_image_processor(ip)
-    for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
-                      ("temporal_patch_size", vc.temporal_patch_size)):
-        if getattr(proc, key) != ours:
-            raise ValueError(f"{what}: the image processor has {key}={getattr(proc, key)} but the vision tower {ours}")
-    video = video_spec(make_video_processor(config.model_type, vp), patch=vc.patch_size, merge=vc.spatial_merge_size,
-                       temporal=vc.temporal_patch_size, what=what, model_type=config.model_type,
-                       audio_in_video=audio_in_video)
+    proc, video = _qwen_processors(config, ip, vp, what, audio_in_video)
     merged = vc.hidden_size * vc.spatial_merge_size ** 2
     return VisionSpec(
         blocks=vc.depth, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_heads, patch=vc.patch_size,
