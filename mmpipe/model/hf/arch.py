@@ -231,15 +231,23 @@ def _qwen2_vl_vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mappin
         proj=(merged, vc.hidden_size), channels=vc.in_channels, video=video)
 
 
-def _audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) -> AudioSpec:
-    ac, text = config.audio_config, config.get_text_config()
+def _feature_extractor(ac: PretrainedConfig, fe_config: Mapping[str, Any], what: str) -> Any:
+    """The audio tower's feature extractor, checked against the tower: whole mel frames per
+    second, and the tower's number of mel bins."""
     fe = make_feature_extractor(fe_config)
-    rate, hop = fe.sampling_rate, fe.hop_length
-    if rate % hop:
-        raise ValueError(f"{what}: feature extractor hop_length={hop} does not divide sampling_rate={rate}")
+    if fe.sampling_rate % fe.hop_length:
+        raise ValueError(f"{what}: feature extractor hop_length={fe.hop_length} does not divide "
+                         f"sampling_rate={fe.sampling_rate}")
     if fe.feature_size != ac.num_mel_bins:
         raise ValueError(f"{what}: the feature extractor makes {fe.feature_size} mel bins but the audio tower "
                          f"takes num_mel_bins={ac.num_mel_bins}")
+    return fe
+
+
+def _audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: str) -> AudioSpec:
+    ac, text = config.audio_config, config.get_text_config()
+    fe = _feature_extractor(ac, fe_config, what)
+    rate, hop = fe.sampling_rate, fe.hop_length
     if fe.nb_max_frames != 2 * ac.max_source_positions:
         raise ValueError(f"{what}: the feature extractor pads clips to {fe.nb_max_frames} frames but the audio "
                          f"tower takes 2 x max_source_positions = {2 * ac.max_source_positions}")
@@ -295,13 +303,8 @@ def _omni_audio(config: PretrainedConfig, fe_config: Mapping[str, Any], what: st
     positions (2 * n_window mel frames), pooled by 2 per clip, ln_post, linear into the LLM.
     The feature extractor's length (its chunk_length) cuts clips; the chunks need no 30-s cap."""
     ac = config.audio_config
-    fe = make_feature_extractor(fe_config)
+    fe = _feature_extractor(ac, fe_config, what)
     rate, hop = fe.sampling_rate, fe.hop_length
-    if rate % hop:
-        raise ValueError(f"{what}: feature extractor hop_length={hop} does not divide sampling_rate={rate}")
-    if fe.feature_size != ac.num_mel_bins:
-        raise ValueError(f"{what}: the feature extractor makes {fe.feature_size} mel bins but the audio tower "
-                         f"takes num_mel_bins={ac.num_mel_bins}")
     return AudioSpec(blocks=ac.encoder_layers, hidden=ac.d_model, mlp=ac.encoder_ffn_dim,
                      heads=ac.encoder_attention_heads, mel_bins=ac.num_mel_bins, sample_rate=rate,
                      frames_per_s=rate // hop, conv_stride=2, pool=2, pool_ceil=False,
