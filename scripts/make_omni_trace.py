@@ -19,13 +19,9 @@ The lines are shuffled, so every 256-sample step holds all kinds.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import numpy as np
+from trace_mix import write_mix  # scripts/ is on sys.path when a script runs
 
-ROOT = Path(__file__).resolve().parents[1]
 ASPECTS = ((4, 3), (3, 4), (16, 9), (9, 16), (1, 1), (3, 2), (2, 3))
 """Height : width ratios of the images."""
 
@@ -67,19 +63,7 @@ KINDS = {"image": 0.30, "audio": 0.25, "clips": 0.10, "image+audio": 0.15, "text
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "data" / "workloads" / "omni-mix.jsonl"))
-    ap.add_argument("--lines", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=16)
-    args = ap.parse_args()
-    rng = np.random.default_rng(args.seed)
-    counts = {k: int(round(p * args.lines)) for k, p in KINDS.items()}
-    counts["text"] += args.lines - sum(counts.values())
-    kinds = [k for k, n in counts.items() for _ in range(n)]
-    rng.shuffle(kinds)
-    lines = [json.dumps(sample(rng, k)) for k in kinds]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {len(lines)} samples to {args.out}: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
+    write_mix(__doc__.splitlines()[0], name="omni-mix", seed=16, kinds=KINDS, sample=sample)
 
 
 if __name__ == "__main__":

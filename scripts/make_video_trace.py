@@ -25,13 +25,9 @@ The lines are shuffled, so every 256-sample step holds all kinds.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import numpy as np
+from trace_mix import write_mix  # scripts/ is on sys.path when a script runs
 
-ROOT = Path(__file__).resolve().parents[1]
 ASPECTS = ((4, 3), (3, 4), (16, 9), (9, 16), (1, 1), (3, 2), (2, 3))
 """Height : width ratios of the images."""
 SIZES = ((360, 640), (480, 854), (720, 1280), (1080, 1920), (480, 640), (640, 360), (1280, 720), (1920, 1080),
@@ -89,19 +85,7 @@ KINDS = {"video": 0.35, "short": 0.10, "two clips": 0.05, "image": 0.25, "image+
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "data" / "workloads" / "video-mix.jsonl"))
-    ap.add_argument("--lines", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=19)
-    args = ap.parse_args()
-    rng = np.random.default_rng(args.seed)
-    counts = {k: int(round(p * args.lines)) for k, p in KINDS.items()}
-    counts["text"] += args.lines - sum(counts.values())
-    kinds = [k for k, n in counts.items() for _ in range(n)]
-    rng.shuffle(kinds)
-    lines = [json.dumps(sample(rng, k)) for k in kinds]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {len(lines)} samples to {args.out}: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
+    write_mix(__doc__.splitlines()[0], name="video-mix", seed=19, kinds=KINDS, sample=sample)
 
 
 if __name__ == "__main__":
