@@ -95,6 +95,15 @@ class QwenVisionEmbed(HFLayer):
         slots[C.IMAGE] = self.patch_embed(C.from_wire(slots[C.IMAGE], self.dtype))
 
 
+def use_varlen_attention(attn: nn.Module) -> None:
+    """Route a transformers attention module through mmpipe's attention function, which runs all
+    of a micro-batch's segments (images, windows, audio chunks) in one call from the carried
+    cu_seqlens (attention.VARLEN_NAME says why the name). The module gets a config of its own, so
+    the model's shared config keeps its implementation name."""
+    attn.config = copy.copy(attn.config)
+    attn.config._attn_implementation = VARLEN_NAME
+
+
 class QwenVisionBlock(HFLayer):
     """One ViT block over all patches, attending per image (cu_seqlens), 2-D rotary positions.
 
@@ -104,9 +113,7 @@ class QwenVisionBlock(HFLayer):
 
     def __init__(self, parts: dict[str, nn.Module]):
         super().__init__(parts)
-        attn = self.block.attn
-        attn.config = copy.copy(attn.config)  # this block's own: the model's config keeps its name
-        attn.config._attn_implementation = VARLEN_NAME
+        use_varlen_attention(self.block.attn)
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.IMAGE], self.dtype)

@@ -13,7 +13,6 @@ is the M-RoPE decoder of `layers.HFLLMBlock`, its positions computed in collate.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from mmpipe.model import carrier as C
 from mmpipe.model import layout
-from mmpipe.model.attention import VARLEN_NAME, Segments, segments
-from mmpipe.model.hf.layers import HFLayer, empty_like_output
+from mmpipe.model.attention import Segments, segments
+from mmpipe.model.hf.layers import HFLayer, empty_like_output, use_varlen_attention
 from mmpipe.model.spec import ModelSpec
 
 FULL_OMNI = "qwen2_5_omni"
@@ -73,9 +72,7 @@ class OmniAudioBlock(HFLayer):
 
     def __init__(self, parts: dict[str, nn.Module]):
         super().__init__(parts)
-        attn = self.block.self_attn
-        attn.config = copy.copy(attn.config)  # this block's own: the model's config keeps its name
-        attn.config._attn_implementation = VARLEN_NAME  # all chunks in one call (attention.VARLEN_NAME)
+        use_varlen_attention(self.block.self_attn)
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.AUDIO], self.dtype)

@@ -18,7 +18,6 @@ image order (`argsort(window_index)`). As pipeline layers:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +26,8 @@ from transformers.vision_utils import get_vision_position_ids, get_vision_window
 
 from mmpipe.model import carrier as C
 from mmpipe.model import layout
-from mmpipe.model.attention import VARLEN_NAME, Segments, segments
-from mmpipe.model.hf.layers import HFLayer
+from mmpipe.model.attention import Segments, segments
+from mmpipe.model.hf.layers import HFLayer, use_varlen_attention
 from mmpipe.model.layout import Stream
 
 
@@ -94,9 +93,7 @@ class Qwen25VisionBlock(_Tower):
     def __init__(self, parts: dict[str, nn.Module], *, merge: int, window: int, patch: int, full: bool):
         super().__init__(parts, merge=merge, window=window, patch=patch)
         self.full = full
-        attn = self.block.attn
-        attn.config = copy.copy(attn.config)  # this block's own: the model's config keeps its name
-        attn.config._attn_implementation = VARLEN_NAME  # all segments in one call (attention.VARLEN_NAME)
+        use_varlen_attention(self.block.attn)
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.IMAGE], self.dtype)
