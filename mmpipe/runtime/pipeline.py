@@ -45,6 +45,14 @@ class StagedPipelineModule(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
+def media_tokens(tok) -> dict[str, int]:
+    """The placeholder ids the embedding layer replaces, as build_layer takes them
+    (`image_token`, `audio_token`, `video_token`); -1 where the tokenizer (a checkpoint's
+    templater) has no token for a medium the model lacks."""
+    ids = (getattr(tok, "image_id", None), getattr(tok, "audio_id", None), getattr(tok, "video_id", None))
+    return {f"{kind}_token": -1 if t is None else t for kind, t in zip(("image", "audio", "video"), ids)}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineSpec:
     """Everything needed to build the pipeline on one rank."""

@@ -58,6 +58,7 @@ from mmpipe.runtime.engine_probe import ProbeResult, probe_engine
 from mmpipe.runtime.hardware_file import hardware_file, use_line, write_hardware_file
 from mmpipe.runtime.hf_run import load_templater
 from mmpipe.runtime.host import resolve_backend, threads_per_rank
+from mmpipe.runtime.pipeline import media_tokens
 from mmpipe.runtime.stages import choose_stages
 from mmpipe.runtime.stream import make_stream
 
@@ -127,8 +128,7 @@ def _layers(rc: RunConfig, tokenizer) -> list[torch.nn.Module]:
         from mmpipe.model.hf.build import build_layers as build_hf_layers
 
         return build_hf_layers(rc.model, seed=rc.train.seed)
-    ids = [-1 if t is None else t for t in (tokenizer.image_id, tokenizer.audio_id, tokenizer.video_id)]
-    return build_layers(rc.model, seed=rc.train.seed, image_token=ids[0], audio_token=ids[1], video_token=ids[2])
+    return build_layers(rc.model, seed=rc.train.seed, **media_tokens(tokenizer))  # the ids training builds with
 
 
 def _float_outputs(out) -> list[torch.Tensor]:

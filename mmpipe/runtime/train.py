@@ -50,6 +50,7 @@ from mmpipe.runtime.pipeline import (
     loss_scale,
     lr_lambda,
     make_optimizer,
+    media_tokens,
 )
 from mmpipe.runtime.quiet import held_prints, quiet_deepspeed
 from mmpipe.runtime.stage_record import add_to_stage_file, parameter_digest, write_stage_file
@@ -146,8 +147,7 @@ def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     from deepspeed.accelerator import get_accelerator
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
-                         image_token=_token_id(tok.image_id), audio_token=_token_id(tok.audio_id),
-                         video_token=_token_id(getattr(tok, "video_id", None)),
+                         **media_tokens(tok),
                          trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
                          attention=rc.train.attention)
     torch.manual_seed(rc.train.seed)
@@ -181,10 +181,6 @@ def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, describe=describe, first=engine.is_first_stage(),
                      last=engine.is_last_stage(), dp_rank=engine.grid.data_parallel_id,
                      dp_group=engine.grid.get_data_parallel_group(), load=load)
-
-
-def _token_id(tid: int | None) -> int:
-    return -1 if tid is None else tid  # a checkpoint's templater has no token for a medium the model lacks
 
 
 def train(rc: RunConfig, *, stop=None) -> RunResult:
