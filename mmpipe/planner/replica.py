@@ -17,6 +17,7 @@ import numpy as np
 from mmpipe.planner.bins import BinCosts, Bins, CostedBins, edge_positions, edit_bins
 from mmpipe.planner.memory import in_flight_counts, window_peaks
 from mmpipe.planner.packing import edge_shares, lpt_pack, ramp_shares
+from mmpipe.planner.refine import refine_bins
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import makespan, simulate
 from mmpipe.planner.stage_cost import StageCosts
@@ -24,6 +25,8 @@ from mmpipe.planner.stage_cost import StageCosts
 TARGETED_BUDGET = 1000
 """Micro-batch simulations (a trial of m micro-batches counts m) the targeted move search of
 one replica may spend: a fixed count rather than a clock, so every rank plans alike."""
+REFINE_GAIN = 0.01
+"""A refined packing replaces the largest-first one only when it is this much faster."""
 RAMPS = (1.35, 1.8)
 """Growth factors of the ramped size profiles tried (1 = equal micro-batches)."""
 SHAPE_START = (0.35, 1.4, 0.35, 1.4)
@@ -68,6 +71,13 @@ class ReplicaPlanner(BinCosts):
         P = self.P
         bins, ok = lpt_pack(self.order.tolist(), self.work.tolist(), self.act, self.tr,
                             self.budget, inv.tolist())
+        if self.tight and all(bins):
+            # where memory binds, largest-first packing leaves micro-batches heavy on one stage
+            # and light on another; bring each to its share on every stage (`refine`)
+            ref = refine_bins(self.work, self.act, self.tr, self.budget, bins, share, tight=True)
+            if (not ok or self.fits(ref)) and \
+                    self.makespan(ref) < (1.0 - REFINE_GAIN) * self.makespan(bins):
+                bins = ref
         loads = np.array([self.work[bn].sum(axis=0) if bn else np.zeros(P) for bn in bins])
         counts = np.array([len(bn) for bn in bins])
         if not all(counts):
