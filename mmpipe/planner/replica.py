@@ -27,6 +27,8 @@ TARGETED_BUDGET = 1000
 one replica may spend: a fixed count rather than a clock, so every rank plans alike."""
 REFINE_GAIN = 0.01
 """A refined packing replaces the largest-first one only when it is this much faster."""
+BIND_SHARE = 0.9
+"""Memory binds on a stage when a packing's in-flight peak there reaches this share of it."""
 RAMPS = (1.35, 1.8)
 """Growth factors of the ramped size profiles tried (1 = equal micro-batches)."""
 SHAPE_START = (0.35, 1.4, 0.35, 1.4)
@@ -50,8 +52,10 @@ class ReplicaPlanner(BinCosts):
         super().__init__(sc, tokens, squares, work, act, tr, budget)
         self.order = np.argsort(-work.sum(axis=1), kind="stable")
         self._affine: list[tuple[np.ndarray, np.ndarray]] | None = None
-        # (m, ramp) -> (simulated makespan, memory held, bins)
+        # (m, ramp) -> (simulated makespan, memory held, bins): the packing kept (refined or
+        # not), and the largest-first one
         self.cache: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
+        self.plain: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
 
     # ---------------------------------------------------------------- packing
     def pack(self, m: int, ramp: float,
@@ -68,16 +72,38 @@ class ReplicaPlanner(BinCosts):
         if share is None:
             share = np.full(m, 1.0 / m)  # nothing fits: pack evenly, memory will say no
         inv = 1.0 / share
-        P = self.P
         bins, ok = lpt_pack(self.order.tolist(), self.work.tolist(), self.act, self.tr,
                             self.budget, inv.tolist())
-        if self.tight and all(bins):
-            # where memory binds, largest-first packing leaves micro-batches heavy on one stage
-            # and light on another; bring each to its share on every stage (`refine`)
+        plain = self._ordered(bins, ok, ramp)
+        self.plain[key] = self.cache[key] = plain
+        if all(bins) and self.windows_bind(bins):
+            # where memory binds across micro-batches in flight, largest-first packing leaves
+            # micro-batches heavy on one stage and light on another; bring each to its share
+            # on every stage (`refine`)
             ref = refine_bins(self.work, self.act, self.tr, self.budget, bins, share, tight=True)
-            if (not ok or self.fits(ref)) and \
-                    self.makespan(ref) < (1.0 - REFINE_GAIN) * self.makespan(bins):
-                bins = ref
+            done = self._ordered(ref, self.fits(ref), ramp)
+            if (done[1] and not ok) or (done[1] == ok and done[0] < (1.0 - REFINE_GAIN) * plain[0]):
+                self.cache[key] = done
+        return self.cache[key]
+
+    def windows_bind(self, bins: Bins) -> bool:
+        """Whether memory shaped this packing on a stage that holds more than one micro-batch
+        in flight: its exact 1F1B peak there is within BIND_SHARE of the budget. There (the
+        encoder stage when encoders train) the in-flight windows, not single micro-batches,
+        decide where samples may go, largest-first packing falls back to wherever they fit,
+        and `refine_bins` pays for itself; elsewhere (the LM head's last stage holds one) it
+        costs time and its gains are within what the local searches find."""
+        if not self.tight:
+            return False
+        A, R = self.bytes(bins)
+        peak = window_peaks(A, R)
+        return any(k > 1 and peak[s] >= BIND_SHARE * self.budget[s]
+                   for s, k in enumerate(in_flight_counts(self.P, len(bins))))
+
+    def _ordered(self, bins: Bins, ok: bool, ramp: float) -> tuple[float, bool, Bins]:
+        """A packing without its empty micro-batches, simulated; equal shares (`ramp` 1) also
+        try heaviest in the middle, light ones at the ends."""
+        P = self.P
         loads = np.array([self.work[bn].sum(axis=0) if bn else np.zeros(P) for bn in bins])
         counts = np.array([len(bn) for bn in bins])
         if not all(counts):
@@ -85,7 +111,6 @@ class ReplicaPlanner(BinCosts):
             ok = ok and self.fits(bins)  # dropping empty bins regroups the windows
         t = self.makespan(bins)
         if ramp == 1.0:
-            # equal shares: also try heaviest in the middle, light ones at the ends
             tot = loads[counts > 0].sum(axis=1)
             asc = np.argsort(tot, kind="stable")
             k = len(bins)
@@ -96,8 +121,7 @@ class ReplicaPlanner(BinCosts):
             ta = self.makespan(alt)
             if ta < t and (not ok or self.fits(alt)):
                 t, bins = ta, alt
-        self.cache[key] = (t, ok, bins)
-        return self.cache[key]
+        return t, ok, bins
 
     def _best(self) -> tuple[int, float]:
         """The cache key of the fastest packing that fits (the fastest of all if none fits)."""
@@ -215,13 +239,20 @@ class ReplicaPlanner(BinCosts):
         # they start: start from the best packing and from the best of a different count
         # or profile family, and keep the faster end
         fits = sorted((v[0], k) for k, v in self.cache.items() if v[1])
-        starts = [fits[0][1]] if fits else [self._best()]
+        first = fits[0][1] if fits else self._best()
+        starts = [self.cache[first][2]]
         if thorough:
-            starts += [k for _, k in fits[1:]
-                       if k[0] != starts[0][0] or (k[1] < 0) != (starts[0][1] < 0)][:1]
+            # the best largest-first packing and the best of another count or profile family
+            # among them, and the best refined one where refining won
+            plain = sorted((v[0], k) for k, v in self.plain.items() if v[1])
+            top = plain[0][1] if plain else first
+            if self.cache[first] is not self.plain[first]:
+                starts.append(self.plain[top][2])
+            starts += [self.plain[k][2] for _, k in plain[1:]
+                       if k[0] != top[0] or (k[1] < 0) != (top[1] < 0)][:1]
         best_bins, best_t = None, np.inf
-        for key in starts:
-            bins = [list(b) for b in self.cache[key][2]]
+        for start in starts:
+            bins = [list(b) for b in start]
             if len(bins) > 1:
                 bins = self._local_search(bins)
                 if thorough:
