@@ -34,6 +34,9 @@ FIRST_STAGE_REACH = 8
 """Layers past the current end of the first stage that `first_stage_candidates` tries."""
 FIRST_STAGE_REPLANS = 2
 """Of those, how many (best fluid estimate first) the search re-plans."""
+FINALISTS = 2
+"""Partitions with the best trial plans that the search compares with full plans at the end
+(where memory binds on the first stage)."""
 FIRST_STAGE_GAIN = 0.01
 """How much faster a re-planned candidate must be to replace the search's choice: the trial
 plans are lighter than a step's own plan (`balance_step(thorough=False)`), and a gain within
@@ -402,7 +405,33 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         if t < (1.0 - FIRST_STAGE_GAIN) * best_t:
             best_plan, best_t = cand, t
     best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,), blocks=True)
+    first_free = StagePlan(stages=best_plan.stages, recompute=(False,) + best_plan.recompute[1:])
+    if _first_stage_tight(cost, table, steps, first_free, dp):
+        # the trial plans rank partitions within a fraction of a percent of each other where
+        # memory binds on the first stage (their single start, no shaping, no targeted
+        # search); the last choice among the best few is made with each step's own plan
+        finalists = [StagePlan(stages=k[0], recompute=k[1]) for k, t in
+                     sorted(replanned.items(), key=lambda kv: kv[1])[:FINALISTS] if np.isfinite(t)]
+        if len(finalists) > 1:
+            best_plan = min(finalists, key=lambda p: _full_plans_time(cost, table, steps, p, dp=dp,
+                                                                       micro_batches=micro_batches,
+                                                                       labels=labels))
     return best_plan
+
+
+def _full_plans_time(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
+                     plan: StagePlan, *, dp: int, micro_batches: int,
+                     labels: Sequence[str] | None) -> float:
+    """Sum of the steps' simulated times with each step's own (thorough) plan."""
+    sc = stage_costs(cost, plan.stages, plan.recompute)
+    total = 0.0
+    for rows in steps:
+        ev = evaluate_step(sc, table, balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
+                                                   labels=labels), packing=True)
+        if not ev.fits:
+            return np.inf
+        total += ev.step_time
+    return total
 
 
 def first_stage_candidates(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],

@@ -27,6 +27,9 @@ TARGETED_BUDGET = 1000
 one replica may spend: a fixed count rather than a clock, so every rank plans alike."""
 REFINE_GAIN = 0.01
 """A refined packing replaces the largest-first one only when it is this much faster."""
+REFINED_PROFILES = 2
+"""Of the ramped profiles packed, how many (best fluid estimate first) are refined; the shaped
+ones always are. Refining costs about a packing's own time again."""
 BIND_SHARE = 0.9
 """Memory binds on a stage when a packing's in-flight peak there reaches this share of it."""
 RAMPS = (1.35, 1.8)
@@ -52,16 +55,18 @@ class ReplicaPlanner(BinCosts):
         super().__init__(sc, tokens, squares, work, act, tr, budget)
         self.order = np.argsort(-work.sum(axis=1), kind="stable")
         self._affine: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._caps: dict[int, float] = {}  # m -> the share cap of `clip`
         # (m, ramp) -> (simulated makespan, memory held, bins): the packing kept (refined or
         # not), and the largest-first one
         self.cache: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
         self.plain: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
 
     # ---------------------------------------------------------------- packing
-    def pack(self, m: int, ramp: float,
-             share: np.ndarray | None = None) -> tuple[float, bool, Bins]:
-        """Largest first into m micro-batches with ramped target shares (or the given ones);
-        simulated time."""
+    def pack(self, m: int, ramp: float, share: np.ndarray | None = None,
+             refine: bool = True) -> tuple[float, bool, Bins]:
+        """Largest first into m micro-batches with ramped target shares (or the given ones),
+        then (`refine`, where memory binds across the micro-batches in flight) refined
+        towards every stage's share; simulated time."""
         m = max(1, min(self.n, m))
         key = (m, ramp)
         if key in self.cache:
@@ -76,7 +81,7 @@ class ReplicaPlanner(BinCosts):
                             self.budget, inv.tolist())
         plain = self._ordered(bins, ok, ramp)
         self.plain[key] = self.cache[key] = plain
-        if all(bins) and self.windows_bind(bins):
+        if refine and all(bins) and self.windows_bind(bins):
             # where memory binds across micro-batches in flight, largest-first packing leaves
             # micro-batches heavy on one stage and light on another; bring each to its share
             # on every stage (`refine`)
@@ -136,9 +141,11 @@ class ReplicaPlanner(BinCosts):
         if not self.tight:
             return share
         m = len(share)
-        K = np.asarray(in_flight_counts(self.P, m), dtype=float)
-        A, R = self.act.sum(axis=0), self.tr.sum(axis=0)
-        c = float(np.min(0.95 * self.budget / np.maximum(K * A + R, 1e-30)))
+        c = self._caps.get(m)
+        if c is None:
+            K = np.asarray(in_flight_counts(self.P, m), dtype=float)
+            A, R = self.act.sum(axis=0), self.tr.sum(axis=0)
+            c = self._caps[m] = float(np.min(0.95 * self.budget / np.maximum(K * A + R, 1e-30)))
         if share.max() <= c:
             return share
         if m * c < 1.0:
@@ -219,8 +226,8 @@ class ReplicaPlanner(BinCosts):
         targeted search, one start)."""
         n = self.n
         scored = self.rank_profiles(m_hint, search)
-        for _, m, ramp in scored[:4 if search else 2]:
-            self.pack(m, ramp)
+        for i, (_, m, ramp) in enumerate(scored[:4 if search else 2]):
+            self.pack(m, ramp, refine=i < REFINED_PROFILES)
         if search and thorough and scored[0][1] >= 3:
             # shape the sizes freely around the best profile, still on the fluid model, at
             # the best count and its neighbours (a shaped profile may want one more or less)
@@ -242,12 +249,12 @@ class ReplicaPlanner(BinCosts):
         first = fits[0][1] if fits else self._best()
         starts = [self.cache[first][2]]
         if thorough:
-            # the best largest-first packing and the best of another count or profile family
-            # among them, and the best refined one where refining won
+            # the other start: among the packings as largest first left them (unrefined), the
+            # best of another count or profile family than the best of them
             plain = sorted((v[0], k) for k, v in self.plain.items() if v[1])
             top = plain[0][1] if plain else first
             if self.cache[first] is not self.plain[first]:
-                starts.append(self.plain[top][2])
+                starts.append(self.plain[top][2])  # where refining won: the old first start too
             starts += [self.plain[k][2] for _, k in plain[1:]
                        if k[0] != top[0] or (k[1] < 0) != (top[1] < 0)][:1]
         best_bins, best_t = None, np.inf
