@@ -74,11 +74,11 @@ def lpt_pack(order: list[int], work: list[list[float]], act: np.ndarray, tr: np.
         if best_k < 0:
             for c in cands:
                 heapq.heappush(heap, c)
-            fits = [mem.fits(j, al[i], tl[i]) for j in range(m)]
-            if any(fits):
-                j = min((j for j in range(m) if fits[j]),
-                        key=lambda j: max(loads[j]) * inv_share[j])
-            else:
+            # the fitting bin whose busiest stage is lowest relative to its share (checked in
+            # that order: a memory check walks the in-flight windows, so stop at the first)
+            by_load = sorted(range(m), key=lambda j: (max(loads[j]) * inv_share[j], j))
+            j = next((j for j in by_load if mem.fits(j, al[i], tl[i])), -1)
+            if j < 0:
                 ok = False
                 j = max(range(m), key=mem.room)
             heap = [c for c in heap if c[1] != j]

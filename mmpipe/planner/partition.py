@@ -21,6 +21,7 @@ from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.cost import CostModel
 from mmpipe.planner.memory import window_peaks
 from mmpipe.planner.packing import deal
+from mmpipe.planner.replica import ReplicaPlanner
 from mmpipe.planner.samples import SampleTable, mb_streams
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import makespan
@@ -29,6 +30,18 @@ from mmpipe.planner.step import evaluate_step
 
 SAMPLE_REPLICAS = 2
 """Replicas per step the partition search plans (the heaviest ones) when dp is larger."""
+FIRST_STAGE_REACH = 8
+"""Layers past the current end of the first stage that `first_stage_candidates` tries."""
+FIRST_STAGE_REPLANS = 2
+"""Of those, how many (best fluid estimate first) the search re-plans."""
+FINALISTS = 2
+"""Partitions with the best trial plans that the search compares with full plans at the end
+(where memory binds on the first stage)."""
+FIRST_STAGE_GAIN = 0.01
+"""How much faster a re-planned candidate must be to replace the search's choice: the trial
+plans are lighter than a step's own plan (`balance_step(thorough=False)`), and a gain within
+their noise does not survive the step's own plans (the golden vision-dynamic case: a first
+stage 0.3% faster on trial plans was 0.8% slower once each step was planned in full)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -386,5 +399,129 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         if it > 0 and best_plan.stages == plan.stages and best_plan.recompute == plan.recompute:
             break
         plan = best_plan
+    for cand in first_stage_candidates(cost, table, steps, best_plan, loads, dp=dp,
+                                       micro_batches=micro_batches):
+        t = replan(cand)
+        if t < (1.0 - FIRST_STAGE_GAIN) * best_t:
+            best_plan, best_t = cand, t
     best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,), blocks=True)
+    first_free = StagePlan(stages=best_plan.stages, recompute=(False,) + best_plan.recompute[1:])
+    if _first_stage_tight(cost, table, steps, first_free, dp):
+        # the trial plans rank partitions within a fraction of a percent of each other where
+        # memory binds on the first stage (their single start, no shaping, no targeted
+        # search); the last choice among the best few is made with each step's own plan
+        finalists = [StagePlan(stages=k[0], recompute=k[1]) for k, t in
+                     sorted(replanned.items(), key=lambda kv: kv[1])[:FINALISTS] if np.isfinite(t)]
+        if len(finalists) > 1:
+            best_plan = min(finalists, key=lambda p: _full_plans_time(cost, table, steps, p, dp=dp,
+                                                                       micro_batches=micro_batches,
+                                                                       labels=labels))
     return best_plan
+
+
+def _full_plans_time(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
+                     plan: StagePlan, *, dp: int, micro_batches: int,
+                     labels: Sequence[str] | None) -> float:
+    """Sum of the steps' simulated times with each step's own (thorough) plan."""
+    sc = stage_costs(cost, plan.stages, plan.recompute)
+    total = 0.0
+    for rows in steps:
+        ev = evaluate_step(sc, table, balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
+                                                   labels=labels), packing=True)
+        if not ev.fits:
+            return np.inf
+        total += ev.step_time
+    return total
+
+
+def first_stage_candidates(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
+                           plan: StagePlan, loads: LayerLoads, *, dp: int, micro_batches: int
+                           ) -> list[StagePlan]:
+    """Partitions that end the first stage further on, its recompute off, ranked by a fluid
+    estimate, for the search to re-plan (the best FIRST_STAGE_REPLANS better than `plan`'s
+    own estimate).
+
+    The first stage holds the most micro-batches in flight (pp under 1F1B), so it is where
+    memory binds when encoders train, and memory is what re-planned micro-batches change:
+    taking LLM blocks onto an encoder stage needs more, smaller micro-batches (or ones that
+    hold their encoder activations more evenly, `refine`). The range search and the cut moves
+    judge memory with the micro-batches of the plan they start from, which such a stage
+    overflows, and the final climb moves one layer at a time while an LLM block is 1/8 of a
+    stage and the LLM embedding alone costs more than it brings. So: for each end of the first
+    stage up to FIRST_STAGE_REACH layers past the current one, the rest split by the range
+    search on time (`loads`), and each priced by the fluid 1F1B plan of every probe replica
+    with its own micro-batch count (`ReplicaPlanner.rank_profiles`: milliseconds, memory
+    capped as packing would)."""
+    L = len(cost.layers)
+    pp = plan.pp
+    end = plan.stages[0][1]
+    if pp < 2:
+        return []
+    # the first stage without recompute: what these candidates are for (an extra forward
+    # over every encoder block costs more than the LLM blocks its memory would make room for)
+    flags = (False,) + plan.recompute[1:]
+    if not _first_stage_tight(cost, table, steps, StagePlan(stages=plan.stages, recompute=flags), dp):
+        return []
+    own = fluid_steps_time(cost, table, steps, plan, dp=dp, micro_batches=micro_batches)
+    scored = []
+    for b in range(end, min(end + FIRST_STAGE_REACH, L - (pp - 1)) + 1):
+        if b == end:
+            stages = list(plan.stages)
+        else:
+            tail = balanced_partition(_tail_loads(loads, b), pp - 1, np.inf)
+            if tail is None:
+                continue
+            stages = [(0, b)] + [(a + b, c + b) for a, c in tail.stages]
+        cand = StagePlan(stages=stages, recompute=flags)
+        if cand == plan:
+            continue
+        t = fluid_steps_time(cost, table, steps, cand, dp=dp, micro_batches=micro_batches)
+        if t < own:
+            scored.append((t, b, cand))
+    return [c for _, _, c in sorted(scored, key=lambda x: (x[0], x[1]))[:FIRST_STAGE_REPLANS]]
+
+
+def _first_stage_tight(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
+                       plan: StagePlan, dp: int) -> bool:
+    """Whether a replica's share of some probe step keeps more activations on the first stage
+    than fit beside its weights (memory can bind there)."""
+    sc = stage_costs(cost, plan.stages, plan.recompute)
+    room = cost.usable_bytes - sc.static[0]
+    for rows in steps:
+        _, act, tr = sample_work(sc, table.rows(list(rows)))
+        if (act[:, 0] + tr[:, 0]).sum() / dp > room:
+            return True
+    return False
+
+
+def _tail_loads(loads: LayerLoads, b: int) -> LayerLoads:
+    """The layer loads from layer b on, memory left out (re-planned micro-batches decide it)."""
+    zero = np.zeros(len(loads.time) - b)
+    return LayerLoads(time=loads.time[b:], recompute_time=loads.recompute_time[b:], act=zero,
+                      act_rc=zero, transient=zero, send=loads.send[b:], static=zero)
+
+
+def fluid_steps_time(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
+                     plan: StagePlan, *, dp: int, micro_batches: int) -> float:
+    """Sum over the steps of the slowest replica's best fluid plan (`rank_profiles`; inf when
+    a stage or a sample does not fit)."""
+    sc = stage_costs(cost, plan.stages, plan.recompute)
+    budget = cost.usable_bytes - sc.static
+    if np.any(budget <= 0):
+        return np.inf
+    total = 0.0
+    for rows in steps:
+        sub = table.rows(list(rows))
+        work, act, tr = sample_work(sc, sub)
+        if np.any(act + tr > budget[None, :]):
+            return np.inf
+        slowest = 0.0
+        for local in deal(work, dp):
+            if not local:
+                continue
+            idx = np.asarray(local, dtype=np.int64)
+            rp = ReplicaPlanner(sc, sub.tokens[idx], sub.squares[idx], work[idx], act[idx],
+                                tr[idx], budget)
+            slowest = max(slowest, rp.rank_profiles(micro_batches, True)[0][0])
+        total += cost.hardware.step_seconds(slowest)
+    return total

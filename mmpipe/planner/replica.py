@@ -17,6 +17,7 @@ import numpy as np
 from mmpipe.planner.bins import BinCosts, Bins, CostedBins, edge_positions, edit_bins
 from mmpipe.planner.memory import in_flight_counts, window_peaks
 from mmpipe.planner.packing import edge_shares, lpt_pack, ramp_shares
+from mmpipe.planner.refine import refine_bins
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import makespan, simulate
 from mmpipe.planner.stage_cost import StageCosts
@@ -24,6 +25,13 @@ from mmpipe.planner.stage_cost import StageCosts
 TARGETED_BUDGET = 1000
 """Micro-batch simulations (a trial of m micro-batches counts m) the targeted move search of
 one replica may spend: a fixed count rather than a clock, so every rank plans alike."""
+REFINE_GAIN = 0.01
+"""A refined packing replaces the largest-first one only when it is this much faster."""
+REFINED_PROFILES = 2
+"""Of the ramped profiles packed, how many (best fluid estimate first) are refined; the shaped
+ones always are. Refining costs about a packing's own time again."""
+BIND_SHARE = 0.9
+"""Memory binds on a stage when a packing's in-flight peak there reaches this share of it."""
 RAMPS = (1.35, 1.8)
 """Growth factors of the ramped size profiles tried (1 = equal micro-batches)."""
 SHAPE_START = (0.35, 1.4, 0.35, 1.4)
@@ -47,14 +55,18 @@ class ReplicaPlanner(BinCosts):
         super().__init__(sc, tokens, squares, work, act, tr, budget)
         self.order = np.argsort(-work.sum(axis=1), kind="stable")
         self._affine: list[tuple[np.ndarray, np.ndarray]] | None = None
-        # (m, ramp) -> (simulated makespan, memory held, bins)
+        self._caps: dict[int, float] = {}  # m -> the share cap of `clip`
+        # (m, ramp) -> (simulated makespan, memory held, bins): the packing kept (refined or
+        # not), and the largest-first one
         self.cache: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
+        self.plain: dict[tuple[int, float], tuple[float, bool, Bins]] = {}
 
     # ---------------------------------------------------------------- packing
-    def pack(self, m: int, ramp: float,
-             share: np.ndarray | None = None) -> tuple[float, bool, Bins]:
-        """Largest first into m micro-batches with ramped target shares (or the given ones);
-        simulated time."""
+    def pack(self, m: int, ramp: float, share: np.ndarray | None = None,
+             refine: bool = True) -> tuple[float, bool, Bins]:
+        """Largest first into m micro-batches with ramped target shares (or the given ones),
+        then (`refine`, where memory binds across the micro-batches in flight) refined
+        towards every stage's share; simulated time."""
         m = max(1, min(self.n, m))
         key = (m, ramp)
         if key in self.cache:
@@ -65,9 +77,38 @@ class ReplicaPlanner(BinCosts):
         if share is None:
             share = np.full(m, 1.0 / m)  # nothing fits: pack evenly, memory will say no
         inv = 1.0 / share
-        P = self.P
         bins, ok = lpt_pack(self.order.tolist(), self.work.tolist(), self.act, self.tr,
                             self.budget, inv.tolist())
+        plain = self._ordered(bins, ok, ramp)
+        self.plain[key] = self.cache[key] = plain
+        if refine and all(bins) and self.windows_bind(bins):
+            # where memory binds across micro-batches in flight, largest-first packing leaves
+            # micro-batches heavy on one stage and light on another; bring each to its share
+            # on every stage (`refine`)
+            ref = refine_bins(self.work, self.act, self.tr, self.budget, bins, share, tight=True)
+            done = self._ordered(ref, self.fits(ref), ramp)
+            if (done[1] and not ok) or (done[1] == ok and done[0] < (1.0 - REFINE_GAIN) * plain[0]):
+                self.cache[key] = done
+        return self.cache[key]
+
+    def windows_bind(self, bins: Bins) -> bool:
+        """Whether memory shaped this packing on a stage that holds more than one micro-batch
+        in flight: its exact 1F1B peak there is within BIND_SHARE of the budget. There (the
+        encoder stage when encoders train) the in-flight windows, not single micro-batches,
+        decide where samples may go, largest-first packing falls back to wherever they fit,
+        and `refine_bins` pays for itself; elsewhere (the LM head's last stage holds one) it
+        costs time and its gains are within what the local searches find."""
+        if not self.tight:
+            return False
+        A, R = self.bytes(bins)
+        peak = window_peaks(A, R)
+        return any(k > 1 and peak[s] >= BIND_SHARE * self.budget[s]
+                   for s, k in enumerate(in_flight_counts(self.P, len(bins))))
+
+    def _ordered(self, bins: Bins, ok: bool, ramp: float) -> tuple[float, bool, Bins]:
+        """A packing without its empty micro-batches, simulated; equal shares (`ramp` 1) also
+        try heaviest in the middle, light ones at the ends."""
+        P = self.P
         loads = np.array([self.work[bn].sum(axis=0) if bn else np.zeros(P) for bn in bins])
         counts = np.array([len(bn) for bn in bins])
         if not all(counts):
@@ -75,7 +116,6 @@ class ReplicaPlanner(BinCosts):
             ok = ok and self.fits(bins)  # dropping empty bins regroups the windows
         t = self.makespan(bins)
         if ramp == 1.0:
-            # equal shares: also try heaviest in the middle, light ones at the ends
             tot = loads[counts > 0].sum(axis=1)
             asc = np.argsort(tot, kind="stable")
             k = len(bins)
@@ -86,8 +126,7 @@ class ReplicaPlanner(BinCosts):
             ta = self.makespan(alt)
             if ta < t and (not ok or self.fits(alt)):
                 t, bins = ta, alt
-        self.cache[key] = (t, ok, bins)
-        return self.cache[key]
+        return t, ok, bins
 
     def _best(self) -> tuple[int, float]:
         """The cache key of the fastest packing that fits (the fastest of all if none fits)."""
@@ -102,9 +141,11 @@ class ReplicaPlanner(BinCosts):
         if not self.tight:
             return share
         m = len(share)
-        K = np.asarray(in_flight_counts(self.P, m), dtype=float)
-        A, R = self.act.sum(axis=0), self.tr.sum(axis=0)
-        c = float(np.min(0.95 * self.budget / np.maximum(K * A + R, 1e-30)))
+        c = self._caps.get(m)
+        if c is None:
+            K = np.asarray(in_flight_counts(self.P, m), dtype=float)
+            A, R = self.act.sum(axis=0), self.tr.sum(axis=0)
+            c = self._caps[m] = float(np.min(0.95 * self.budget / np.maximum(K * A + R, 1e-30)))
         if share.max() <= c:
             return share
         if m * c < 1.0:
@@ -185,8 +226,8 @@ class ReplicaPlanner(BinCosts):
         targeted search, one start)."""
         n = self.n
         scored = self.rank_profiles(m_hint, search)
-        for _, m, ramp in scored[:4 if search else 2]:
-            self.pack(m, ramp)
+        for i, (_, m, ramp) in enumerate(scored[:4 if search else 2]):
+            self.pack(m, ramp, refine=i < REFINED_PROFILES)
         if search and thorough and scored[0][1] >= 3:
             # shape the sizes freely around the best profile, still on the fluid model, at
             # the best count and its neighbours (a shaped profile may want one more or less)
@@ -205,13 +246,20 @@ class ReplicaPlanner(BinCosts):
         # they start: start from the best packing and from the best of a different count
         # or profile family, and keep the faster end
         fits = sorted((v[0], k) for k, v in self.cache.items() if v[1])
-        starts = [fits[0][1]] if fits else [self._best()]
+        first = fits[0][1] if fits else self._best()
+        starts = [self.cache[first][2]]
         if thorough:
-            starts += [k for _, k in fits[1:]
-                       if k[0] != starts[0][0] or (k[1] < 0) != (starts[0][1] < 0)][:1]
+            # the other start: among the packings as largest first left them (unrefined), the
+            # best of another count or profile family than the best of them
+            plain = sorted((v[0], k) for k, v in self.plain.items() if v[1])
+            top = plain[0][1] if plain else first
+            if self.cache[first] is not self.plain[first]:
+                starts.append(self.plain[top][2])  # where refining won: the old first start too
+            starts += [self.plain[k][2] for _, k in plain[1:]
+                       if k[0] != top[0] or (k[1] < 0) != (top[1] < 0)][:1]
         best_bins, best_t = None, np.inf
-        for key in starts:
-            bins = [list(b) for b in self.cache[key][2]]
+        for start in starts:
+            bins = [list(b) for b in start]
             if len(bins) > 1:
                 bins = self._local_search(bins)
                 if thorough:
