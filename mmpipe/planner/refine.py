@@ -8,16 +8,18 @@ micro-batch ends up heavy on one stage and light on another, while the fluid mod
 the count and the sizes assumed each micro-batch holds the same share of every stage. Under
 1F1B such mismatches stall the pipeline, and they matter most when no stage has slack: when
 memory on the encoder stage is what keeps LLM blocks off it, the stage that takes them is as
-busy as the others (audio-mix x omni-7b with everything trainable: 2.32 s packed against
-2.14 s fluid at 26 micro-batches, 2.08 s after this refinement).
+busy as the others (audio-mix x omni-7b with everything trainable, the LLM embedding and two
+blocks on the encoder stage, 26 micro-batches: 2.204 s packed largest first, 2.066 s the fluid
+plan, 2.065 s refined; tests/unit/planner/test_refine.py).
 
 `refine_bins` is a steepest descent on the squared deviation of every micro-batch's stage loads
 from its target (share x the replica's load, per stage, each stage scaled by its load):
 moving sample i from micro-batch j to k, or swapping it with sample i' of k, changes it by a
-closed form (below), so every move and every swap is priced at once by a few matrix products;
-the best ones are tried in order and the first that keeps every stage's in-flight windows in
-memory (`memory.window_peaks`) is applied. The caller keeps the refined packing only if the
-simulator says it is faster.
+closed form (below), so every move and every swap is priced at once by a few matrix products.
+Each sample's best edit is taken, best first, several per pricing where they touch disjoint
+micro-batches, each only if every stage's exact 1F1B windows (what `memory.window_peaks`
+maximises) stay within memory. The caller (`replica.ReplicaPlanner.pack`) keeps the refined
+packing only where the simulator finds it faster.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import numpy as np
 
 from mmpipe.planner.memory import in_flight_counts
 
-SWAP_LIMIT = 320
-"""Samples per replica up to which swaps are priced as well as moves (an n x n matrix per
-step; past it, micro-batches hold many samples and single moves are fine-grained enough)."""
+MAX_SAMPLES = 320
+"""Replicas of more samples are left as packed: the swaps price an n x n matrix per step (a
+4096-sample step took 3x as long to plan), and moves alone, without swaps, left the audio
+mix's packings 5% slower than with them; a replica that large holds many samples per
+micro-batch, where single samples matter less."""
 
 
 def refine_bins(work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.ndarray,
@@ -48,7 +52,7 @@ def refine_bins(work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.nd
     """
     n, P = work.shape
     m = len(bins)
-    if m < 2 or n < 3:
+    if m < 2 or n < 3 or n > MAX_SAMPLES:
         return [list(b) for b in bins]
     bins = [list(b) for b in bins]
     tot = np.maximum(work.sum(axis=0), 1e-30)
@@ -63,9 +67,7 @@ def refine_bins(work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.nd
         room = budget[:, None]
         eye = np.eye(m)
     ww = (w * w).sum(axis=1)
-    swaps = n <= SWAP_LIMIT
-    if swaps:
-        pair = ww[:, None] + ww[None, :] - 2.0 * (w @ w.T)  # |w_i - w_i'|^2
+    pair = ww[:, None] + ww[None, :] - 2.0 * (w @ w.T)  # |w_i - w_i'|^2
     G = w @ e.T  # [n, m]: w_i . e_k
     rows = np.arange(n)
     left = max_steps if max_steps is not None else 2 * n
@@ -78,21 +80,19 @@ def refine_bins(work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.nd
         mv[sizes[where] < 2] = np.inf
         best_k = np.argmin(mv, axis=1)
         best = mv[rows, best_k]
-        partner = np.full(n, -1)
-        if swaps:
-            # i: j -> k and i': k -> j with d = w_i - w_i': d.(e_k - e_j) + |d|^2, and
-            # d.e_k = G[i, k] - G[i', k], d.e_j = G[i, j] - G[i', j]
-            sw = G[:, where]
-            sw += sw.T
-            sw += pair
-            sw -= own[None, :]  # own[i] is the same along a row: taken off after the argmin
-            sw[where[:, None] == where[None, :]] = np.inf
-            best_i2 = np.argmin(sw, axis=1)
-            best_sw = sw[rows, best_i2] - own
-            use = best_sw < best
-            best = np.where(use, best_sw, best)
-            partner = np.where(use, best_i2, -1)
-            best_k = np.where(use, where[best_i2], best_k)
+        # i: j -> k and i': k -> j with d = w_i - w_i': d.(e_k - e_j) + |d|^2, and
+        # d.e_k = G[i, k] - G[i', k], d.e_j = G[i, j] - G[i', j]
+        sw = G[:, where]
+        sw += sw.T
+        sw += pair
+        sw -= own[None, :]  # own[i] is the same along a row: taken off after the argmin
+        sw[where[:, None] == where[None, :]] = np.inf
+        best_i2 = np.argmin(sw, axis=1)
+        best_sw = sw[rows, best_i2] - own
+        use = best_sw < best
+        best = np.where(use, best_sw, best)
+        partner = np.where(use, best_i2, -1)
+        best_k = np.where(use, where[best_i2], best_k)
         # each sample's best edit, best first; edits on disjoint pairs of micro-batches change
         # disjoint terms of the objective, so several are applied per pricing
         good = np.flatnonzero(best < -1e-12)
