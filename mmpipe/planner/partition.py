@@ -343,20 +343,8 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
     def replan(p: StagePlan) -> float:
         key = (p.stages, p.recompute)
         if key not in replanned:
-            s = stage_costs(cost, p.stages, p.recompute)
-            total = 0.0
-            try:
-                for rows in steps:
-                    rep = balance_step(s, table, rows, dp=dp, micro_batches=micro_batches,
-                                       labels=labels, thorough=False)
-                    ev = evaluate_step(s, table, rep, packing=True)
-                    if not ev.fits:
-                        total = np.inf
-                        break
-                    total += ev.step_time
-            except ValueError:  # a stage or a sample does not fit under this partition
-                total = np.inf
-            replanned[key] = total
+            replanned[key] = planned_steps_time(cost, table, steps, p, dp=dp, micro_batches=micro_batches,
+                                                labels=labels, thorough=False)
         return replanned[key]
 
     plan = StagePlan(stages=parameters_partition([l.params for l in cost.layers], pp),
@@ -418,24 +406,28 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         finalists = [StagePlan(stages=k[0], recompute=k[1]) for k, t in ranked[:FINALISTS]
                      if np.isfinite(t) and t <= (1.0 + FINAL_SPREAD) * ranked[0][1]]
         if len(finalists) > 1:
-            best_plan = min(finalists, key=lambda p: _full_plans_time(cost, table, steps, p, dp=dp,
-                                                                       micro_batches=micro_batches,
-                                                                       labels=labels))
+            best_plan = min(finalists, key=lambda p: planned_steps_time(
+                cost, table, steps, p, dp=dp, micro_batches=micro_batches, labels=labels, thorough=True))
     return best_plan
 
 
-def _full_plans_time(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
-                     plan: StagePlan, *, dp: int, micro_batches: int,
-                     labels: Sequence[str] | None) -> float:
-    """Sum of the steps' simulated times with each step's own (thorough) plan."""
+def planned_steps_time(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
+                       plan: StagePlan, *, dp: int, micro_batches: int,
+                       labels: Sequence[str] | None, thorough: bool) -> float:
+    """Sum of the steps' simulated times, each step balanced on `plan` (`thorough`: the
+    step's own plan; else the search's lighter trial plan); inf when a step does not fit."""
     sc = stage_costs(cost, plan.stages, plan.recompute)
     total = 0.0
-    for rows in steps:
-        ev = evaluate_step(sc, table, balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches,
-                                                   labels=labels), packing=True)
-        if not ev.fits:
-            return np.inf
-        total += ev.step_time
+    try:
+        for rows in steps:
+            rep = balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches, labels=labels,
+                               thorough=thorough)
+            ev = evaluate_step(sc, table, rep, packing=True)
+            if not ev.fits:
+                return np.inf
+            total += ev.step_time
+    except ValueError:  # a stage or a sample does not fit under this partition
+        return np.inf
     return total
 
 
