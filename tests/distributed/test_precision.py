@@ -81,11 +81,11 @@ def test_deepspeed_json_reaches_deepspeed_and_fp16_trains(run_mmpipe, tmp_path, 
     m = run.metrics()
     if precision == "fp16":
         assert ("precision: fp16 (fp32 master weights, fp16 gradient accumulation, dynamic loss scale) | ZeRO-1 (one "
-                "replica: nothing to shard) | optimizer: torch AdamW (foreach) in DeepSpeed DeepSpeedZeroOptimizer"
+                "replica: nothing to shard) | optimizer: torch AdamW (fused) in DeepSpeed DeepSpeedZeroOptimizer"
                 in run.out)
         assert all(r["loss_scale"] == 2.0**16 for r in m)  # DeepSpeed's initial dynamic scale; no overflow here
     else:
-        assert "precision: fp32 | ZeRO-0 | optimizer: torch AdamW (foreach) |" in run.out
+        assert "precision: fp32 | ZeRO-0 | optimizer: torch AdamW (fused) |" in run.out
     for step in (1, 2, 3):
         assert f"steps: {step} loss: {m[step - 1]['loss']:0.4f}" in run.out  # DeepSpeed's own print
     with open(tmp_path / "csv" / "j" / "Train_Samples_train_loss.csv") as f:

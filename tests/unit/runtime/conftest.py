@@ -12,8 +12,8 @@ import torch
 @pytest.fixture(scope="module")
 def make_engine():
     """`make_engine(config)`: a one-stage PipelineEngine of two Linear layers, built by
-    deepspeed.initialize with `config` (DeepSpeed JSON) and torch AdamW (foreach), as mmpipe's
-    ranks build theirs. The process group lives for the test module."""
+    deepspeed.initialize with `config` (DeepSpeed JSON) and mmpipe's own AdamW (`make_optimizer`), as
+    mmpipe's ranks build theirs. The process group lives for the test module."""
     import torch.distributed as dist
 
     from mmpipe.runtime.launch import free_port
@@ -27,6 +27,8 @@ def make_engine():
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
+    from mmpipe.runtime.pipeline import make_optimizer
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
@@ -34,7 +36,7 @@ def make_engine():
         torch.manual_seed(0)
         module = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4)],
                                 num_stages=1, loss_fn=torch.nn.MSELoss())
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
+        optimizer = make_optimizer(module.parameters(), lr=1e-3, weight_decay=0.0)
         engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
                                           config={"steps_per_print": 10**9, **config})
         return engine, optimizer

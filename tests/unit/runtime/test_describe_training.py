@@ -17,7 +17,7 @@ def test_the_precision_line_is_what_the_engine_does(make_engine):
     assert type(engine.optimizer).__name__ == "BF16_Optimizer"
     line = describe_training(rc.train, 1, engine, basic, mmpipe_clips=False)
     assert line.startswith("precision: bf16 (fp32 master weights, fp32 gradient accumulation) | ZeRO-1 (one "
-                           "replica: nothing to shard) | optimizer: torch AdamW (foreach) in DeepSpeed BF16_Optimizer "
+                           "replica: nothing to shard) | optimizer: torch AdamW (fused) in DeepSpeed BF16_Optimizer "
                            "| clipping: global norm 1 (DeepSpeed) | "), line
     # the same settings, where DeepSpeed accumulates in bf16 (its ZeRO optimizer instead): the
     # line follows the engine, not train.precision
@@ -25,13 +25,13 @@ def test_the_precision_line_is_what_the_engine_does(make_engine):
     assert type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer"
     line = describe_training(rc.train, 1, engine, basic, mmpipe_clips=False)
     assert line.startswith("precision: bf16 (fp32 master weights, bf16 gradient accumulation) | ZeRO-1 (one "
-                           "replica: nothing to shard) | optimizer: torch AdamW (foreach) in DeepSpeed "
+                           "replica: nothing to shard) | optimizer: torch AdamW (fused) in DeepSpeed "
                            "DeepSpeedZeroOptimizer | "), line
     fp32 = load([], job="test")
     engine, basic = make_engine(deepspeed_config(fp32))
     assert describe_precision(engine) == "fp32"
     assert describe_training(fp32.train, 1, engine, basic, mmpipe_clips=True).startswith(
-        "precision: fp32 | ZeRO-0 | optimizer: torch AdamW (foreach) | clipping: global norm 1 (mmpipe) | ")
+        "precision: fp32 | ZeRO-0 | optimizer: torch AdamW (fused) | clipping: global norm 1 (mmpipe) | ")
 
 
 def test_fp16_says_its_loss_scale(make_engine, monkeypatch):
