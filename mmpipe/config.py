@@ -267,12 +267,20 @@ class DataConfig:
                              "or null for no evaluation")
 
 
+def _flags(values) -> str:
+    """A list of flags as it is written on the command line: [true,false]."""
+    return "[" + ",".join(str(v).lower() if isinstance(v, bool) else repr(v) for v in values) + "]"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanConfig:
     policy: str = "data-aware"
     """data-aware | ds-default | llava-grouped | packed-ffd."""
     stages: tuple[tuple[str, str], ...] | None = None
     """User override: (first layer, last layer) of each stage."""
+    recompute: tuple[bool, ...] | None = None
+    """User override, with plan.stages: whether each stage recomputes its layers' activations
+    in backward (null: no stage does)."""
     out: str | None = None
     """Plan JSON path (mmpipe plan; relative: in the run directory)."""
     steps: int | None = None
@@ -296,6 +304,14 @@ class PlanConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"plan.policy={self.policy!r} is unknown; use {', '.join(POLICIES)}")
         check_headroom(self.memory_headroom)
+        if self.recompute is not None:
+            if self.stages is None:
+                raise ValueError(f"plan.recompute={_flags(self.recompute)} needs plan.stages (it gives each "
+                                 f"overridden stage's flag); set plan.stages too, or drop plan.recompute")
+            if len(self.recompute) != len(self.stages) or not all(isinstance(r, bool) for r in self.recompute):
+                raise ValueError(f"plan.recompute={_flags(self.recompute)} must hold one true/false per stage of "
+                                 f"plan.stages ({len(self.stages)}), e.g. "
+                                 f"plan.recompute=[{','.join(['false'] * len(self.stages))}]")
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
             raise ValueError(f"plan.steps={self.steps!r} must be a positive integer or null")
 
@@ -508,6 +524,8 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])
+    if isinstance(plan.get("recompute"), (list, tuple)):
+        plan["recompute"] = tuple(plan["recompute"])
     model = model_from_group(cfg["model"], resolve=model_folder)
     rc = RunConfig(
         model=model.spec,

@@ -408,7 +408,22 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         if len(finalists) > 1:
             best_plan = min(finalists, key=lambda p: planned_steps_time(
                 cost, table, steps, p, dp=dp, micro_batches=micro_batches, labels=labels, thorough=True))
-    return best_plan
+    return recompute_only_where_needed(best_plan, replan)
+
+
+def recompute_only_where_needed(plan: StagePlan, time: Callable[[StagePlan], float]) -> StagePlan:
+    """`plan` with recompute off on every stage where that costs no simulated time. The search
+    starts with recompute everywhere and turns it off only where that is faster, so a stage
+    off the critical path (often the last, which has little to wait for) kept a recompute that
+    the simulated step does not see and a real one pays: a second forward of its layers."""
+    best_t = time(plan)
+    for s in range(plan.pp):
+        if plan.recompute[s]:
+            cand = StagePlan(stages=plan.stages, recompute=[r and i != s for i, r in enumerate(plan.recompute)])
+            t = time(cand)
+            if np.isfinite(t) and t <= best_t:
+                plan, best_t = cand, t
+    return plan
 
 
 def planned_steps_time(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],

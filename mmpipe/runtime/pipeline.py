@@ -3,10 +3,12 @@ the workarounds of DeepSpeed internals (each checks the DeepSpeed release it was
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -108,6 +110,12 @@ def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
     )
     if p.recompute and p.recompute[module.stage_id]:
         module.activation_checkpoint_interval = 1  # recompute every layer of this stage in backward
+        # torch's non-reentrant checkpoint, not DeepSpeed's reentrant default: a reentrant one
+        # gives its outputs a gradient only through inputs that require one, and the last
+        # stage's loss then had none ("loss must be a scalar tensor" in backward); the
+        # non-reentrant one keeps the autograd graph as it is without recompute.
+        module.activation_checkpoint_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                              use_reentrant=False)
     layers = [f for f in module.forward_funcs if isinstance(f, nn.Module)] + list(module.tied_modules.values())
     for layer in layers:
         train = is_trainable(getattr(layer, "name", ""), p.trainable)

@@ -70,7 +70,7 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
                   micro_batches=rc.train.micro_batches, policy=rc.plan.policy,
                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
     if rc.stage_bounds is not None:
-        plan = StagePlan(stages=rc.stage_bounds)
+        plan = StagePlan(stages=rc.stage_bounds, recompute=rc.plan.recompute or ())
         return ChosenStages(plan=plan, source="override", warnings=stage_memory_warnings(
             stage_plan=plan, sample=workload_sample(rc, tokenizer, steps=1), **common))
     plan = plan_stages(pp=rc.parallel.pp, sample=workload_sample(rc, tokenizer), **common)

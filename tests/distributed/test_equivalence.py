@@ -8,6 +8,7 @@ recorded, with the loss as the mean over all label tokens of the step.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from itertools import islice
 
@@ -39,6 +40,13 @@ CASES = {
     "pp2xdp2-zero1": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=8", "train.micro_batches=2",
                       "train.zero_stage=1", "train.steps=3", "train.save_every=1",
                       "plan.policy=ds-default"],  # two micro-batches a replica (data-aware packs these four in one)
+    # Every stage recomputes its activations in backward (plan.recompute): the first stage's
+    # inputs need no gradient and the last stage's output is the loss, the two places where a
+    # reentrant checkpoint loses the gradient.
+    "pp3-recompute": ["parallel.pp=3", "parallel.dp=1", "train.global_batch=6", "train.micro_batches=2",
+                      "plan.policy=ds-default",
+                      "plan.stages=[vision.embed:audio.proj,llm.embed:llm.block.1,llm.block.2:llm.head]",
+                      "plan.recompute=[true,true,true]"],
 }
 COMMON = ["train.steps=1", "train.optimizer=sgd", "train.lr=0.5", "train.warmup_steps=0",
           "train.grad_clip=1.0", "train.record_samples=true", "train.save_final=true"]  # the updated weights
@@ -137,6 +145,10 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
         first = islice(iter_meta(path=resolve_path(load(overrides, job="test").data.path), dp_rank=0, dp_size=1,
                                  epochs=1, root=PACKAGE_ROOT), 12)
         assert sorted(all_keys) == sorted(k for k, _ in first)
+
+    if "plan.recompute=[true,true,true]" in overrides:  # the stage table says every stage recomputes
+        flags = re.findall(r"^\s+\d\s+\S+(?: \.\. \S+)?\s+\d+\s+[\d,]+\s+(True|False)$", run.out, re.M)
+        assert flags == ["True"] * pp, run.out[:3000]
 
     ref = _reference(overrides, keys_by_replica)
     rc, ref_layers = ref.rc, ref.layers

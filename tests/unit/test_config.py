@@ -165,3 +165,15 @@ def test_bad_values_and_typos_are_one_line_errors(override, message, capsys):
 def test_stage_count_must_equal_pp(capsys):
     assert main(["train", "parallel.pp=3", "plan.stages=[[vision.embed,llm.embed],[llm.block.0,llm.head]]"]) == 2
     assert "plan.stages gives 2 stages but parallel.pp=3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["plan.recompute=[true,false]"],
+     "plan.recompute=[true,false] needs plan.stages (it gives each overridden stage's flag)"),
+    (["plan.stages=[vision.embed:llm.block.1,llm.block.2:llm.head]", "plan.recompute=[true]"],
+     "plan.recompute=[true] must hold one true/false per stage of plan.stages (2), e.g. "
+     "plan.recompute=[false,false]"),
+])
+def test_recompute_override_needs_one_flag_per_overridden_stage(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    assert message in capsys.readouterr().err

@@ -65,3 +65,16 @@ def test_plan_stages_tiles_every_layer(policy):
     sp = plan_stages(model=m, hardware=hardware("h100"), pp=4, dp=2, trainable=("vision.proj", "llm"),
                      sample=sample, micro_batches=4, policy=policy)
     assert sp.pp == 4 and _tiles(sp.stages, len(layer_names(m))) and len(sp.recompute) == 4
+
+
+def test_no_stage_recomputes_where_memory_does_not_ask_for_it():
+    """The tiny model at pp=4 on the cpu preset (24 GB): nothing comes near memory, and the last
+    stage (norm and head) is off the critical path, so recomputing there costs no simulated time
+    but a second forward of its layers in a real step. The search, which starts with recompute
+    on everywhere, used to leave it on there."""
+    rng = np.random.default_rng(0)
+    sample = [_img(int(t), 16, 20) for t in rng.integers(10, 120, 64)]
+    sp = plan_stages(model=model("tiny"), hardware=hardware("cpu"), pp=4, dp=1, trainable=("all",),
+                     sample=sample, micro_batches=8, policy="data-aware")
+    assert sp.stages == ((0, 10), (10, 12), (12, 13), (13, 15))
+    assert sp.recompute == (False, False, False, False)
