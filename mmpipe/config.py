@@ -524,15 +524,13 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])
-    if isinstance(plan.get("recompute"), (list, tuple)):
-        plan["recompute"] = tuple(plan["recompute"])
     model = model_from_group(cfg["model"], resolve=model_folder)
     rc = RunConfig(
         model=model.spec,
         parallel=_section(ParallelConfig, "parallel", cfg.get("parallel")),
         train=_section(TrainConfig, "train", train),
         data=_section(DataConfig, "data", cfg.get("data")),
-        plan=_section(PlanConfig, "plan", plan),
+        plan=_section(PlanConfig, "plan", _tuple_of(plan, "recompute")),
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
         profile=_section(ProfileConfig, "profile", cfg.get("profile")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),

@@ -121,6 +121,7 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
         if isinstance(e, (ConfigKeyError, ConfigTypeError)) or "not in struct" in str(e) or "not in '" in str(e):
             return f"{as_typed(key)}: no such config key{_near(key, overrides)}"
         if isinstance(e, ValidationError):
+            key = re.sub(r"(\[\d+\])+$", "", key)  # an element of a list: the list as typed
             value = typed.get(key, "=?").partition("=")[2]
             wanted = describe_type(key_type(key)) if key_type(key) is not None else "of another type"
             return f"{key}={value!r} must be {wanted}"

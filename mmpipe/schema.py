@@ -201,7 +201,8 @@ def describe_type(tp: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join("null" if a is type(None) else describe_type(a) for a in args)
     if origin is list:
-        return f"a list such as [{'a,b' if args and args[0] is str else '1,2'}]"
+        example = {str: "a,b", bool: "true,false"}.get(args[0] if args else None, "1,2")
+        return f"a list such as [{example}]"
     if origin is dict:
         return "a mapping such as {key: value}"
     return "a value of another type"

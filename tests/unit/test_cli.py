@@ -95,6 +95,8 @@ def test_override_grammar_adds_removes_and_force_sets():
     (["+train.seed=3"], "+train.seed=3: train.seed is set already; drop the + (or write ++ to add or set)"),
     (["+train.stpes=3"], "train.stpes=3: no such config key; did you mean train.steps?"),
     (["train.trainable=llm"], "train.trainable='llm' must be a list such as [a,b]"),
+    # an element of the wrong type is reported on the list as typed
+    (["plan.recompute=[maybe,false]"], "plan.recompute='[maybe,false]' must be a list such as [true,false] or null"),
     (["train.lr=1e-3,3e-3"], "train.lr=1e-3,3e-3 gives several values: add -m to run one job per value"),
     (["data.path=data/llava/train-{000000..000041}.tar"],
      "to pass the value as a string, quote it for Hydra and the shell: "
