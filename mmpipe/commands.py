@@ -231,7 +231,7 @@ def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False)
          source=rc.data.path, out=output_path(rc, rc.plan.out), steps=rc.plan.steps,
          plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
          compare_schedules=compare_schedules, memory_headroom=rc.plan.memory_headroom,
-         precision=plan_precision(rc, inv))
+         precision=plan_precision(rc, inv), lora=rc.train.lora)
     return 0
 
 
@@ -355,7 +355,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
 
 
 EXPORT_SUMMARY = "write a trained Hugging Face model back as its transformers class (from_pretrained loads it)"
-EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR [overwrite=true]"
+EXPORT_USAGE = "usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR [overwrite=true] [merge=true]"
 
 
 EVAL_SUMMARY = "score a run's committed checkpoint on held-out shards through its pipeline (the held-out loss)"
@@ -386,21 +386,25 @@ def export_command(args: list[str]) -> int:
         print(f"{EXPORT_USAGE}\n\n{EXPORT_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN;\n"
               f"tokenizer and processor files are copied from the source checkpoint.\n"
               f"out is never a source folder of the model; it may be new, empty or an earlier export\n"
-              f"(replaced whole once the new one is complete); overwrite=true replaces a folder of other files.")
+              f"(replaced whole once the new one is complete); overwrite=true replaces a folder of other files.\n"
+              f"A train.lora run exports PEFT's adapter folder (PeftModel.from_pretrained(<source model>, out)\n"
+              f"loads it); merge=true writes the whole model with the adapters merged instead.")
         return 0
     runs = [a for a in args if "=" not in a]
     # export.overwrite=true, as the other commands' keys are spelled, means overwrite=true
     keys = {k.removeprefix("export."): v for k, v in (a.split("=", 1) for a in args if "=" in a)}
     try:
-        unknown = sorted(set(keys) - {"checkpoint", "out", "overwrite"})
+        unknown = sorted(set(keys) - {"checkpoint", "out", "overwrite", "merge"})
         if unknown:
             raise ValueError(f"{unknown[0]}={keys[unknown[0]]}: not an export argument; {EXPORT_USAGE}")
         if len(runs) != 1 or not keys.get("out"):
             raise ValueError(f"give one run directory and out=DIR; {EXPORT_USAGE}")
-        flag = keys.get("overwrite", "false").lower()
-        if flag not in ("true", "false"):
-            raise ValueError(f"overwrite={keys['overwrite']}: give overwrite=true or overwrite=false")
-        report = run_export(runs[0], out=keys["out"], checkpoint=keys.get("checkpoint"), overwrite=flag == "true")
+        flags = {k: keys.get(k, "false").lower() for k in ("overwrite", "merge")}
+        for k, flag in flags.items():
+            if flag not in ("true", "false"):
+                raise ValueError(f"{k}={keys[k]}: give {k}=true or {k}=false")
+        report = run_export(runs[0], out=keys["out"], checkpoint=keys.get("checkpoint"),
+                            overwrite=flags["overwrite"] == "true", merge=flags["merge"] == "true")
     except (ValueError, FileNotFoundError) as err:
         print(f"mmpipe export: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from typing import Any
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.model.group import model_from_group
 from mmpipe.model.kernel_choice import KERNELS
-from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, layer_names
+from mmpipe.model.spec import NO_LORA, TRAINABLE_PREFIXES, LoraSpec, ModelSpec, layer_names
 from mmpipe.paths import model_folder, resolve_path, shell_word
 from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # planner-owned
 
@@ -86,8 +86,12 @@ class TrainConfig:
     """Global gradient-norm clip (0 disables)."""
     seed: int = 0
     """Seed of the initial weights and the data order."""
-    trainable: tuple[str, ...] = ("all",)
-    """Component prefixes that train."""
+    trainable: tuple[str, ...] | None = None
+    """Component prefixes trained in full (`all`: every layer train.lora does not adapt); null:
+    [all] without adapters, [] (the adapters alone) with train.lora.r > 0."""
+    lora: LoraSpec = NO_LORA
+    """Low-rank adapters (peft's LoRA) on the Linear layers of some components; their base weights
+    stay frozen (r=0: none)."""
     optimizer: str = "adamw"
     """adamw (torch AdamW with foreach; DeepSpeed's FusedAdam on CUDA where its kernel loads) | sgd
     (torch SGD, no momentum)."""
@@ -181,8 +185,11 @@ class TrainConfig:
                              f"with train.precision=fp32 and ZeRO stage 0 only (now precision={self.precision}, ZeRO "
                              f"stage {self.zero}: DeepSpeed's optimizer steps; under fp16 its loss scale already "
                              f"skips overflowing steps); use train.on_nonfinite=stop or train.zero_stage=0")
-        if not self.trainable:
-            raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes")
+        if self.trainable is None:  # resolved once here; every reader sees a tuple
+            object.__setattr__(self, "trainable", () if self.lora.active else ("all",))
+        if not self.trainable and not self.lora.active:
+            raise ValueError("train.trainable=[] trains nothing; use [all] or component prefixes "
+                             "(or adapters: train.lora.r=16)")
         for name in self.loggers:
             if name not in LOGGERS:
                 raise ValueError(f"train.loggers entry {name!r} is unknown; use {', '.join(LOGGERS)}")
@@ -191,6 +198,10 @@ class TrainConfig:
                 raise ValueError(
                     f"train.trainable entry {t!r} is unknown; use {', '.join(TRAINABLE_PREFIXES)}"
                 )
+            if t != "all" and self.lora.adapts(t):
+                raise ValueError(f"train.trainable entry {t!r} is a part train.lora.parts={list(self.lora.parts)} "
+                                 f"adapts (its base weights stay frozen); a layer trains in full or through "
+                                 f"adapters: drop {t!r} from one of the two")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -518,9 +529,12 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
             raise ValueError(f"{key} is not a config group; known: {', '.join(GROUPS)}")
     train = dict(cfg.get("train") or {})
     for key in ("trainable", "loggers"):
-        if key in train:
+        if train.get(key) is not None:
             t = train[key]
             train[key] = (t,) if isinstance(t, str) else tuple(t)
+    if train.get("lora") is not None:
+        train["lora"] = _section(LoraSpec, "train.lora", _tuple_of(_tuple_of(train["lora"], "target_modules"),
+                                                                    "parts"))
     plan = dict(cfg.get("plan") or {})
     if plan.get("stages") is not None:
         plan["stages"] = parse_stages(plan["stages"])

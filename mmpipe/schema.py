@@ -63,6 +63,8 @@ def _omegaconf_type(tp: Any) -> Any:
     scalars; anything richer is Any (its dataclass validates it)."""
     if tp in _SCALARS or tp is Any:
         return tp
+    if dataclasses.is_dataclass(tp):  # a nested section (train.lora): its own typed node
+        return _schema_class(f"{tp.__name__}Schema", (tp,))
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
@@ -84,6 +86,9 @@ def _default(f: dataclasses.Field) -> dataclasses.Field:
         value = f.default_factory()
     else:
         return dataclasses.field(default=MISSING)
+    if dataclasses.is_dataclass(value):
+        cls = _schema_class(f"{type(value).__name__}Schema", (type(value),))
+        return dataclasses.field(default_factory=cls)
     if isinstance(value, tuple):
         value = list(value)
     if isinstance(value, (list, dict, collections.abc.Mapping)):
@@ -92,6 +97,7 @@ def _default(f: dataclasses.Field) -> dataclasses.Field:
     return dataclasses.field(default=value)
 
 
+@functools.cache
 def _schema_class(name: str, classes: tuple[type, ...]) -> type:
     fields = []
     for cls in classes:

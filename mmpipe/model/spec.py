@@ -377,6 +377,67 @@ def is_trainable(layer: str, trainable: tuple[str, ...]) -> bool:
 
 TRAINABLE_PREFIXES = ("all", "vision", "vision.proj", "audio", "audio.proj", "llm")
 
+LORA_PARTS = ("llm", "vision", "audio")
+"""Components train.lora.parts may name (a component's projector belongs to it: `vision.proj`)."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""train.lora.target_modules' default: the attention and MLP projections of every supported decoder."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraSpec:
+    """Low-rank adapters (LoRA, through the `peft` library) on the Linear layers of some components.
+
+    An adapted layer keeps its base weights frozen and trains `lora_A` [r, in] and `lora_B`
+    [out, r]; its output is `base(x) + (alpha / r) * B(A(dropout(x)))`, PEFT's LoraLayer. A module
+    is adapted when its component is in `parts` and its name matches `target_modules` by PEFT's
+    rule for a list (the name, or the name's tail after a dot), the name being the module's path
+    in the transformers model (`model.language_model.layers.3.self_attn.q_proj`; in mmpipe's own
+    model the layer's name and the module's path in it: `llm.block.3.block.self_attn.q_proj`)."""
+
+    r: int = 0
+    """Adapter rank (0: no adapters; the run trains train.trainable in full)."""
+    alpha: float = 16.0
+    """Scale numerator: adapters add (alpha / r) * B A x (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input in training (PEFT's lora_dropout)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """Module names to adapt, as PEFT's LoraConfig takes a list (Linear layers only)."""
+    parts: tuple[str, ...] = ("llm",)
+    """Components whose matching modules get adapters: llm, vision, audio."""
+
+    @property
+    def active(self) -> bool:
+        return self.r > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+    def adapts(self, layer: str) -> bool:
+        """Whether a pipeline layer's base weights are frozen under adapters (its component is in parts)."""
+        return self.active and layer.split(".")[0] in self.parts
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 0:
+            raise ValueError(f"train.lora.r={self.r!r} must be a non-negative integer (0: no adapters; "
+                             f"8 or 16 are usual)")
+        if not self.alpha > 0:
+            raise ValueError(f"train.lora.alpha={self.alpha!r} must be > 0 (adapters add alpha / r times B A x)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"train.lora.dropout={self.dropout!r} must be in [0, 1)")
+        if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+            raise ValueError(f"train.lora.target_modules={list(self.target_modules)!r} must be a non-empty list of "
+                             f"module names such as [q_proj,v_proj]")
+        if not self.parts:
+            raise ValueError(f"train.lora.parts=[] adapts nothing; use some of {', '.join(LORA_PARTS)}")
+        for p in self.parts:
+            if p not in LORA_PARTS:
+                raise ValueError(f"train.lora.parts entry {p!r} is unknown; use {', '.join(LORA_PARTS)}")
+
+
+NO_LORA = LoraSpec()
+"""Full training: no adapters."""
+
 
 def spec_from_dict(cfg: Mapping[str, Any]) -> ModelSpec:
     """Build a ModelSpec from a plain mapping (a resolved `model` config group).
@@ -465,6 +526,14 @@ def model_identity(spec: ModelSpec) -> dict[str, Any]:
         part = getattr(spec, comp)
         out[comp] = None if part is None else {k: _plain(getattr(part, k)) for k in _SHAPING[comp]}
     return out
+
+
+def lora_identity(lora: LoraSpec) -> dict[str, Any] | None:
+    """What a checkpoint records of its adapters (None: none), which a resumed run must share."""
+    if not lora.active:
+        return None
+    return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
+            "target_modules": list(lora.target_modules), "parts": list(lora.parts)}
 
 
 def _plain(v: Any) -> Any:

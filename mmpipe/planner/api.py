@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmpipe.model.geometry import SampleFeatures
-from mmpipe.model.spec import ModelSpec, layer_names
+from mmpipe.model.spec import NO_LORA, LoraSpec, ModelSpec, layer_names
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, fitting_baseline_step, tune_baseline
 from mmpipe.planner.calibrate import Coef, StepCalibration, calibrated_hardware
@@ -109,12 +109,12 @@ def check_policy(policy: str) -> None:
 def plan_stages(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int,
                 trainable: tuple[str, ...], sample: list[SampleFeatures], micro_batches: int,
                 policy: str, precision: TrainingPrecision = DEFAULT_PRECISION,
-                memory_headroom: float = 0.0) -> StagePlan:
+                memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA) -> StagePlan:
     """Stage ranges and recompute for a policy (see module docstring)."""
     check_policy(policy)
     check_pp(pp, len(layer_names(model)), model.name)
     cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
-                            precision=precision, memory_headroom=memory_headroom)
+                            precision=precision, memory_headroom=memory_headroom, lora=lora)
     table = sample_table(sample)
     rows = list(range(len(sample)))
     if policy == "data-aware":
@@ -175,7 +175,7 @@ class StepPlanner:
                  dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
                  replicas: int | None = None, memory_limit: bool = True,
                  precision: TrainingPrecision = DEFAULT_PRECISION,
-                 memory_headroom: float = 0.0) -> None:
+                 memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA) -> None:
         """Args:
             model, hardware, trainable, dp: what the cost model prices (dp: data-parallel
                 replicas of the run, over which ZeRO-1 shards optimizer states).
@@ -203,7 +203,7 @@ class StepPlanner:
         self.micro_batches = micro_batches
         self.replicas = dp if replicas is None else replicas
         self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
-                                     precision=precision, memory_headroom=memory_headroom)
+                                     precision=precision, memory_headroom=memory_headroom, lora=lora)
         self.stage_costs = stage_costs(self.cost, stage_plan.stages, stage_plan.recompute)
         self.resident = hardware.reserved_gb * GB  # held by every rank whatever its plan
 
@@ -227,14 +227,14 @@ def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable
                           dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
                           sample: Sequence[SampleFeatures],
                           precision: TrainingPrecision = DEFAULT_PRECISION,
-                          memory_headroom: float = 0.0) -> tuple[str, ...]:
+                          memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA) -> tuple[str, ...]:
     """Stages of a user's stage plan whose planned peak memory on `sample` (one step's samples,
     all replicas) exceeds the device under the cost model, one warning line each (the user's
     stages are trained anyway; the user hears which stage and by how much). A sample that
     fits on no micro-batch is one warning too."""
     check_policy(policy)
     cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
-                            precision=precision, memory_headroom=memory_headroom)
+                            precision=precision, memory_headroom=memory_headroom, lora=lora)
     sc = stage_costs(cost, stage_plan.stages, stage_plan.recompute)
     table = sample_table(sample)
     try:
@@ -258,7 +258,7 @@ def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequen
                   devices: int, global_batch: int, micro_batches: int,
                   sample: Sequence[SampleFeatures], pp: int | None = None, dp: int | None = None,
                   precision: TrainingPrecision = DEFAULT_PRECISION,
-                  memory_headroom: float = 0.0, probe_steps: int = 2) -> LayoutChoice:
+                  memory_headroom: float = 0.0, probe_steps: int = 2, lora: LoraSpec = NO_LORA) -> LayoutChoice:
     """Rank the pp x dp splits of `devices` for the data-aware policy (planner.layout).
 
     Args:
@@ -276,6 +276,6 @@ def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequen
     table = sample_table(list(sample[:k * global_batch]))
     steps = [list(range(i * global_batch, (i + 1) * global_batch)) for i in range(k)]
     costs = costs_by_dp(model=model, hardware=hardware, trainable=trainable, devices=devices, dp=dp,
-                        precision=precision, memory_headroom=memory_headroom)
+                        precision=precision, memory_headroom=memory_headroom, lora=lora)
     return search_layouts(costs=costs, table=table, steps=steps, devices=devices,
                           global_batch=global_batch, micro_batches=micro_batches, pp=pp, dp=dp)

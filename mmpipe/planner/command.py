@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mmpipe.model.geometry import SampleFeatures, SampleMeta, features
-from mmpipe.model.spec import ModelSpec, layer_names
+from mmpipe.model.spec import NO_LORA, LoraSpec, ModelSpec, layer_names
 from mmpipe.planner.api import check_policy
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, tune_baseline
@@ -55,7 +55,7 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
              memory_headroom: float = DEFAULT_HEADROOM,
              precision: TrainingPrecision = DEFAULT_PRECISION,
              samples: Sequence[tuple[str, SampleMeta]] | None = None,
-             source: str = "") -> dict[str, Any]:
+             source: str = "", lora: LoraSpec = NO_LORA) -> dict[str, Any]:
     """Plan the full steps (or the first `steps`) of a trace or of shard metadata and return
     the plan dict.
 
@@ -97,7 +97,7 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
     if auto:
         assert devices is not None
         costs = costs_by_dp(model=model, hardware=hardware, trainable=trainable, devices=devices, dp=dp,
-                            precision=precision, memory_headroom=memory_headroom)
+                            precision=precision, memory_headroom=memory_headroom, lora=lora)
         choice = search_layouts(costs=costs, table=table, steps=probe, devices=devices,
                                 global_batch=global_batch, micro_batches=micro_batches, pp=pp,
                                 dp=dp, labels=labels)
@@ -109,7 +109,7 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
         raise ValueError(f"parallel.pp={pp} x parallel.dp={dp} = {pp * dp} is not "
                          f"parallel.devices={devices}; set one of them to auto")
     cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
-                            precision=precision, memory_headroom=memory_headroom)
+                            precision=precision, memory_headroom=memory_headroom, lora=lora)
 
     baselines = {}
     for b in BASELINES:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmpipe.model.spec import TRAINABLE_PREFIXES, ModelSpec, VisionSpec, is_trainable, layer_names
+from mmpipe.model.spec import NO_LORA, TRAINABLE_PREFIXES, LoraSpec, ModelSpec, VisionSpec, is_trainable, layer_names
 from mmpipe.planner.hardware import HardwareSpec
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import STREAMS, SampleTable
@@ -61,13 +61,21 @@ class LayerCost:
     attn_flops: float
     """Forward FLOPs per squared sequence position (0 for non-attention layers)."""
     trainable: bool
-    """The layer's weights train."""
+    """The layer's weights train (in full)."""
     bwd_factor: float
-    """Backward time in forwards: 2 trainable, 1 frozen but crossed, 0 otherwise."""
+    """Backward time in forwards: 2 trainable, 1 frozen but crossed, 0 otherwise; a layer with
+    adapters 1 plus its adapters' share of the forward (they compute both gradients)."""
     act_bytes: float
     """Activation bytes kept per token of the stream without recompute (0 if none kept)."""
     recompute_bytes: float
     """Activation bytes kept per token under recompute."""
+    adapter_params: int = 0
+    """LoRA adapter parameters (trained; `params` are then the frozen base weights)."""
+
+    @property
+    def learns(self) -> bool:
+        """Something in the layer trains: its weights, or its adapters."""
+        return self.trainable or self.adapter_params > 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,7 +87,9 @@ class CostModel:
     hardware: HardwareSpec
     """Device figures and every cost constant."""
     trainable: tuple[str, ...]
-    """Trainable component prefixes."""
+    """Component prefixes trained in full."""
+    lora: LoraSpec
+    """Adapters (train.lora): the layers they adapt train only them."""
     dp: int
     """Data-parallel replicas (ZeRO-1 shards optimizer states over them)."""
     precision: TrainingPrecision
@@ -124,19 +134,26 @@ class CostModel:
         measured slack on top."""
         pr = self.precision
         return (1.0 + self.hardware.memory_slack) * sum(
-            l.params * pr.param_bytes(trainable=l.trainable, dp=self.dp) for l in self.layers[start:end])
+            l.params * pr.param_bytes(trainable=l.trainable, dp=self.dp)
+            + l.adapter_params * pr.param_bytes(trainable=True, dp=self.dp) for l in self.layers[start:end])
 
 
-def validate_trainable(trainable: Sequence[str], model: ModelSpec) -> tuple[str, ...]:
+def validate_trainable(trainable: Sequence[str], model: ModelSpec, lora: LoraSpec = NO_LORA) -> tuple[str, ...]:
     """Check train.trainable against the model's layers; returns it as a tuple.
 
-    Raises ValueError for an empty list or a name that matches no layer of the model.
+    Raises ValueError for an empty list without adapters, a name that matches no layer of the
+    model, or adapters on a component the model lacks.
     """
     names = layer_names(model)
     valid = [p for p in TRAINABLE_PREFIXES
              if p == "all" or any(is_trainable(n, (p,)) for n in names)]
     trainable = tuple(str(t) for t in trainable)
-    if not trainable:
+    for part in lora.parts if lora.active else ():
+        if not any(lora.adapts(n) and n.startswith(part + ".") for n in names):
+            have = [c for c in ("llm", "vision", "audio") if any(n.startswith(c + ".") for n in names)]
+            raise ValueError(f"train.lora.parts names {part!r}, which model {model.name} does not have; use "
+                             f"{_or_list(have)}")
+    if not trainable and not lora.active:
         raise ValueError(f"train.trainable=[] trains nothing; use {_or_list(valid)}")
     for t in trainable:
         if t != "all" and not any(is_trainable(n, (t,)) for n in names):
@@ -147,22 +164,24 @@ def validate_trainable(trainable: Sequence[str], model: ModelSpec) -> tuple[str,
 
 def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
                      dp: int = 1, precision: TrainingPrecision = DEFAULT_PRECISION,
-                     memory_headroom: float = 0.0) -> CostModel:
+                     memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA) -> CostModel:
     """Cost every layer of `model` on `hardware` with the given trainable prefixes.
 
     Args:
+        lora: adapters (train.lora); an adapted layer's base weights are frozen (no weight
+            gradient, no optimizer state), its adapters train (adapter_params).
         dp: data-parallel replicas (ZeRO-1 shards the optimizer side over them).
         precision: the run's precision, ZeRO stage and optimizer (default: the spec's bf16,
             ZeRO-1, AdamW).
         memory_headroom: share of the usable memory left unplanned (0 <= x < 1).
     """
-    trainable = validate_trainable(trainable, model)
+    trainable = validate_trainable(trainable, model, lora)
     if dp < 1:
         raise ValueError(f"parallel.dp={dp} must be >= 1")
     check_headroom(memory_headroom)
     scale = precision.activation_scale * (1.0 + hardware.memory_slack)  # slack: a measured share on top
     names = layer_names(model)
-    flags = [is_trainable(n, trainable) for n in names]
+    flags = [is_trainable(n, trainable) and not lora.adapts(n) for n in names]
     kinds = [_kind(n, model) for n in names]
     # A gradient crosses a layer when something trainable lies upstream in the data flow:
     # earlier layers of the same encoder, or (for the LLM) any encoder or earlier LLM layer.
@@ -176,6 +195,11 @@ def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Seq
             upstream = seen.get(comp, False)
         factor = 2.0 if train else (1.0 if upstream else 0.0)
         params, lin, attn, width, is_block = _layer_figures(model, kind)
+        adapter = adapter_params(model, kind, lora) if lora.adapts(name) else 0
+        if adapter:  # base x + (alpha / r) B A x: the adapters' FLOPs on top; backward through the
+            # frozen base once (the input gradient), through the adapters twice
+            lin += 2.0 * adapter
+            factor = 1.0 + 2.0 * adapter / lin
         if kind == "llm.head":
             act = scale * hardware.logits_bytes_per_vocab * model.llm.vocab
             rec = act
@@ -188,11 +212,11 @@ def build_cost_model(*, model: ModelSpec, hardware: HardwareSpec, trainable: Seq
         layers.append(LayerCost(name=name, kind=kind, params=params, lin_flops=lin,
                                 attn_flops=attn, trainable=train, bwd_factor=factor,
                                 act_bytes=act if keeps else 0.0,
-                                recompute_bytes=rec if keeps else 0.0))
-        if comp in seen and train:
+                                recompute_bytes=rec if keeps else 0.0, adapter_params=adapter))
+        if comp in seen and (train or adapter):
             seen[comp] = True
     fwd, bwd = _cut_bytes(model, precision.element_bytes, kinds, layers)
-    return CostModel(model=model, hardware=hardware, trainable=trainable, dp=dp,
+    return CostModel(model=model, hardware=hardware, trainable=trainable, lora=lora, dp=dp,
                      precision=precision, memory_headroom=float(memory_headroom),
                      layers=tuple(layers), cut_fwd_bytes=fwd, cut_bwd_bytes=bwd)
 
@@ -265,6 +289,34 @@ def _layer_figures(m: ModelSpec, kind: str) -> tuple[int, float, float, int, boo
     return 0, 0.0, 0.0, 0, False
 
 
+def adapter_params(m: ModelSpec, kind: str, lora: LoraSpec) -> int:
+    """LoRA parameters of one layer of `kind` whose component train.lora adapts: r x (in + out)
+    of each adapted Linear. A decoder block's projections are named as in every supported
+    decoder (q_proj ... down_proj) and counted where target_modules names them, an untied LM
+    head where it names lm_head; a tower block is priced as if all its Linear layers (attention
+    and MLP) were adapted, as the planner does not know each tower's module names; embeddings,
+    norms and projectors carry none."""
+    def picked(name: str) -> bool:
+        return any(t == name or t.endswith("." + name) for t in lora.target_modules)
+
+    r = lora.r
+    if kind == "llm.block":
+        l = m.llm
+        h, kvd = l.hidden, l.hidden // l.heads * l.kv_heads
+        shapes = {"q_proj": (h, h), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (h, h),
+                  "gate_proj": (h, l.mlp), "up_proj": (h, l.mlp), "down_proj": (l.mlp, h)}
+        return sum(r * (i + o) for n, (i, o) in shapes.items() if picked(n))
+    if kind == "llm.head":
+        return r * (m.llm.hidden + m.llm.vocab) if picked("lm_head") and not m.llm.tie_embeddings else 0
+    if kind in ("vision.block", "vision.window") and m.vision is not None:
+        v = m.vision
+        return r * (4 * 2 * v.hidden + (3 if v.mlp_gated else 2) * (v.hidden + v.mlp))
+    if kind == "audio.block" and m.audio is not None:
+        a = m.audio
+        return r * (4 * 2 * a.hidden + 2 * (a.hidden + a.mlp))
+    return 0
+
+
 def _mlp(width_in: int, widths: Sequence[int]) -> tuple[int, int]:
     mat = bias = 0
     for w in widths:
@@ -293,7 +345,7 @@ def _cut_bytes(m: ModelSpec, b: int, kinds: list[str],
             continue
         first, last = span(comp + ".")
         proj = kinds.index(comp + ".proj")
-        train_upto = [any(l.trainable for l in layers[first:c]) for c in range(n + 1)]
+        train_upto = [any(l.learns for l in layers[first:c]) for c in range(n + 1)]
         for c in range(n + 1):
             if comp == "audio" and c <= first:
                 # raw log-mel frames travel from the data-loading first stage to the encoder
@@ -306,7 +358,7 @@ def _cut_bytes(m: ModelSpec, b: int, kinds: list[str],
                 bwd[c, s_tok] += b * m.llm.hidden if train_upto[c] else 0.0
     for c in range(llm_embed + 1, llm_head + 1):
         fwd[c, 4] += b * m.llm.hidden
-        if any(l.trainable for l in layers[:c]):
+        if any(l.learns for l in layers[:c]):
             bwd[c, 4] += b * m.llm.hidden
     if m.vision is not None and m.vision.deepstack:
         _deepstack_cut_bytes(m.vision, m.llm.hidden, b, [l.name for l in layers], layers, fwd, bwd)
@@ -323,11 +375,11 @@ def _deepstack_cut_bytes(v: VisionSpec, llm_hidden: int, b: int, names: list[str
     first, proj = names.index("vision.embed"), names.index("vision.proj")
     for j, i in enumerate(v.deepstack):
         made = names.index(f"vision.block.{i}")
-        grad = any(l.trainable for l in layers[first:made + 1])
+        grad = any(l.learns for l in layers[first:made + 1])
         for c in range(made + 1, proj + 1):
             fwd[c, 0] += b * v.hidden
             bwd[c, 0] += b * v.hidden if grad else 0.0
-        grad = any(l.trainable for l in layers[first:proj + 1])
+        grad = any(l.learns for l in layers[first:proj + 1])
         for c in range(proj + 1, names.index(f"llm.block.{j}") + 1):
             fwd[c, 1] += b * llm_hidden
             bwd[c, 1] += b * llm_hidden if grad else 0.0

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmpipe.model.spec import NO_LORA, LoraSpec
 from mmpipe.planner.balancer import balance_step, check_alone, check_static
 from mmpipe.planner.cost import CostModel, TrainingPrecision, build_cost_model, lower_bound_s
 from mmpipe.planner.packing import deal
@@ -97,11 +98,11 @@ class LayoutChoice:
 
 
 def costs_by_dp(*, model, hardware, trainable: Sequence[str], devices: int, dp: int | None,
-                precision: TrainingPrecision, memory_headroom: float) -> dict[int, CostModel]:
+                precision: TrainingPrecision, memory_headroom: float, lora: LoraSpec = NO_LORA) -> dict[int, CostModel]:
     """A cost model for each data-parallel degree a layout of `devices` may take (each divisor,
     or the user's fixed dp): ZeRO-1 shards optimizer states over dp, so memory depends on it."""
     costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
-                                 precision=precision, memory_headroom=memory_headroom)
+                                 precision=precision, memory_headroom=memory_headroom, lora=lora)
              for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
     if not costs:
         raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a divisor or auto")

@@ -443,6 +443,11 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
         return (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
                 f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}; "
                 f"DeepSpeed's optimizer files are per stage: resume with the same (plan.stages fixes the stages)")
+    if saved.get("lora") != topology.get("lora"):
+        def said(lora) -> str:
+            return "no adapters" if not lora else f"adapters {lora}"
+        return (f"{key}: the checkpoint holds {said(saved.get('lora'))}; this run asks for "
+                f"{said(topology.get('lora'))}; resume with the same train.lora")
     mode = (saved.get("precision", "fp32"), saved.get("zero", 0))
     if mode != (topology["precision"], topology["zero"]):
         return (f"{key}: the checkpoint was written with train.precision={mode[0]} and ZeRO stage {mode[1]}; this "

@@ -8,7 +8,8 @@ from pathlib import Path
 from mmpipe.config import run_config_from_dict, tokenizer_source
 
 
-def run_export(run_dir: str, *, out: str, checkpoint: str | None = None, overwrite: bool = False):
+def run_export(run_dir: str, *, out: str, checkpoint: str | None = None, overwrite: bool = False,
+               merge: bool = False):
     """`mmpipe export RUN_DIR [checkpoint=stepN] out=DIR [overwrite=true]`: the run's model
     (RUN_DIR/run.yaml) at its latest or named checkpoint, written as the transformers class it is
     (mmpipe.model.hf.export), with the tokenizer and processor files of its source (or of
@@ -41,5 +42,9 @@ def run_export(run_dir: str, *, out: str, checkpoint: str | None = None, overwri
                              f"(committed: {', '.join(have)}); save with train.save_every=N or train.save_final=true")
     path, key = tokenizer_source(rc) if rc.data.tokenizer else (None, "")
     tokenizer = path if path and Path(path).is_dir() else None
+    if merge and not rc.train.lora.active:
+        raise ValueError(f"merge=true: {run_dir} trained no adapters (train.lora.r=0); its export is the whole "
+                         f"model already: drop merge=true")
     return export(rc.model, folder, out, seed=rc.train.seed, tokenizer=tokenizer, overwrite=overwrite,
-                  about={"run": str(run.resolve())})
+                  about={"run": str(run.resolve())}, lora=rc.train.lora, merge=merge,
+                  trainable=rc.train.trainable)

@@ -99,7 +99,8 @@ class StepFeeder:
         self._planner_args = dict(model=rc.model, trainable=rc.train.trainable, dp=rc.parallel.dp,
                                   stage_plan=stage_plan, policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
                                   replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
-                                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
+                                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom,
+                                  lora=rc.train.lora)
         self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
         self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
         self.planned_with: Coef | None = None

@@ -131,9 +131,9 @@ def check_memory_fits(rc: RunConfig) -> str:
     stages = rc.stage_bounds
     if stages is None:
         singles = estimate_memory(spec, stages=[(i, i + 1) for i in range(len(rc.layers))],
-                                  trainable=rc.train.trainable, **sizes)
+                                  trainable=rc.train.trainable, lora=rc.train.lora, **sizes)
         stages = balanced_stages([s.bytes for s in singles], pp)
-    est = estimate_memory(spec, stages=stages, trainable=rc.train.trainable, **sizes)
+    est = estimate_memory(spec, stages=stages, trainable=rc.train.trainable, lora=rc.train.lora, **sizes)
     budget, what = device_memory(rc)
     per_stage = " + ".join(_size(e.bytes) for e in est)
     params = sum(e.params for e in est)

@@ -15,7 +15,8 @@ from torch import nn
 from mmpipe.config import TrainConfig
 from mmpipe.model import kernels
 from mmpipe.model.layers import build_layer, token_loss
-from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
+from mmpipe.model.lora import add_adapters, trains
+from mmpipe.model.spec import NO_LORA, LoraSpec, ModelSpec, is_trainable, layer_names
 from mmpipe.runtime.dsconfig import require_tested_deepspeed
 
 
@@ -25,13 +26,16 @@ class _LayerFromName(nn.Module):
     reads only its own tensors from the checkpoint)."""
 
     def __new__(cls, spec: ModelSpec, name: str, seed: int, image_token: int, audio_token: int,  # type: ignore[misc]
-                video_token: int = -1):
+                video_token: int = -1, lora: LoraSpec = NO_LORA):
         if spec.hf is not None:
             from mmpipe.model.hf.build import build_layer as build_hf_layer
 
-            return build_hf_layer(spec, name, seed=seed)
-        return build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token,
-                           video_token=video_token)
+            layer = build_hf_layer(spec, name, seed=seed)
+        else:
+            layer = build_layer(spec, name, seed=seed, image_token=image_token, audio_token=audio_token,
+                                video_token=video_token)
+        add_adapters(layer, spec, name, lora, seed=seed)
+        return layer
 
 
 class StagedPipelineModule(PipelineModule):
@@ -72,7 +76,9 @@ class PipelineSpec:
     video_token: int = -1
     """Token id of a video placeholder (-1: none)."""
     trainable: tuple[str, ...] = ("all",)
-    """Component prefixes that train; the rest is frozen."""
+    """Component prefixes that train in full; the rest is frozen (but for adapters)."""
+    lora: LoraSpec = NO_LORA
+    """Adapters (train.lora); the layers they adapt keep their base weights frozen."""
     recompute: tuple[bool, ...] = ()
     """Activation recomputation per stage (one layer per checkpoint)."""
     attention: str = "auto"
@@ -93,10 +99,11 @@ def _layer_specs(p: PipelineSpec) -> list[LayerSpec]:
         if tie is not None and n in tie.layers:
             owner = tie.layers[0]
             specs.append(TiedLayerSpec(tie.key, _LayerFromName, p.model, owner, p.seed, p.image_token, p.audio_token,
-                                       p.video_token, forward_fn=None if n == owner else tie.head_forward,
+                                       p.video_token, p.lora, forward_fn=None if n == owner else tie.head_forward,
                                        tied_weight_attr=[tie.weight_attr]))
         else:
-            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.video_token))
+            specs.append(LayerSpec(_LayerFromName, p.model, n, p.seed, p.image_token, p.audio_token, p.video_token,
+                                   p.lora))
     return specs
 
 
@@ -119,10 +126,11 @@ def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
                                                               use_reentrant=False)
     layers = [f for f in module.forward_funcs if isinstance(f, nn.Module)] + list(module.tied_modules.values())
     for layer in layers:
-        train = is_trainable(getattr(layer, "name", ""), p.trainable)
+        name_of = getattr(layer, "name", "")
+        full = is_trainable(name_of, p.trainable)
         fixed = getattr(layer, "frozen_params", frozenset())  # frozen by the transformers module itself
         for name, param in layer.named_parameters():
-            param.requires_grad_(train and name not in fixed)
+            param.requires_grad_(trains(name_of, name, full=full, lora=p.lora) and name not in fixed)
     if not any(param.requires_grad for param in module.parameters()):
         _add_frozen_stage_anchor(module)
     return module
@@ -222,7 +230,13 @@ def describe_training(train: TrainConfig, dp: int, engine, basic: torch.optim.Op
     if train.grad_clip > 0:
         clip = f"global norm {train.grad_clip:g} ({'mmpipe' if mmpipe_clips else 'DeepSpeed'})"
     attention = kernels.describe(train.attention, cuda=str(engine.device).startswith("cuda"), precision=train.precision)
-    return f"precision: {precision} | {zero} | optimizer: {opt} | clipping: {clip} | attention: {attention}"
+    line = f"precision: {precision} | {zero} | optimizer: {opt} | clipping: {clip} | attention: {attention}"
+    lora = train.lora
+    if lora.active:
+        line += (f"\nLoRA (peft): r={lora.r}, alpha={lora.alpha:g}, dropout={lora.dropout:g} on "
+                 f"{', '.join(lora.parts)} modules {', '.join(lora.target_modules)} (base weights frozen); "
+                 f"trained in full: {', '.join(train.trainable) or 'nothing else'}")
+    return line
 
 
 def fix_buffer_reuse(engine) -> None:

@@ -68,7 +68,7 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
     configured hardware's cost model."""
     common = dict(model=rc.model, hardware=hardware_spec(rc), dp=rc.parallel.dp, trainable=rc.train.trainable,
                   micro_batches=rc.train.micro_batches, policy=rc.plan.policy,
-                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom)
+                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora)
     if rc.stage_bounds is not None:
         plan = StagePlan(stages=rc.stage_bounds, recompute=rc.plan.recompute or ())
         return ChosenStages(plan=plan, source="override", warnings=stage_memory_warnings(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.config import RunConfig, eval_interval, hardware_spec
-from mmpipe.model.spec import layer_names, model_identity
+from mmpipe.model.spec import layer_names, lora_identity, model_identity
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
@@ -148,7 +148,7 @@ def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
 
     pspec = PipelineSpec(model=rc.model, stages=tuple(stage_plan.stages), seed=rc.train.seed,
                          **media_tokens(tok),
-                         trainable=rc.train.trainable, recompute=tuple(stage_plan.recompute),
+                         trainable=rc.train.trainable, lora=rc.train.lora, recompute=tuple(stage_plan.recompute),
                          attention=rc.train.attention)
     torch.manual_seed(rc.train.seed)
     require_tested_deepspeed()
@@ -595,7 +595,8 @@ def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
     files are per stage (and, under ZeRO, per replica), their layout depends on the precision;
     reader positions are per replica."""
     return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages],
-            "precision": rc.train.precision, "zero": rc.train.zero, "model": model_identity(rc.model)}
+            "precision": rc.train.precision, "zero": rc.train.zero, "model": model_identity(rc.model),
+            "lora": lora_identity(rc.train.lora)}
 
 
 def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:

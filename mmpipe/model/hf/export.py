@@ -38,11 +38,14 @@ from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.hf.export_folder import check_out, staged
 from mmpipe.model.hf.integrity import PART_KEYS, check_weights
 from mmpipe.model.hf.omni import SPEAKER_FILES, full_omni_folder
-from mmpipe.model.hf.skeleton import materialise, owned_keys, skeleton, unowned_keys
+from mmpipe.model.hf.skeleton import layer_parts, materialise, owned_keys, skeleton, unowned_keys
 from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype, stored_keys
 from mmpipe.model.layers import layer_seed
-from mmpipe.model.spec import HFSource, ModelSpec, layer_names
+from mmpipe.model.lora import merged_weight, peft_lora_config, saved_adapter_names, split_state
+from mmpipe.model.spec import NO_LORA, HFSource, LoraSpec, ModelSpec, is_trainable, layer_names
 
+ADAPTER_FILE = "adapter_model.safetensors"
+"""PEFT's adapter weights file (peft.utils.SAFETENSORS_WEIGHTS_NAME)."""
 SHARD_BYTES = 5 * 2**30
 """Largest shard written (transformers' own default for save_pretrained)."""
 _TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -162,8 +165,14 @@ def source_folders(spec: ModelSpec, checkpoint: str | Path, tokenizer: str | Pat
 
 def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: int = 0,
            tokenizer: str | Path | None = None, shard_bytes: int = SHARD_BYTES, overwrite: bool = False,
-           about: Mapping[str, object] | None = None) -> ExportReport:
-    """Write `out` so that `spec.hf.architecture.from_pretrained(out)` loads the trained model.
+           about: Mapping[str, object] | None = None, lora: LoraSpec = NO_LORA, merge: bool = False,
+           trainable: tuple[str, ...] = ()) -> ExportReport:
+    """Write `out` so that `spec.hf.architecture.from_pretrained(out)` loads the trained model; a
+    run with adapters (`lora`) writes PEFT's adapter folder instead (`adapter_config.json`,
+    `adapter_model.safetensors`, which `PeftModel.from_pretrained(<the source model>, out)`
+    loads; the layers `trainable` names, trained in full beside the adapters, go in it as
+    PEFT's modules_to_save), or with `merge` the whole model with every adapter merged into its
+    base weight.
 
     Args:
         spec: the run's model (made by mmpipe.model.hf).
@@ -191,14 +200,93 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
     if src.weights:  # a source damaged since training: one line now, not a safetensors traceback
         check_weights(src)
     index = checkpoint_index(src) if src.weights else {}
+    adapters_only = lora.active and not merge
+    if adapters_only:
+        base = dict(src.weights).get("model")
+        if base is None:
+            raise ValueError(f"model {spec.name} is composed from several folders (or given inline): an adapter "
+                             f"folder needs one base checkpoint to load onto; export the whole model with "
+                             f"merge=true")
     with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}) as tmp:
-        report = _write(spec, checkpoint, tmp, index=index, seed=seed, tokenizer=tokenizer, shard_bytes=shard_bytes)
+        if adapters_only:
+            report = _write_adapters(spec, checkpoint, tmp, lora=lora, trainable=trainable, base=base)
+        else:
+            report = _write(spec, checkpoint, tmp, index=index, seed=seed, tokenizer=tokenizer,
+                            shard_bytes=shard_bytes, lora=lora)
     return ExportReport(folder=str(out), tensors=report[0], bytes=report[1], shards=report[2], copied=report[3],
                         seconds=time.perf_counter() - start)
 
 
+def _layer_state(checkpoint: Path, i: int, name: str) -> dict[str, torch.Tensor]:
+    """Pipeline layer i's saved state dict (DeepSpeed's `layer_XX-model_states.pt`)."""
+    path = checkpoint / f"layer_{i:02d}-model_states.pt"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: checkpoint {checkpoint} has no state of layer {i} ({name})")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{path} cannot be read ({first}); the checkpoint is damaged: export another "
+                         f"one (checkpoint=stepN)") from None
+
+
+def _merge(state: dict[str, torch.Tensor], lora: LoraSpec, name: str) -> dict[str, torch.Tensor]:
+    """A layer's base tensors under their unwrapped names, each adapter merged into its weight."""
+    base, adapters = split_state(state)
+    for key in adapters:
+        if ".lora_A." in key:
+            module = key.split(".lora_A.")[0]
+            b = adapters.get(key.replace(".lora_A.", ".lora_B."))
+            if b is None or f"{module}.weight" not in base:
+                raise ValueError(f"layer {name}: the checkpoint's adapter {key} has no lora_B or base weight; "
+                                 f"it is damaged")
+            base[f"{module}.weight"] = merged_weight(base[f"{module}.weight"], adapters[key], b, lora)
+    return base
+
+
+def _write_adapters(spec: ModelSpec, checkpoint: Path, out: Path, *, lora: LoraSpec, trainable: tuple[str, ...],
+                    base: str) -> tuple[int, int, int, tuple[str, ...]]:
+    """PEFT's adapter folder of a LoRA run: every adapter tensor under PEFT's saved name and the
+    LoraConfig naming exactly the adapted modules (so that no other module of the whole model,
+    a tower's q_proj under parts=[llm], gets one when PEFT loads it); the layers trained in full
+    (train.trainable: a projector) as PEFT's `modules_to_save`, their trained tensors beside."""
+    tensors: dict[str, torch.Tensor] = {}
+    targets: list[str] = []
+    whole: list[str] = []
+    tie = tied_embedding(spec)
+    for i, name in enumerate(layer_names(spec)):
+        full = is_trainable(name, trainable) and not lora.adapts(name)
+        if not (lora.adapts(name) or full) or (tie is not None and name == tie.layers[1]):
+            continue
+        base_state, adapters = split_state(_layer_state(checkpoint, i, name))
+        saved = saved_adapter_names(spec, name, adapters)
+        tensors.update(saved)
+        targets += sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in saved})
+        if full:
+            keys = owned_keys(spec, name)
+            for _, path in layer_parts(spec, name):
+                if path in keys.values():
+                    raise ValueError(f"layer {name} trained in full holds {path}, a bare parameter, which PEFT's "
+                                     f"modules_to_save cannot carry; export the whole model with merge=true")
+                if any(k.startswith(path + ".") for k in keys.values()):
+                    whole.append(path)
+            tensors.update({f"base_model.model.{key}": base_state[local] for local, key in keys.items()})
+    if not targets:
+        raise ValueError(f"checkpoint {checkpoint} holds no adapter tensors: it is not a checkpoint of a "
+                         f"train.lora run")
+    config = peft_lora_config(lora, targets)
+    config.modules_to_save = sorted(set(whole)) or None
+    config.base_model_name_or_path = str(Path(base).resolve())
+    config.save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / ADAPTER_FILE),
+              metadata={"format": "pt"})
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return len(tensors), nbytes, 1, ()
+
+
 def _write(spec: ModelSpec, checkpoint: Path, out: Path, *, index: dict[str, TensorRef], seed: int,
-           tokenizer: str | Path | None, shard_bytes: int) -> tuple[int, int, int, tuple[str, ...]]:
+           tokenizer: str | Path | None, shard_bytes: int,
+           lora: LoraSpec = NO_LORA) -> tuple[int, int, int, tuple[str, ...]]:
     """The export's files into `out` (an empty folder): (tensors, bytes, shards, copied keys)."""
     src = spec.hf
     tie = tied_embedding(spec)
@@ -214,14 +302,7 @@ def _write(spec: ModelSpec, checkpoint: Path, out: Path, *, index: dict[str, Ten
         if tie is not None and name == tie.layers[1]:
             continue  # the tied head is the embedding's weight, saved with llm.embed
         path = checkpoint / f"layer_{i:02d}-model_states.pt"
-        if not path.is_file():
-            raise ValueError(f"{path} is missing: checkpoint {checkpoint} has no state of layer {i} ({name})")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ValueError(f"{path} cannot be read ({first}); the checkpoint is damaged: export another "
-                             f"one (checkpoint=stepN)") from None
+        state = _merge(_layer_state(checkpoint, i, name), lora, name)
         keys = owned_keys(spec, name)
         if set(state) != set(keys):
             extra = sorted(set(state) ^ set(keys))[:3]

@@ -13,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch import nn
+
 from mmpipe.model.hf.build import tied_embedding
-from mmpipe.model.hf.skeleton import owned_keys, skeleton
-from mmpipe.model.spec import ModelSpec, is_trainable, layer_names
+from mmpipe.model.hf.skeleton import layer_parts, owned_keys, skeleton
+from mmpipe.model.lora import matched_modules
+from mmpipe.model.spec import NO_LORA, LoraSpec, ModelSpec, is_trainable, layer_names
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,24 +50,55 @@ def layer_params(spec: ModelSpec) -> dict[str, int]:
 
 
 def estimate_memory(spec: ModelSpec, *, stages: Sequence[tuple[int, int]], trainable: Sequence[str] = ("all",),
-                    weight_bytes: float = 4, grad_bytes: float = 4, optimizer_bytes: float = 8) -> list[StageMemory]:
-    """Static memory of each stage ([start, end) layer ranges, as plan.stages)."""
+                    weight_bytes: float = 4, grad_bytes: float = 4, optimizer_bytes: float = 8,
+                    lora: LoraSpec = NO_LORA) -> list[StageMemory]:
+    """Static memory of each stage ([start, end) layer ranges, as plan.stages); a layer with
+    adapters (`lora`) trains only them."""
     names = layer_names(spec)
     counts = layer_params(spec)
     frozen = _frozen_params(spec)
+    adapters = adapter_counts(spec, lora)
+    trainable = tuple(t for t in trainable)
     out = []
     for i, (start, end) in enumerate(stages):
         layers = names[start:end]
-        params = sum(counts[n] for n in layers)
-        train = sum(counts[n] - frozen.get(n, 0) for n in layers if is_trainable(n, tuple(trainable)))
+        params = sum(counts[n] + adapters.get(n, 0) for n in layers)
+        train = sum(counts[n] - frozen.get(n, 0) for n in layers
+                    if is_trainable(n, trainable) and not lora.adapts(n)) + sum(adapters.get(n, 0) for n in layers)
         if tied_embedding(spec) is not None and "llm.embed" in layers and "llm.head" in layers:
             params -= counts["llm.head"]  # one module on the stage
-            if is_trainable("llm.head", tuple(trainable)):
+            if is_trainable("llm.head", trainable) and not lora.adapts("llm.head"):
                 train -= counts["llm.head"]
         total = params * weight_bytes + train * (grad_bytes + optimizer_bytes)
         out.append(StageMemory(stage=i, layers=tuple(layers), params=params, trainable=train, bytes=int(total),
                                largest_layer_bytes=int(max((counts[n] for n in layers), default=0) * weight_bytes)))
     return out
+
+
+def adapter_counts(spec: ModelSpec, lora: LoraSpec) -> dict[str, int]:
+    """Adapter parameters of each layer LoRA adapts: r x (in + out) of each matched Linear, found
+    on the meta-device model as the runtime finds them on a layer."""
+    if not lora.active:
+        return {}
+    model = skeleton(spec.hf)
+    out = {}
+    for name in layer_names(spec):
+        if not lora.adapts(name):
+            continue
+        holder = _Parts({attr: model.get_submodule(path) for attr, path in layer_parts(spec, name)
+                         if not path.endswith("image_newline")})
+        out[name] = sum(lora.r * (holder.get_submodule(local).in_features + holder.get_submodule(local).out_features)
+                        for local in matched_modules(holder, spec, name, lora))
+    return out
+
+
+class _Parts(nn.Module):
+    """A layer's modules under their layer attributes, for matching (nothing is copied)."""
+
+    def __init__(self, parts: dict[str, nn.Module]):
+        super().__init__()
+        for attr, module in parts.items():
+            self.add_module(attr, module)
 
 
 def _frozen_params(spec: ModelSpec) -> dict[str, int]:
