@@ -413,6 +413,11 @@ def export_command(args: list[str]) -> int:
         print(f"mmpipe export: error: {where}{err.strerror or err}; the export to out={keys['out']} stopped and "
               f"left that folder as it was: free space, or give a folder you can write", file=sys.stderr)
         return 2
+    if report.adapters:
+        print(f"mmpipe export: wrote PEFT's adapter folder, {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB), "
+              f"to {report.folder} in {report.seconds:.1f} s: PeftModel.from_pretrained(<the source model>, DIR) "
+              f"loads it; merge=true writes the merged model")
+        return 0
     print(f"mmpipe export: wrote {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB, {report.shards} "
           f"safetensors file(s); {len(report.copied)} held by no pipeline layer, copied from the source) to "
           f"{report.folder} in {report.seconds:.1f} s")

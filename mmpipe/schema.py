@@ -183,18 +183,27 @@ def key_docs() -> dict[str, str]:
     out = {**_nested_docs("model", ModelSpec), **HF_MODEL_DOCS}
     for section, classes in section_classes().items():
         for cls in classes:
+            hints = typing.get_type_hints(cls)
             for key in (f.name for f in dataclasses.fields(cls)):
-                out[f"{section}.{key}"] = field_docs(cls).get(key, "")
+                if dataclasses.is_dataclass(hints[key]):  # a nested section: train.lora.r, ...
+                    out.update(_nested_docs(f"{section}.{key}", hints[key]))
+                else:
+                    out[f"{section}.{key}"] = field_docs(cls).get(key, "")
     return out
 
 
 def key_type(dotted: str) -> Any:
     """The schema annotation of `section.key` (None when the key is not typed)."""
     section, _, key = dotted.partition(".")
+    key, _, sub = key.partition(".")
     for cls in section_classes().get(section, ()):
         for f in dataclasses.fields(cls):
             if f.name == key:
-                return _omegaconf_type(typing.get_type_hints(cls)[key])
+                tp = typing.get_type_hints(cls)[key]
+                if sub and dataclasses.is_dataclass(tp):  # train.lora.r
+                    return next((_omegaconf_type(typing.get_type_hints(tp)[g.name]) for g in dataclasses.fields(tp)
+                                 if g.name == sub), None)
+                return _omegaconf_type(tp)
     return None
 
 

@@ -52,9 +52,10 @@ def test_help_lists_commands_and_config_groups(capsys):
         assert f"\n  {command} " in out
     assert ("model: compose, hf, llava-1.5-7b, llava-next-mistral-7b, llava-onevision-qwen2-7b, omni-7b, "
             "qwen2-audio-7b, qwen2-vl-7b, qwen2.5-omni-7b, qwen2.5-vl-7b, qwen3-vl-8b, tiny") in out
-    assert ("recipes: llava-next-sft, llava-stage1, llava-stage2, onevision-sft, plan-qwen2-vl-h100, "
-            "plan-qwen2.5-omni-h100, qwen2-vl-sft, qwen2.5-omni-sft, qwen2.5-vl-sft, qwen3-vl-sft, tiny-pp2-dp2, "
-            "tiny-pp4") in out
+    assert ("recipes: llava-lora, llava-next-lora, llava-next-sft, llava-stage1, llava-stage2, onevision-lora, "
+            "onevision-sft, plan-qwen2-vl-h100, plan-qwen2.5-omni-h100, qwen2-audio-lora, qwen2-vl-lora, qwen2-vl-sft, "
+            "qwen2.5-omni-lora, qwen2.5-omni-sft, qwen2.5-vl-lora, qwen2.5-vl-sft, qwen3-vl-lora, qwen3-vl-sft, "
+            "tiny-pp2-dp2, tiny-pp4") in out
 
 
 def test_command_help_is_specific_and_shows_the_values_it_would_run_with(capsys):
@@ -91,7 +92,7 @@ def test_override_grammar_adds_removes_and_force_sets():
 
 @pytest.mark.parametrize("args, message", [
     (["~train.resume"], "~train.resume: train.resume is null already; nothing to remove"),
-    (["~train.trainable"], "~train.trainable: a typed setting cannot be removed; set it instead"),
+    (["~train.loggers"], "~train.loggers: a typed setting cannot be removed; set it instead"),
     (["+train.seed=3"], "+train.seed=3: train.seed is set already; drop the + (or write ++ to add or set)"),
     (["+train.stpes=3"], "train.stpes=3: no such config key; did you mean train.steps?"),
     (["train.trainable=llm"], "train.trainable='llm' must be a list such as [a,b]"),

@@ -62,7 +62,11 @@ def test_every_recipe_composes_and_validates(trace, request):
         folders = re.findall(r"(model\.(?:\w+\.)?path)=\S+", launch)
         if folders:
             f = request.getfixturevalue("hf_checkpoints")
-            mine = {"model.path": f["qwen2.5-omni" if "omni" in path.stem else "qwen2-vl"],
+            family = next((k for k in ("omni", "audio", "onevision", "next", "qwen3", "qwen2.5-vl", "llava")
+                           if k in path.stem), "")
+            mine = {"model.path": f[{"omni": "qwen2.5-omni", "audio": "qwen2-audio", "onevision": "llava-onevision",
+                                     "next": "llava-next", "qwen3": "qwen3-vl", "qwen2.5-vl": "qwen2.5-vl",
+                                     "llava": "llava"}.get(family, "qwen2-vl")],
                     "model.vision.path": f["compose-vision"],
                     "model.llm.path": f["compose-llm"], "model.projector.path": f["compose-projector"]}
             extra += [f"{key}={mine[key]}" for key in folders]
@@ -71,7 +75,10 @@ def test_every_recipe_composes_and_validates(trace, request):
             if line.startswith("  pp:"):
                 assert rc.parallel.pp == int(line.split(":")[1])
             if line.startswith("  trainable:"):
-                assert list(rc.train.trainable) == [t.strip() for t in line.split("[")[1].split("]")[0].split(",")]
+                listed = line.split("[")[1].split("]")[0]
+                assert list(rc.train.trainable) == [t.strip() for t in listed.split(",") if t.strip()]
+            if line.startswith("    r:"):  # train.lora
+                assert rc.train.lora.r == int(line.split(":")[1])
 
 
 def test_unknown_key_names_the_key_and_the_nearest_real_one(capsys):
@@ -177,3 +184,31 @@ def test_stage_count_must_equal_pp(capsys):
 def test_recompute_override_needs_one_flag_per_overridden_stage(overrides, message, capsys):
     assert main(["train", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.lora.r=-1"], "train.lora.r=-1 must be a non-negative integer (0: no adapters; 8 or 16 are usual)"),
+    (["train.lora.r=8", "train.lora.parts=[llm,vison]"], "train.lora.parts entry 'vison' is unknown; use llm, "
+     "vision, audio"),
+    (["train.lora.r=8", "train.trainable=[vision.proj,llm]"], "train.trainable entry 'llm' is a part "
+     "train.lora.parts=['llm'] adapts (its base weights stay frozen); a layer trains in full or through adapters"),
+    (["train.lora.r=8", "train.lora.parts=[audio]", "model=qwen2-vl-7b"], "train.lora.parts names 'audio', which "
+     "model qwen2-vl-7b does not have; use llm or vision"),
+    (["train.lora.rank=8"], "train.lora.rank=8: no such config key; did you mean train.lora.r?"),
+    (["train.lora.r=8", "train.lora.alpha=0"], "train.lora.alpha=0.0 must be > 0"),
+    (["train.trainable=[]"], "train.trainable=[] trains nothing; use [all] or component prefixes (or adapters: "
+     "train.lora.r=16)"),
+])
+def test_lora_mistakes_are_one_line_errors_before_launch(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_lora_settings_resolve_what_trains(capsys):
+    """With adapters the default trains them alone; `all` means every layer they do not adapt."""
+    rc = load(["train.lora.r=8"], job="test")
+    assert rc.train.trainable == () and rc.train.lora.r == 8 and rc.train.lora.parts == ("llm",)
+    assert load([], job="test").train.trainable == ("all",)
+    rc = load(["train.lora.r=8", "train.trainable=[all]", "train.lora.target_modules=[q_proj,v_proj]"], job="test")
+    assert rc.train.trainable == ("all",) and rc.train.lora.target_modules == ("q_proj", "v_proj")

@@ -69,6 +69,8 @@ class ExportReport:
     """Keys copied from the source checkpoint (held by no pipeline layer)."""
     seconds: float
     """Wall time."""
+    adapters: bool = False
+    """PEFT's adapter folder (a LoRA run), not the whole model."""
 
 
 class _ShardWriter:
@@ -214,7 +216,7 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
             report = _write(spec, checkpoint, tmp, index=index, seed=seed, tokenizer=tokenizer,
                             shard_bytes=shard_bytes, lora=lora)
     return ExportReport(folder=str(out), tensors=report[0], bytes=report[1], shards=report[2], copied=report[3],
-                        seconds=time.perf_counter() - start)
+                        seconds=time.perf_counter() - start, adapters=adapters_only)
 
 
 def _layer_state(checkpoint: Path, i: int, name: str) -> dict[str, torch.Tensor]:

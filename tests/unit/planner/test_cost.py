@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from mmpipe.model.geometry import SampleFeatures
@@ -145,3 +146,56 @@ def test_chunked_audio_blocks_price_attention_per_chunk():
     assert feats[0].audio_positions == feats[1].audio_positions == (1500,)
     tables = [sample_table([f]) for f in feats]
     assert tables[0].squares[0, 2] == 15 * 100 ** 2 and tables[1].squares[0, 2] == 1500 ** 2
+
+
+def test_lora_layers_train_only_their_adapters():
+    """Qwen2-VL-7B with adapters (r=16) on the decoder's seven projections, the merger in full: a
+    decoder block's base weights hold no gradient or optimizer state, its adapters r x (in + out)
+    each; its backward is one input gradient plus twice the adapters' share; gradients still
+    cross every decoder cut (the adapters below need them)."""
+    from mmpipe.model.spec import LoraSpec
+    from mmpipe.planner.precision import TrainingPrecision
+
+    m = model("qwen2-vl-7b")
+    lora = LoraSpec(r=16)
+    full = build_cost_model(model=m, hardware=hardware("h100"), trainable=("vision.proj", "llm"))
+    cost = build_cost_model(model=m, hardware=hardware("h100"), trainable=("vision.proj",), lora=lora)
+    h, kv, f = m.llm.hidden, m.llm.hidden // m.llm.heads * m.llm.kv_heads, m.llm.mlp
+    block, before = _layer(cost, "llm.block.3"), _layer(full, "llm.block.3")
+    assert block.adapter_params == 16 * (2 * h + 2 * (h + kv) + 2 * h + 3 * (h + f))
+    assert not block.trainable and block.learns and block.params == before.params
+    assert 1.0 < block.bwd_factor < 1.01 and before.bwd_factor == 2.0
+    assert block.lin_flops == pytest.approx(before.lin_flops + 2 * block.adapter_params)
+    assert _layer(cost, "vision.proj").trainable and _layer(cost, "vision.block.0").adapter_params == 0
+    assert _layer(cost, "llm.embed").adapter_params == 0 and not _layer(cost, "llm.embed").trainable
+    pr = TrainingPrecision()
+    blocks = [i for i, l in enumerate(cost.layers) if l.kind == "llm.block"]
+    a, b = blocks[0], blocks[-1] + 1
+    want = sum(l.params * pr.param_bytes(trainable=False, dp=1)
+               + l.adapter_params * pr.param_bytes(trainable=True, dp=1)
+               for l in cost.layers[a:b]) * (1 + cost.hardware.memory_slack)
+    assert cost.static_bytes(a, b) == pytest.approx(want)
+    assert cost.static_bytes(a, b) < 0.2 * full.static_bytes(a, b)
+    assert (cost.cut_bwd_bytes[blocks[5]] == full.cut_bwd_bytes[blocks[5]]).all()
+    assert cost.cut_bwd_bytes[blocks[5]].sum() > 0
+
+
+def test_lora_moves_the_stage_cut_of_a_7b_plan():
+    """Frozen decoder weights free memory and halve the decoder's backward: on the same samples
+    the data-aware cut of Qwen2-VL-7B (pp=4 x dp=2, H100) moves, and the LoRA plan's stages hold
+    far less static memory."""
+    from mmpipe.model.spec import LoraSpec
+    from mmpipe.planner.api import plan_stages
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(64, 1600, 64)
+    sample = [SampleFeatures(image_positions=(int(s) * 4,), image_tokens=(int(s),), audio_positions=(),
+                             audio_tokens=(), text_tokens=int(t)) for s, t in zip(sizes, rng.integers(40, 900, 64))]
+    m, hw = model("qwen2-vl-7b"), hardware("h100")
+    args = dict(model=m, hardware=hw, pp=4, dp=2, sample=sample, micro_batches=8, policy="data-aware")
+    full = plan_stages(trainable=("vision.proj", "llm"), **args)
+    lora = plan_stages(trainable=("vision.proj",), lora=LoraSpec(r=16), **args)
+    assert full.stages != lora.stages
+    with pytest.raises(ValueError, match="train.trainable=\\[\\] trains nothing"):
+        build_cost_model(model=m, hardware=hw, trainable=())
+    assert build_cost_model(model=m, hardware=hw, trainable=(), lora=LoraSpec(r=8)).layers

@@ -185,3 +185,24 @@ def test_an_export_that_fails_at_the_last_rename_restores_the_old_folder(llava_r
     assert "Permission denied; the export to" in _error(capsys)
     assert _tree(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trained"]
+
+
+def test_merge_needs_adapters_and_a_composition_exports_merged_only(capsys, llava_run, hf_checkpoints, tmp_path):
+    """merge=true on a run without adapters, and an adapter folder of a composed model (no one
+    base checkpoint to load it onto), are one-line refusals that write nothing."""
+    assert main(["export", str(llava_run), f"out={tmp_path / 'a'}", "merge=true"]) == 2
+    assert "trained no adapters (train.lora.r=0); its export is the whole model already" in _error(capsys)
+    run = tmp_path / "compose-run"
+    rc = load([*model_overrides("compose", hf_checkpoints), "train.lora.r=2", f"hydra.run.dir={run}"], job="test")
+    write_run_config(rc)
+    from mmpipe.model.lora import adapt_layers
+
+    layers = adapt_layers(build_layers(rc.model, seed=0), rc.model, rc.train.lora, seed=0)
+    save_layer_states(layers, rc.model, run / "checkpoints" / "step0")
+    commit(run / "checkpoints" / "step0", step=0, files={}, topology={}, schedule={})
+    assert main(["export", str(run), f"out={tmp_path / 'b'}"]) == 2
+    assert "is composed from several folders (or given inline): an adapter folder needs one base checkpoint" \
+        in _error(capsys)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert main(["export", str(run), f"out={tmp_path / 'c'}", "merge=true"]) == 0
+    assert (tmp_path / "c" / "model.safetensors").is_file()
