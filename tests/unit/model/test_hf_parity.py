@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import zlib
 from dataclasses import replace
 
 import numpy as np
@@ -24,8 +25,80 @@ from transformers import (
 from mmpipe.model.geometry import anyres_image, audio_tokens, image_tokens
 from mmpipe.model.hf.arch import spec_from_folder
 from mmpipe.model.hf.build import build_layers
+from mmpipe.model.spec import LORA_TARGETS, LoraSpec
 
 from . import hf_cases as H
+
+LORA = LoraSpec(r=4, alpha=8.0, target_modules=LORA_TARGETS + ("qkv", "attn.proj", "fc1", "fc2", "out_proj",
+                                                                "linear_1", "linear_2"),
+                parts=("llm", "vision", "audio"))
+"""Adapters on every Linear of the towers, the projectors and the decoder that these names reach."""
+
+
+def _fill_adapters(named: dict[str, torch.nn.Module]) -> None:
+    """Every adapter's A and B drawn from its whole-model module name (B non-zero, so that A's
+    gradient is not zero by construction), the same on both sides."""
+    with torch.no_grad():
+        for name, m in named.items():
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            for which in ("lora_A", "lora_B"):
+                w = getattr(m, which)["default"].weight
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.2)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["full", "lora"])
+def lora_mode(request, monkeypatch):
+    """Every comparison also with PEFT's LoRA: transformers' model wrapped by get_peft_model, the
+    pipeline layers given the same adapters (mmpipe.model.lora), only the adapters training on
+    both sides; the loss and every adapter's gradient (through the towers too) must agree."""
+    if not request.param:
+        return False
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    from mmpipe.model.lora import adapt_layers, trains, whole_name
+
+    load, build = H.load_reference, build_layers
+
+    def peft_reference(cls, folder):
+        model = get_peft_model(load(cls, folder), LoraConfig(r=LORA.r, lora_alpha=LORA.alpha,
+                                                             target_modules=list(LORA.target_modules)))
+        _fill_adapters({n.removeprefix("base_model.model."): m for n, m in model.named_modules()
+                        if isinstance(m, LoraLayer)})
+        return model
+
+    def adapted_layers(spec, *, seed):
+        layers = adapt_layers(build(spec, seed=seed), spec, LORA, seed=seed)
+        for layer in layers:
+            _fill_adapters({name: layer.get_submodule(local)
+                            for local, name in getattr(layer, "lora_modules", {}).items()})
+            for n, p in layer.named_parameters():
+                p.requires_grad_(trains(layer.name, n, full=False, lora=LORA))
+        return layers
+
+    def adapter_grad_differences(spec, layers, hf_model):
+        """grad_differences over the adapters: ours by whole-model name against PEFT's."""
+        theirs = dict(hf_model.named_parameters())
+        worst, count, towers = 0.0, 0, 0
+        for layer in layers:
+            for local, p in layer.named_parameters():
+                if ".lora_" not in local:
+                    continue
+                want = theirs[f"base_model.model.{whole_name(spec, layer.name, local)}"].grad
+                if want is None or not want.any():
+                    assert p.grad is None or not p.grad.any(), f"{layer.name}.{local} got a gradient it should not"
+                    continue
+                assert p.grad is not None, f"{layer.name}.{local}: no gradient"
+                worst = max(worst, float((p.grad - want).abs().max()) / max(float(want.abs().max()), 1e-4))
+                count += 1
+                towers += not layer.name.startswith("llm.")
+        assert towers, "no tower adapter got a gradient: the comparison covers the decoder alone"
+        return worst, count
+
+    monkeypatch.setattr(H, "load_reference", peft_reference)
+    monkeypatch.setattr(H, "grad_differences", adapter_grad_differences)
+    monkeypatch.setitem(globals(), "build_layers", adapted_layers)
+    return True
 
 
 @pytest.mark.parametrize("case", ["llava_clip_llama", "llava_siglip_qwen2", "llava_clip_mistral"])
@@ -185,8 +258,9 @@ def test_anyres_layers_equal_transformers(case, request):
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
 
 
+@pytest.mark.parametrize("lora_mode", [False], indirect=True, ids=["full"])
 @pytest.mark.parametrize("case", list(ANYRES))
-def test_a_micro_batch_without_images_accumulates_transformers_gradients(case, request):
+def test_a_micro_batch_without_images_accumulates_transformers_gradients(case, request, lora_mode):
     """A step of two micro-batches, one without any image (as a pipeline step or a replica may
     have): the micro-batch without images gives the projector and image_newline zero gradients
     (not none: every replica's ZeRO-1 buckets then hold them) and the tower nothing but zeros; the
