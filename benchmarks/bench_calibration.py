@@ -1,6 +1,6 @@
 """The planner's numbers against a real run: step-time prediction, memory, and the policies.
 
-    python benchmarks/bench_calibration.py [--out DIR] [--steps 60] [--skip-bench] [--only tiny|hf]
+    python benchmarks/bench_calibration.py [--out DIR] [--steps 60] [--skip-bench] [--only tiny|hf] [--lora R]
 
 For two models, the default tiny model and a 7.6 M-parameter Qwen2-VL that transformers writes
 here (the tiny demo Qwen2-VL scaled up: 4 vision blocks of width 128, 6 decoder layers of width
@@ -13,6 +13,9 @@ here (the tiny demo Qwen2-VL scaled up: 4 vision blocks of width 128, 6 decoder 
 3. `mmpipe train` with the defaults (hardware=cpu, no profile): the same figures;
 4. `mmpipe bench` with the defaults (all four policies, alternating), unless --skip-bench.
 
+With `--lora R` the trained and benchmarked runs use LoRA adapters of rank R (alpha 2R) on the
+decoder, the projectors trained in full (`mmpipe profile` times the layers without adapters and
+its real pipeline with them).
 It prints one block per model, which is what README.md's "Planner in the loop" figures are
 (the bench tables, the prediction errors and the memory lines), and `uptime` before and after:
 the figures depend on how busy the machine is. On 2 cores a full run takes 30-60 minutes.
@@ -88,20 +91,21 @@ def run_figures(run_dir: Path) -> str:
             f"{mbs:.1f} micro-batches a step; {sps:.1f} samples/s\n    memory ({rows[0]['peak_mem_measure']}): {mem}")
 
 
-def one_model(name: str, model_args: list[str], out: Path, steps: int, bench: bool) -> None:
+def one_model(name: str, model_args: list[str], out: Path, steps: int, bench: bool,
+              train_args: tuple[str, ...] = ()) -> None:
     prof = out / f"profile-{name}"
     print(f"\n== {name}: mmpipe profile", flush=True)
-    text = mmpipe("profile", *model_args, f"hydra.run.dir={prof}")
+    text = mmpipe("profile", *model_args, *train_args, f"hydra.run.dir={prof}")
     print("\n".join(l for l in text.splitlines() if l.startswith(("Engine", "Memory", "peak", "wrote"))), flush=True)
     hw = next((prof / "conf" / "hardware").glob("measured-*.yaml")).stem
     for label, extra in ((f"hardware={hw} (profiled)", ["--config-dir", str(prof / "conf"), f"hardware={hw}"]),
                          ("defaults (hardware=cpu)", [])):
         run = out / f"train-{name}-{'profiled' if extra else 'default'}"
-        mmpipe("train", *extra, *model_args, f"train.steps={steps}", f"hydra.run.dir={run}")
+        mmpipe("train", *extra, *model_args, *train_args, f"train.steps={steps}", f"hydra.run.dir={run}")
         print(f"-- {name}, mmpipe train, {label}:\n    {run_figures(run)}", flush=True)
     if bench:
         print(f"-- {name}, mmpipe bench (defaults):", flush=True)
-        text = mmpipe("bench", *model_args, f"hydra.run.dir={out / f'bench-{name}'}")
+        text = mmpipe("bench", *model_args, *train_args, f"hydra.run.dir={out / f'bench-{name}'}")
         print(text[text.index("mmpipe bench: model"):], flush=True)
 
 
@@ -111,18 +115,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="training steps of each measured run")
     ap.add_argument("--skip-bench", action="store_true", help="no mmpipe bench")
     ap.add_argument("--only", choices=("tiny", "hf"), help="one of the two models")
+    ap.add_argument("--lora", type=int, default=0, help="train with LoRA adapters of this rank (0: full training)")
     args = ap.parse_args()
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     with tempfile.TemporaryDirectory(prefix="mmpipe-calib-") as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
+        lora = (f"train.lora.r={args.lora}", f"train.lora.alpha={2 * args.lora}") if args.lora else ()
         if args.only in (None, "tiny"):
-            one_model("tiny", [], out, args.steps, not args.skip_bench)
+            tiny = ("train.trainable=[vision.proj,audio.proj]",) if lora else ()
+            one_model("tiny", [], out, args.steps, not args.skip_bench, lora + tiny)
         if args.only in (None, "hf"):
             folder = out / "qwen2-vl-7m"
             if not (folder / "config.json").is_file():
                 write_qwen2_vl_7m(folder)
-            one_model("qwen2-vl-7m", ["model=hf", f"model.path={folder}"], out, args.steps, not args.skip_bench)
+            one_model("qwen2-vl-7m", ["model=hf", f"model.path={folder}"], out, args.steps, not args.skip_bench,
+                      lora + (("train.trainable=[vision.proj]",) if lora else ()))
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
 
 

@@ -247,6 +247,10 @@ def _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, ev
     head = (f"mmpipe plan: model {model.name} on {hardware.name}, pp={pp} dp={dp}, "
             f"global batch {global_batch} ({tokens:,.0f} LLM tokens per step), "
             f"{len(step_rows)} steps, policy {policy}, memory {precision.describe()}")
+    lora = sc.cost.lora
+    if lora.active:
+        head += (f", LoRA r={lora.r} on {'/'.join(lora.parts)} (base frozen; trained in full: "
+                 f"{', '.join(sc.cost.trainable) or 'nothing else'})")
     if micro_batches < pp and policy != "data-aware":
         head += f"\nwarning: train.micro_batches={micro_batches} < parallel.pp={pp}: large bubbles"
     per_replica = global_batch // dp

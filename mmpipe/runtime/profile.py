@@ -330,9 +330,9 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int, engine_steps: i
     device = torch.device("cuda") if resolve_backend(rc.launcher.backend) == "nccl" else torch.device("cpu")
     ms = measure_layers(rc.model, _layers(rc, tok), batches, repeats=repeats, device=device,
                         dtype=DTYPES[rc.train.precision])
-    # the layers are timed without adapters (a LoRA run fits the hardware as full training of its
-    # trained parts, or of everything when only adapters train)
-    fit = fit_hardware(base, rc.model, ms, trainable=rc.train.trainable or ("all",))
+    # the layers are timed without adapters, every weight training: a LoRA run fits the hardware's
+    # constants from that (its real pipeline, timed below, runs with the adapters)
+    fit = fit_hardware(base, rc.model, ms, trainable=("all",) if rc.train.lora.active else rc.train.trainable)
     layers_hw = replace(fit.hardware, micro_batch_overhead_s=0.0, step_overhead_s=0.0, reserved_gb=0.0,
                         memory_slack=0.0)
     print(f"layers: fit median error {fit.median_error:.1%}; timing steps of a real {rc.parallel.pp}-stage pipeline",

@@ -271,7 +271,11 @@ def _write_adapters(spec: ModelSpec, checkpoint: Path, out: Path, *, lora: LoraS
                     raise ValueError(f"layer {name} trained in full holds {path}, a bare parameter, which PEFT's "
                                      f"modules_to_save cannot carry; export the whole model with merge=true")
                 if any(k.startswith(path + ".") for k in keys.values()):
-                    whole.append(path)
+                    module = skeleton(spec.hf).get_submodule(path)
+                    if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):  # PEFT wraps modules only
+                        whole += [f"{path}.{child}" for child, _ in module.named_children()]
+                    else:
+                        whole.append(path)
             tensors.update({f"base_model.model.{key}": base_state[local] for local, key in keys.items()})
     if not targets:
         raise ValueError(f"checkpoint {checkpoint} holds no adapter tensors: it is not a checkpoint of a "
