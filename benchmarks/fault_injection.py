@@ -1,7 +1,9 @@
 """Fault injection: stop training at random moments, mostly inside checkpoint saves, resume,
 and check that every resumed run ends exactly where an uninterrupted run ends.
 
-    python benchmarks/fault_injection.py [--trials 20] [--steps 6] [--signal KILL|TERM] [--seed 0]
+    python benchmarks/fault_injection.py [--trials 20] [--steps 6] [--signal KILL|TERM] [--seed 0] [KEY=VALUE ...]
+
+Extra KEY=VALUE overrides go to every run (e.g. train.lora.r=8 for a LoRA run).
 
 One uninterrupted reference run first (`mmpipe train`, pp=2, a checkpoint every step), watched
 to measure how long a save takes (from its folder appearing to its commit marker). Then each
@@ -37,12 +39,16 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = "committed.json"
 
 
+EXTRA: list[str] = []
+"""The command line's extra overrides, given to every run."""
+
+
 def overrides(steps: int) -> list[str]:
     """The run every trial repeats: tiny model, pp=2, a checkpoint every step, samples recorded;
     every step planned from the data alone (plan.refit=false: from step 9 on, a run re-planned
     with its measured step times groups the samples by those times, which no two runs share)."""
     return [f"train.steps={steps}", "train.save_every=1", "train.keep_last=2", "train.record_samples=true",
-            "plan.refit=false"]
+            "plan.refit=false", *EXTRA]
 
 
 def start(run_dir: Path, args: list[str]) -> subprocess.Popen:
@@ -244,7 +250,9 @@ def main() -> int:
     ap.add_argument("--signal", choices=["KILL", "TERM"], default="KILL")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/mmpipe-fault-injection"))
+    ap.add_argument("extra", nargs="*", help="KEY=VALUE overrides for every run")
     a = ap.parse_args()
+    EXTRA[:] = a.extra
     rng = random.Random(a.seed)
     ref = a.out / "reference"
     save_s, run_s = reference(ref, a.steps)
