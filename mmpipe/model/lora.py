@@ -26,6 +26,10 @@ from mmpipe.model.spec import LoraSpec, ModelSpec
 
 ADAPTER = "default"
 """PEFT's adapter name in the layers (not part of the saved names)."""
+ALL_LINEAR = "all-linear"
+"""PEFT's shorthand target: every Linear module but the output layer (here: of the adapted parts)."""
+OUTPUT_LAYERS = ("lm_head", "llm.head.head")
+"""The output layer all-linear leaves out (the transformers name, mmpipe's own model's)."""
 BASE = ".base_layer"
 """What PEFT inserts into a wrapped module's own parameter names (`q_proj.base_layer.weight`)."""
 
@@ -69,12 +73,16 @@ def matched_modules(module: nn.Module, spec: ModelSpec, layer: str, lora: LoraSp
         return {}
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    probe = peft_lora_config(lora, lora.target_modules)
+    every = ALL_LINEAR in lora.target_modules
+    probe = peft_lora_config(lora, [t for t in lora.target_modules if t != ALL_LINEAR] or ["-"])
     out: dict[str, str] = {}
     for local, m in module.named_modules():
         if not local:
             continue
         name = whole_name(spec, layer, local)
+        if every and type(m) is nn.Linear and not name.endswith(OUTPUT_LAYERS):
+            out[local] = name
+            continue
         if not check_target_module_exists(probe, name):
             continue
         if type(m) is not nn.Linear:

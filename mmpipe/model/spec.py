@@ -401,7 +401,8 @@ class LoraSpec:
     dropout: float = 0.0
     """Dropout on an adapter's input in training (PEFT's lora_dropout)."""
     target_modules: tuple[str, ...] = LORA_TARGETS
-    """Module names to adapt, as PEFT's LoraConfig takes a list (Linear layers only)."""
+    """Module names to adapt, as PEFT's LoraConfig takes a list (Linear layers only); [all-linear]:
+    every Linear of the parts but the LM head, as PEFT's `all-linear`."""
     parts: tuple[str, ...] = ("llm",)
     """Components whose matching modules get adapters: llm, vision, audio."""
 

@@ -297,6 +297,8 @@ def adapter_params(m: ModelSpec, kind: str, lora: LoraSpec) -> int:
     and MLP) were adapted, as the planner does not know each tower's module names; embeddings,
     norms and projectors carry none."""
     def picked(name: str) -> bool:
+        if "all-linear" in lora.target_modules:  # PEFT's shorthand: every Linear but the output layer
+            return name != "lm_head"
         return any(t == name or t.endswith("." + name) for t in lora.target_modules)
 
     r = lora.r

@@ -132,3 +132,20 @@ def test_lora_layers_compute_peft_s_loss_and_adapter_gradients(case, request):
                 assert float((mine - want).abs().max()) / scale < H.GRAD_RTOL, f"{name}.{which}"
                 compared += 1
     assert compared == 2 * len(_ours(layers)) >= 2 * 7 * spec.llm.blocks
+
+
+@pytest.mark.parametrize("case", ["llava_siglip_qwen2", "qwen2_5_vl", "qwen2_5_omni"])
+def test_all_linear_adapts_what_peft_s_all_linear_adapts(case, request):
+    """target_modules=[all-linear] over every part: PEFT's `all-linear` on the whole model (every
+    Linear but the LM head), but for modules no layer holds; over [llm]: those of the decoder."""
+    folder = request.getfixturevalue(case)
+    spec = spec_from_folder(folder)
+    theirs = _adapted(get_peft_model(H.load_reference(CLASSES[case], folder),
+                                     LoraConfig(r=2, target_modules="all-linear")))
+    every = LoraSpec(r=2, target_modules=("all-linear",), parts=("llm", "vision", "audio"))
+    ours = _ours(adapt_layers(build_layers(spec, seed=0), spec, every, seed=0))
+    unused = set(unowned_keys(spec))
+    assert ours <= theirs and all(f"{n}.weight" in unused for n in theirs - ours), sorted(theirs - ours)[:5]
+    assert any("language_model" not in n for n in ours) and not any(n.endswith("lm_head") for n in ours)
+    llm = _ours(adapt_layers(build_layers(spec, seed=0), spec, LoraSpec(r=2, target_modules=("all-linear",)), seed=0))
+    assert llm == {n for n in theirs if n.startswith("model.language_model.")}
