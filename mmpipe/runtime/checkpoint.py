@@ -506,6 +506,12 @@ class Checkpointer:
     def root(self) -> Path:
         return self.run_dir / "checkpoints"
 
+    @property
+    def adapters(self) -> bool:
+        """A LoRA run: its layer files hold what trains, not the frozen base weights, which every
+        start builds again from the model's source (DeepSpeed's exclude_frozen_parameters)."""
+        return bool(self.topology.get("lora"))
+
     def __post_init__(self) -> None:
         current = self.engine.checkpoint_engine
         if type(current) is not TorchCheckpointEngine:
@@ -534,7 +540,8 @@ class Checkpointer:
         _agree(problem)  # also the barrier before anyone writes
         writer = self.engine.checkpoint_engine
         writer.write_error = None
-        self.engine.save_checkpoint(str(self.root), tag=folder.name, client_state={"step": step}, save_latest=False)
+        self.engine.save_checkpoint(str(self.root), tag=folder.name, client_state={"step": step}, save_latest=False,
+                                    exclude_frozen_parameters=self.adapters)
         problem = cannot_save(folder, writer.write_error) if writer.write_error else None
         writer.write_error = None
         if problem is None:
@@ -615,7 +622,9 @@ class Checkpointer:
         problem, reader_state = None, None
         saved_dp = found.record["topology"]["dp"]
         try:
-            _, client = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
+            self._check_layer_keys(folder)
+            _, client = self.engine.load_checkpoint(str(folder.parent), tag=folder.name,
+                                                    load_module_strict=not self.adapters)
             if client is None or client.get("step") != step:
                 problem = f"checkpoint {folder}: DeepSpeed found no model states for step {step}"
             if saved_dp == self.topology["dp"]:
@@ -643,9 +652,11 @@ class Checkpointer:
         state, learning-rate schedule, random state or reader position; collective."""
         problem = None
         try:
+            self._check_layer_keys(found.folder)
             _, client = self.engine.load_checkpoint(str(found.folder.parent), tag=found.folder.name,
                                                     load_module_only=True, load_optimizer_states=False,
-                                                    load_lr_scheduler_states=False)
+                                                    load_lr_scheduler_states=False,
+                                                    load_module_strict=not self.adapters)
             if client is None or client.get("step") != found.step:
                 problem = f"checkpoint {found.folder}: DeepSpeed found no model states for step {found.step}"
         except CheckpointError as err:
@@ -654,6 +665,26 @@ class Checkpointer:
             first = (str(err).strip().splitlines() or [""])[0]
             problem = f"cannot load checkpoint {found.folder}: {type(err).__name__}: {first}"
         _agree(problem)
+
+    def _check_layer_keys(self, folder: Path) -> None:
+        """A LoRA checkpoint loads its layers non-strictly (the frozen base weights are not in the
+        files), so this rank first checks that each of its layer files holds exactly the layer's
+        trained tensors: no missing adapter, nothing the layer does not have."""
+        if not self.adapters:
+            return
+        module = self.engine.module
+        for idx, layer in enumerate(module.forward_funcs):
+            if not isinstance(layer, torch.nn.Module):
+                continue
+            path = Path(module.ckpt_layer_path(str(folder), idx))  # DeepSpeed's own name of the file
+            saved = set(torch.load(path, map_location="cpu", weights_only=True))
+            frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
+            want = set(layer.state_dict()) - frozen
+            if saved != want:
+                odd = sorted(saved ^ want)[:3]
+                raise CheckpointError(f"checkpoint {folder}: {path.name} does not hold the trained tensors of "
+                                      f"layer {getattr(layer, 'name', idx)} (differs in {odd}); it is not a "
+                                      f"checkpoint of this LoRA run")
 
     def _announce(self, found: Found, lr: float) -> None:
         positions = []

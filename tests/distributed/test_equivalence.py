@@ -185,13 +185,16 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
     for i, layer in enumerate(ref_layers):
         saved = torch.load(ckpt / f"layer_{i:02d}-model_states.pt", map_location="cpu", weights_only=True)
         want = layer.state_dict()
+        if rc.train.lora.active:  # a LoRA checkpoint holds what trains (the frozen base is rebuilt at start)
+            want = {k: v for k, v in want.items() if k not in {n for n, p in layer.named_parameters()
+                                                               if not p.requires_grad}}
         assert set(saved) == set(want), names[i]
         for k, v in want.items():
             diff = float((saved[k] - v).abs().max())
             assert diff <= 1e-6 + 1e-4 * float(v.abs().max()), f"{names[i]}.{k} differs by {diff:.3g}"
             worst = max(worst, diff)
     assert worst < 1e-5
-    if "lora" in case:  # the base weights of the adapted layers are bit for bit the initial ones
+    if "lora" in case:  # the checkpoint holds the adapters and the audio projector, no base weight
         start = build_layers(rc.model, seed=rc.train.seed, **_media_tokens(rc))
         changed = adapters = 0
         for i, (layer, first) in enumerate(zip(ref_layers, start)):
@@ -200,9 +203,8 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
             for k, v in saved.items():
                 if ".lora_" in k:
                     adapters += 1
-                elif rc.train.lora.adapts(names[i]):
-                    assert torch.equal(v, initial[k.replace(".base_layer.", ".")]), f"{names[i]}.{k} changed"
                 else:
+                    assert not rc.train.lora.adapts(names[i]) or k not in dict(layer.named_parameters()), k
                     changed += not torch.equal(v, initial[k])
         assert adapters > 0 and changed > 0  # the audio projector trained in full
 

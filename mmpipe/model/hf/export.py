@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from transformers.core_model_loading import revert_weight_conversion
 
-from mmpipe.model.hf.build import tied_embedding
+from mmpipe.model.hf.build import build_layer, tied_embedding
 from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.hf.export_folder import check_out, staged
 from mmpipe.model.hf.integrity import PART_KEYS, check_weights
@@ -211,7 +211,7 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
                              f"merge=true")
     with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}) as tmp:
         if adapters_only:
-            report = _write_adapters(spec, checkpoint, tmp, lora=lora, trainable=trainable, base=base)
+            report = _write_adapters(spec, checkpoint, tmp, lora=lora, trainable=trainable, base=base, seed=seed)
         else:
             report = _write(spec, checkpoint, tmp, index=index, seed=seed, tokenizer=tokenizer,
                             shard_bytes=shard_bytes, lora=lora)
@@ -232,9 +232,23 @@ def _layer_state(checkpoint: Path, i: int, name: str) -> dict[str, torch.Tensor]
                          f"one (checkpoint=stepN)") from None
 
 
-def _merge(state: dict[str, torch.Tensor], lora: LoraSpec, name: str) -> dict[str, torch.Tensor]:
+def _layer_tensors(spec: ModelSpec, checkpoint: Path, i: int, name: str,
+                   seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Pipeline layer i's (base tensors under their unwrapped names, adapter tensors). A LoRA
+    checkpoint holds only what trained; the frozen tensors it leaves out are the layer as the run
+    built it (build_layer: the source checkpoint's tensors, or the seeded initialisation)."""
+    base, adapters = split_state(_layer_state(checkpoint, i, name))
+    missing = set(owned_keys(spec, name)) - set(base)
+    if missing:
+        built = build_layer(spec, name, seed=seed).state_dict()
+        base.update({k: built[k] for k in missing if k in built})
+    return base, adapters
+
+
+def _merge(tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], lora: LoraSpec,
+           name: str) -> dict[str, torch.Tensor]:
     """A layer's base tensors under their unwrapped names, each adapter merged into its weight."""
-    base, adapters = split_state(state)
+    base, adapters = tensors
     for key in adapters:
         if ".lora_A." in key:
             module = key.split(".lora_A.")[0]
@@ -247,7 +261,7 @@ def _merge(state: dict[str, torch.Tensor], lora: LoraSpec, name: str) -> dict[st
 
 
 def _write_adapters(spec: ModelSpec, checkpoint: Path, out: Path, *, lora: LoraSpec, trainable: tuple[str, ...],
-                    base: str) -> tuple[int, int, int, tuple[str, ...]]:
+                    base: str, seed: int) -> tuple[int, int, int, tuple[str, ...]]:
     """PEFT's adapter folder of a LoRA run: every adapter tensor under PEFT's saved name and the
     LoraConfig naming exactly the adapted modules (so that no other module of the whole model,
     a tower's q_proj under parts=[llm], gets one when PEFT loads it); the layers trained in full
@@ -260,7 +274,7 @@ def _write_adapters(spec: ModelSpec, checkpoint: Path, out: Path, *, lora: LoraS
         full = is_trainable(name, trainable) and not lora.adapts(name)
         if not (lora.adapts(name) or full) or (tie is not None and name == tie.layers[1]):
             continue
-        base_state, adapters = split_state(_layer_state(checkpoint, i, name))
+        base_state, adapters = _layer_tensors(spec, checkpoint, i, name, seed)
         saved = saved_adapter_names(spec, name, adapters)
         tensors.update(saved)
         targets += sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in saved})
@@ -308,7 +322,7 @@ def _write(spec: ModelSpec, checkpoint: Path, out: Path, *, index: dict[str, Ten
         if tie is not None and name == tie.layers[1]:
             continue  # the tied head is the embedding's weight, saved with llm.embed
         path = checkpoint / f"layer_{i:02d}-model_states.pt"
-        state = _merge(_layer_state(checkpoint, i, name), lora, name)
+        state = _merge(_layer_tensors(spec, checkpoint, i, name, seed), lora, name)
         keys = owned_keys(spec, name)
         if set(state) != set(keys):
             extra = sorted(set(state) ^ set(keys))[:3]
