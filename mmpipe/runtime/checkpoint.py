@@ -334,6 +334,12 @@ def load_step_fit(found: Found) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def order_file(stage: int) -> str:
+    """The file naming, in the optimizer's order, the parameters a stage trains (what lets a
+    checkpoint resume on another pipeline layout)."""
+    return f"optimizer_params_stage{stage}.json"
+
+
 def _required(topology: dict) -> list[str]:
     """Files mmpipe itself adds to every checkpoint of a run with this topology."""
     return ([f"rng_rank{r}.pt" for r in range(topology["pp"] * topology["dp"])]
@@ -440,9 +446,20 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     if other:
         return other
     if (saved["pp"], saved["stages"]) != (topology["pp"], topology["stages"]):
-        return (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
-                f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}; "
-                f"DeepSpeed's optimizer files are per stage: resume with the same (plan.stages fixes the stages)")
+        how = (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
+               f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}")
+        if saved.get("zero", 0) or topology["zero"]:
+            return (f"{how}; a resume on another pipeline layout remaps the optimizer state under ZeRO stage 0 "
+                    f"only (ZeRO-1's shards are not remapped): resume with the same pp and stages (plan.stages "
+                    f"fixes them)")
+        lacking = [f for f in (order_file(s) for s in range(saved["pp"])) if f not in files]
+        if lacking:
+            return (f"{how}; the checkpoint records no optimizer parameter order ({lacking[0]}: written by an "
+                    f"earlier mmpipe), so its optimizer state cannot be remapped: resume with the same pp and stages")
+        warnings.append(f"resharded: pipeline pp={saved['pp']} stages {saved['stages']} -> pp={topology['pp']} "
+                        f"stages {topology['stages']}: the weights (layer files), the optimizer state of every "
+                        f"parameter (by name) and the learning-rate schedule carry over; random states start "
+                        f"afresh")
     if saved.get("lora") != topology.get("lora"):
         def said(lora) -> str:
             return "no adapters" if not lora else f"adapters {lora}"
@@ -547,6 +564,8 @@ class Checkpointer:
         if problem is None:
             try:
                 torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
+                if self.dp_rank == 0:  # the optimizer's parameters, by their layout-free names
+                    (folder / order_file(self.engine.stage_id)).write_text(json.dumps(self._trained_names()))
                 if self.first:
                     if reader_state is None:
                         raise OSError("the reader position of this step is unknown")
@@ -621,13 +640,18 @@ class Checkpointer:
         safe.trusted = self.resume_unsafe or folder.resolve().is_relative_to(self.run_dir.resolve())
         problem, reader_state = None, None
         saved_dp = found.record["topology"]["dp"]
+        saved = found.record["topology"]
+        reshard = (saved["pp"], saved["stages"]) != (self.topology["pp"], self.topology["stages"])
         try:
             self._check_layer_keys(folder)
-            _, client = self.engine.load_checkpoint(str(folder.parent), tag=folder.name,
-                                                    load_module_strict=not self.adapters)
-            if client is None or client.get("step") != step:
-                problem = f"checkpoint {folder}: DeepSpeed found no model states for step {step}"
-            if saved_dp == self.topology["dp"]:
+            if reshard:
+                self._reshard(folder, saved["pp"], step)
+            else:
+                _, client = self.engine.load_checkpoint(str(folder.parent), tag=folder.name,
+                                                        load_module_strict=not self.adapters)
+                if client is None or client.get("step") != step:
+                    problem = f"checkpoint {folder}: DeepSpeed found no model states for step {step}"
+            if saved_dp == self.topology["dp"] and not reshard:
                 set_rng_state(torch.load(folder / f"rng_rank{rank}.pt", weights_only=True))
             if self.reads_data:  # with another dp, any replica's position serves the approximate resume
                 state_file = folder / f"data_state_dp{self.dp_rank % saved_dp}.json"
@@ -665,6 +689,53 @@ class Checkpointer:
             first = (str(err).strip().splitlines() or [""])[0]
             problem = f"cannot load checkpoint {found.folder}: {type(err).__name__}: {first}"
         _agree(problem)
+
+    def _trained_names(self) -> list[str]:
+        """This stage's trained parameters in the optimizer's order (make_optimizer takes the
+        module's parameters that require a gradient, in order), by their PipelineModule names:
+        `<global layer index>.<parameter>` and `tied_modules.<key>.<parameter>`, the same in
+        every layout."""
+        return [n for n, p in self.engine.module.named_parameters() if p.requires_grad]
+
+    def _reshard(self, folder: Path, saved_pp: int, step: int) -> None:
+        """Load a checkpoint written with another pipeline layout (ZeRO stage 0): the layer files
+        are named by global layer index, so DeepSpeed's own loader reads this stage's whatever the
+        cut; the optimizer state is gathered from every old stage's file by parameter name (a
+        tied weight's, the same on each stage holding it, from the first) and put in this stage's
+        order; the schedule and step counters come from the first old stage."""
+        module, engine = self.engine.module, self.engine
+        module.load_state_dir(str(folder), checkpoint_engine=engine.checkpoint_engine, strict=not self.adapters)
+        states: dict[str, dict] = {}
+        known: set[str] = set()
+        first: dict | None = None
+        for s in range(saved_pp):
+            names = json.loads((folder / order_file(s)).read_text())
+            sd = engine.checkpoint_engine.load(str(folder / f"mp_rank_{s:02d}_model_states.pt"), map_location="cpu")
+            opt = sd["optimizer"]
+            order = [i for g in opt["param_groups"] for i in g["params"]]
+            if len(order) != len(names):
+                raise CheckpointError(f"checkpoint {folder}: stage {s}'s optimizer holds {len(order)} parameters, "
+                                      f"{order_file(s)} names {len(names)}; it is damaged")
+            known.update(names)
+            for name, i in zip(names, order):
+                if i in opt["state"]:
+                    states.setdefault(name, opt["state"][i])
+            first = first or sd
+        assert first is not None
+        mine = self._trained_names()
+        unknown = [n for n in mine if n not in known and n != "frozen_stage_anchor"]
+        if unknown:
+            raise CheckpointError(f"checkpoint {folder}: this run trains {unknown[:3]}, which the checkpoint's "
+                                  f"optimizer does not hold (another train.trainable?)")
+        group = {k: v for k, v in first["optimizer"]["param_groups"][0].items() if k != "params"}
+        engine.optimizer.load_state_dict({"state": {i: states[n] for i, n in enumerate(mine) if n in states},
+                                          "param_groups": [{**group, "params": list(range(len(mine)))}]})
+        engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
+        engine.global_steps, engine.global_samples = first["global_steps"], first["global_samples"]
+        engine.skipped_steps = first["skipped_steps"]
+        if first.get("step") != step:
+            raise CheckpointError(f"checkpoint {folder}: its model states are of step {first.get('step')}, "
+                                  f"not {step}")
 
     def _check_layer_keys(self, folder: Path) -> None:
         """A LoRA checkpoint loads its layers non-strictly (the frozen base weights are not in the
