@@ -20,7 +20,16 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from mmpipe.commands import COMMANDS, Command, Invocation, demo_command, eval_command, export_command, usage
+from mmpipe.commands import (
+    COMMANDS,
+    Command,
+    Invocation,
+    checkpoint_command,
+    demo_command,
+    eval_command,
+    export_command,
+    usage,
+)
 from mmpipe.config import RunConfig, run_config_from_dict
 from mmpipe.overrides import check_overrides, explain
 from mmpipe.paths import shell_word
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return export_command(args)
     if name == "eval":
         return eval_command(args)
+    if name == "checkpoint":
+        return checkpoint_command(args)
     if name == "demo-checkpoints":
         return demo_command(args)
     if name not in COMMANDS:

@@ -366,6 +366,10 @@ EVAL_USAGE = "usage: mmpipe eval RUN_DIR [checkpoint=stepN] [data.path=SHARDS] [
 EVAL_KEYS = ("checkpoint", "data.path", "train.eval_samples", "out")
 
 
+CHECKPOINT_SUMMARY = "what a run's committed checkpoint holds and the layouts it resumes on"
+CHECKPOINT_USAGE = "usage: mmpipe checkpoint info RUN_DIR|RUN_DIR/checkpoints/stepN"
+
+
 DEMO_SUMMARY = "write tiny random Hugging Face checkpoints (LLaVA, Qwen2-VL, ...) to try model=hf on a CPU"
 DEMO_USAGE = "usage: mmpipe demo-checkpoints OUT"
 
@@ -373,9 +377,30 @@ DEMO_USAGE = "usage: mmpipe demo-checkpoints OUT"
 def usage() -> str:
     """The command list of `mmpipe --help`."""
     rows = {**{name: c.summary for name, c in COMMANDS.items()}, "eval": EVAL_SUMMARY, "export": EXPORT_SUMMARY,
-            "demo-checkpoints": DEMO_SUMMARY}
+            "checkpoint info": CHECKPOINT_SUMMARY, "demo-checkpoints": DEMO_SUMMARY}
     width = max(map(len, rows))
     return "\n".join(f"  {name:<{width}}  {summary}" for name, summary in rows.items())
+
+
+def checkpoint_command(args: list[str]) -> int:
+    """`mmpipe checkpoint info RUN_DIR`: the newest committed checkpoint of a run (or the step
+    folder given), its model, layout, precision and adapters, and what it can resume on."""
+    import sys
+
+    from mmpipe.runtime.checkpoint import CheckpointError, describe
+
+    if any(a in ("-h", "--help") for a in args):
+        print(f"{CHECKPOINT_USAGE}\n\n{CHECKPOINT_SUMMARY}.")
+        return 0
+    if len(args) != 2 or args[0] != "info":
+        print(f"mmpipe checkpoint: error: {CHECKPOINT_USAGE}", file=sys.stderr)
+        return 2
+    try:
+        print(describe(Path(args[1])))
+    except (CheckpointError, OSError, ValueError, KeyError) as err:
+        print(f"mmpipe checkpoint: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def export_command(args: list[str]) -> int:

@@ -334,6 +334,49 @@ def load_step_fit(found: Found) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def reshard_problem(saved: dict, files: dict, *, zero: int) -> str | None:
+    """Why a checkpoint (its topology and committed files) cannot resume on another pipeline
+    layout under ZeRO stage `zero`, or None when it can."""
+    if saved.get("zero", 0) or zero:
+        return ("a resume on another pipeline layout remaps the optimizer state under ZeRO stage 0 only "
+                "(ZeRO-1's shards are not remapped): resume with the same pp and stages (plan.stages fixes them)")
+    lacking = [f for f in (order_file(s) for s in range(saved["pp"])) if f not in files]
+    if lacking:
+        return (f"the checkpoint records no optimizer parameter order ({lacking[0]}: written by an earlier "
+                f"mmpipe), so its optimizer state cannot be remapped: resume with the same pp and stages")
+    return None
+
+
+def describe(target: Path) -> str:
+    """`mmpipe checkpoint info`: what a committed checkpoint holds and the layouts it resumes on
+    (the rules `find_checkpoint` applies)."""
+    folder, warnings = newest_committed(target, str(target))
+    record = json.loads((folder / MARKER).read_text())
+    topo, files = record.get("topology") or {}, record.get("files") or {}
+    model = topo.get("model") or {}
+    parts = [f"{c} {', '.join(f'{k} {v}' for k, v in model[c].items())}" for c in ("vision", "audio", "llm")
+             if model.get(c)]
+    lora = topo.get("lora")
+    size = sum(f.get("size", 0) for f in files.values())
+    zero, precision = topo.get("zero", 0), topo.get("precision", "fp32")
+    why = reshard_problem(topo, files, zero=0)
+    lines = [
+        f"checkpoint {folder}: step {record.get('step')}, committed, {len(files)} files, {size / 2**20:.1f} MiB",
+        f"model: {model.get('name')} ({model.get('class')}; {'; '.join(parts)})",
+        f"layout: parallel.pp={topo.get('pp')} x parallel.dp={topo.get('dp')}, stages {topo.get('stages')} "
+        f"(layer index ranges)",
+        f"training: train.precision={precision}, ZeRO stage {zero}; "
+        + (f"LoRA {lora} (the frozen base weights are not in the files)" if lora else "no adapters"),
+        "resumes on: the same model, train.precision and ZeRO stage"
+        + (f" and train.lora={lora}" if lora else " and no train.lora")
+        + ("; any parallel.pp and cut (the optimizer state is remapped by parameter)" if why is None
+           else f"; parallel.pp={topo.get('pp')} with stages {topo.get('stages')} only: {why.split(': resume')[0]}")
+        + (f"; parallel.dp={topo.get('dp')} only (ZeRO-1 shards the optimizer state over the replicas)" if zero
+           else f"; parallel.dp={topo.get('dp')} exactly, any other with the data continuing approximately"),
+    ]
+    return "\n".join(lines + [f"warning: {w}" for w in warnings])
+
+
 def order_file(stage: int) -> str:
     """The file naming, in the optimizer's order, the parameters a stage trains (what lets a
     checkpoint resume on another pipeline layout)."""
@@ -448,14 +491,9 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     if (saved["pp"], saved["stages"]) != (topology["pp"], topology["stages"]):
         how = (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
                f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}")
-        if saved.get("zero", 0) or topology["zero"]:
-            return (f"{how}; a resume on another pipeline layout remaps the optimizer state under ZeRO stage 0 "
-                    f"only (ZeRO-1's shards are not remapped): resume with the same pp and stages (plan.stages "
-                    f"fixes them)")
-        lacking = [f for f in (order_file(s) for s in range(saved["pp"])) if f not in files]
-        if lacking:
-            return (f"{how}; the checkpoint records no optimizer parameter order ({lacking[0]}: written by an "
-                    f"earlier mmpipe), so its optimizer state cannot be remapped: resume with the same pp and stages")
+        why = reshard_problem(saved, files, zero=topology["zero"])
+        if why:
+            return f"{how}; {why}"
         warnings.append(f"resharded: pipeline pp={saved['pp']} stages {saved['stages']} -> pp={topology['pp']} "
                         f"stages {topology['stages']}: the weights (layer files), the optimizer state of every "
                         f"parameter (by name) and the learning-rate schedule carry over; random states start "

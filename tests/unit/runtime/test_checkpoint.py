@@ -245,3 +245,36 @@ def test_nonfinite_weights_or_moments_are_found():
     with torch.no_grad():
         layer.bias[1] = float("inf")
     assert first_nonfinite(layer, opt) == "parameter bias"
+
+
+def test_checkpoint_info_says_what_a_checkpoint_resumes_on(tmp_path, capsys):
+    """`mmpipe checkpoint info`: the step, layout, precision and adapters, and the layouts: any pp
+    and cut under ZeRO-0 with the optimizer order recorded, the same one under ZeRO-1."""
+    from mmpipe.cli import main
+    from mmpipe.runtime.checkpoint import commit, order_file
+
+    def write(name, zero, orders, lora=None):
+        folder = tmp_path / name / "checkpoints" / "step3"
+        folder.mkdir(parents=True)
+        files = {order_file(s): {"size": 10, "sha256": "x"} for s in range(2) if orders}
+        files["layer_00-model_states.pt"] = {"size": 2**20, "sha256": "x"}
+        commit(folder, step=3, files=files, schedule={},
+               topology={"pp": 2, "dp": 2, "stages": [[0, 9], [9, 15]], "precision": "fp32", "zero": zero,
+                         "model": {"name": "tiny", "class": "mmpipe", "llm": {"blocks": 4}}, "lora": lora})
+        return tmp_path / name
+
+    assert main(["checkpoint", "info", str(write("a", 0, True, lora={"r": 8}))]) == 0
+    out = capsys.readouterr().out
+    assert "step 3, committed, 3 files, 1.0 MiB" in out
+    assert "layout: parallel.pp=2 x parallel.dp=2, stages [[0, 9], [9, 15]]" in out
+    assert "LoRA {'r': 8} (the frozen base weights are not in the files)" in out
+    assert "any parallel.pp and cut (the optimizer state is remapped by parameter)" in out
+    assert main(["checkpoint", "info", str(write("b", 1, True))]) == 0
+    out = capsys.readouterr().out
+    assert "parallel.pp=2 with stages [[0, 9], [9, 15]] only: a resume on another pipeline layout remaps" in out
+    assert "parallel.dp=2 only (ZeRO-1 shards the optimizer state over the replicas)" in out
+    assert main(["checkpoint", "info", str(write("c", 0, False))]) == 0
+    assert "only: the checkpoint records no optimizer parameter order" in capsys.readouterr().out
+    assert main(["checkpoint", "info", str(tmp_path / "none")]) == 2
+    assert "no such folder; give a run directory" in capsys.readouterr().err
+    assert main(["checkpoint", "show", str(tmp_path)]) == 2
