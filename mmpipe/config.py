@@ -660,7 +660,7 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
                            devices=p.devices, global_batch=rc.train.global_batch,
                            micro_batches=rc.train.micro_batches, sample=sample, pp=p.fixed("pp"),
                            dp=p.fixed("dp"), memory_headroom=rc.plan.memory_headroom,
-                           precision=training_precision(rc))
+                           precision=training_precision(rc), lora=rc.train.lora)
     best = choice.best
     if not best.fits:
         raise ValueError(f"parallel.devices={p.devices}: no pp x dp layout fits in memory ("

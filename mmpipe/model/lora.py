@@ -175,6 +175,68 @@ def adapt_layers(layers: list[nn.Module], spec: ModelSpec, lora: LoraSpec, *, se
     return layers
 
 
+class Parts(nn.Module):
+    """A layer's modules under their layer attributes, for matching names (nothing is copied)."""
+
+    def __init__(self, parts: dict[str, nn.Module]):
+        super().__init__()
+        for attr, module in parts.items():
+            self.add_module(attr, module)
+
+
+def layer_modules(spec: ModelSpec, name: str) -> nn.Module:
+    """The modules of pipeline layer `name`, weightless where possible: the meta-device
+    transformers modules under the layer's attributes, or mmpipe's own (small) layer built."""
+    if spec.hf is None:
+        from mmpipe.model.layers import build_layer
+
+        return build_layer(spec, name, seed=0, image_token=-1, audio_token=-1)
+    from mmpipe.model.hf.skeleton import layer_parts, skeleton
+
+    model = skeleton(spec.hf)
+    return Parts({attr: model.get_submodule(path) for attr, path in layer_parts(spec, name)
+                  if not path.endswith("image_newline")})
+
+
+def tied_head(spec: ModelSpec) -> bool:
+    """Whether `llm.head` is the input embedding's weight (no module of its own to adapt)."""
+    if spec.hf is None:
+        return spec.llm.tie_embeddings
+    from mmpipe.model.hf.skeleton import ties_embeddings
+
+    return ties_embeddings(spec.hf)
+
+
+def check_adapters(spec: ModelSpec, lora: LoraSpec) -> None:
+    """Before launch: every part in train.lora.parts gets at least one adapter, and no target is
+    a tied LM head. Raises ValueError (one line) naming the part and the Linear modules it has."""
+    if not lora.active:
+        return
+    from mmpipe.model.spec import layer_names
+
+    tied = tied_head(spec)
+    for part in lora.parts:
+        matched: set[str] = set()
+        names: set[str] = set()
+        for layer in layer_names(spec):
+            if not layer.startswith(part + ".") or (tied and layer == "llm.head"):
+                continue
+            holder = layer_modules(spec, layer)
+            matched |= set(matched_modules(holder, spec, layer, lora).values())
+            names |= {".".join(n.split(".")[-2:]) for n, m in holder.named_modules() if type(m) is nn.Linear}
+        if not matched:
+            raise ValueError(f"train.lora.target_modules={list(lora.target_modules)} matches no module of the "
+                             f"{part} part of model {spec.name}, whose Linear modules are named "
+                             f"{', '.join(sorted(names)[:12]) or 'nothing'}: name some of them (or [all-linear]), "
+                             f"or drop {part} from train.lora.parts")
+    if tied and "llm" in lora.parts and ALL_LINEAR not in lora.target_modules:
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        if check_target_module_exists(peft_lora_config(lora, lora.target_modules), "lm_head"):
+            raise ValueError(f"train.lora.target_modules={list(lora.target_modules)} names lm_head, which model "
+                             f"{spec.name} ties to its input embedding (no module of its own): drop lm_head")
+
+
 def trains(layer: str, param: str, *, full: bool, lora: LoraSpec) -> bool:
     """Whether parameter `param` of pipeline layer `layer` trains: an adapter always; a base
     weight when the layer trains in full and LoRA does not adapt it."""

@@ -503,6 +503,10 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
             return "no adapters" if not lora else f"adapters {lora}"
         return (f"{key}: the checkpoint holds {said(saved.get('lora'))}; this run asks for "
                 f"{said(topology.get('lora'))}; resume with the same train.lora")
+    for what, fix in (("trainable", "train.trainable"), ("base", "model.path (the folders) and train.seed")):
+        if what in saved and saved[what] != topology.get(what):
+            return (f"{key}: the checkpoint was written with {what} {saved[what]}; this run has "
+                    f"{topology.get(what)}; resume with the same {fix}")
     mode = (saved.get("precision", "fp32"), saved.get("zero", 0))
     if mode != (topology["precision"], topology["zero"]):
         return (f"{key}: the checkpoint was written with train.precision={mode[0]} and ZeRO stage {mode[1]}; this "
@@ -746,7 +750,9 @@ class Checkpointer:
         states: dict[str, dict] = {}
         known: set[str] = set()
         first: dict | None = None
-        for s in range(saved_pp):
+        mine = self._trained_names()
+        wanted = set(mine)
+        for s in range(saved_pp):  # one old stage's file at a time, keeping only this stage's parameters
             names = json.loads((folder / order_file(s)).read_text())
             sd = engine.checkpoint_engine.load(str(folder / f"mp_rank_{s:02d}_model_states.pt"), map_location="cpu")
             opt = sd["optimizer"]
@@ -756,11 +762,14 @@ class Checkpointer:
                                       f"{order_file(s)} names {len(names)}; it is damaged")
             known.update(names)
             for name, i in zip(names, order):
-                if i in opt["state"]:
+                if i in opt["state"] and name in wanted:
                     states.setdefault(name, opt["state"][i])
-            first = first or sd
+            if first is None:
+                first = {"optimizer": {"param_groups": opt["param_groups"]},
+                         **{k: sd[k] for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps",
+                                               "step")}}
+            del sd, opt
         assert first is not None
-        mine = self._trained_names()
         unknown = [n for n in mine if n not in known and n != "frozen_stage_anchor"]
         if unknown:
             raise CheckpointError(f"checkpoint {folder}: this run trains {unknown[:3]}, which the checkpoint's "

@@ -72,6 +72,9 @@ def check_model(rc: RunConfig) -> str | None:
         raise ValueError(f"model={rc.model.name} is a planner-only composition ({rc.planner_only}): there is "
                          f"nothing to build or train; plan it with `mmpipe plan model={rc.model.name} data=trace "
                          f"data.path=FILE.jsonl`, or train one encoder at a time (model=compose, model=hf)")
+    from mmpipe.model.lora import check_adapters
+
+    check_adapters(rc.model, rc.train.lora)  # parts that would silently train nothing
     if rc.model.hf is None:
         return None
     if rc.model.hf.weights:  # a cut, missing or misshapen weight file: now, not in every rank after launch

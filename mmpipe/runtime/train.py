@@ -596,7 +596,16 @@ def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
     reader positions are per replica."""
     return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages],
             "precision": rc.train.precision, "zero": rc.train.zero, "model": model_identity(rc.model),
-            "lora": lora_identity(rc.train.lora)}
+            "lora": lora_identity(rc.train.lora), "trainable": list(rc.train.trainable), "base": _base(rc)}
+
+
+def _base(rc: RunConfig) -> dict | None:
+    """Where a LoRA run's frozen base weights come from (its checkpoints leave them out: every
+    start rebuilds them): the model's source folders and the seed; None for full training."""
+    if not rc.train.lora.active:
+        return None
+    folders = [[part, str(Path(folder).resolve())] for part, folder in (rc.model.hf.weights if rc.model.hf else ())]
+    return {"folders": folders, "seed": rc.train.seed}
 
 
 def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:

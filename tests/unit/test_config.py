@@ -195,6 +195,8 @@ def test_recompute_override_needs_one_flag_per_overridden_stage(overrides, messa
     (["train.lora.r=8", "train.lora.parts=[audio]", "model=qwen2-vl-7b"], "train.lora.parts names 'audio', which "
      "model qwen2-vl-7b does not have; use llm or vision"),
     (["train.lora.rank=8"], "train.lora.rank=8: no such config key; did you mean train.lora.r?"),
+    (["train.lora.r=8", "train.lora.target_modules=[q_prj]"], "train.lora.target_modules=['q_prj'] matches no "
+     "module of the llm part of model tiny, whose Linear modules are named head, mlp.down_proj, mlp.gate_proj"),
     (["train.lora.r=8", "train.lora.alpha=0"], "train.lora.alpha=0.0 must be > 0"),
     (["train.trainable=[]"], "train.trainable=[] trains nothing; use [all] or component prefixes (or adapters: "
      "train.lora.r=16)"),

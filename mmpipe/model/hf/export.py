@@ -205,6 +205,10 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
     adapters_only = lora.active and not merge
     if adapters_only:
         base = dict(src.weights).get("model")
+        if full_omni_folder(spec) is not None:
+            raise ValueError(f"model {spec.name} is the thinker of a full Qwen2.5-Omni folder, whose class "
+                             f"({src.architecture}) does not load that folder: export the whole model with "
+                             f"merge=true (or train from a thinker folder)")
         if base is None:
             raise ValueError(f"model {spec.name} is composed from several folders (or given inline): an adapter "
                              f"folder needs one base checkpoint to load onto; export the whole model with "
@@ -232,14 +236,15 @@ def _layer_state(checkpoint: Path, i: int, name: str) -> dict[str, torch.Tensor]
                          f"one (checkpoint=stepN)") from None
 
 
-def _layer_tensors(spec: ModelSpec, checkpoint: Path, i: int, name: str,
-                   seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _layer_tensors(spec: ModelSpec, checkpoint: Path, i: int, name: str, seed: int, *,
+                   lora: LoraSpec) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Pipeline layer i's (base tensors under their unwrapped names, adapter tensors). A LoRA
     checkpoint holds only what trained; the frozen tensors it leaves out are the layer as the run
-    built it (build_layer: the source checkpoint's tensors, or the seeded initialisation)."""
+    built it (build_layer: the source checkpoint's tensors, or the seeded initialisation). Any
+    other checkpoint must hold every tensor (the caller's key check says which are missing)."""
     base, adapters = split_state(_layer_state(checkpoint, i, name))
     missing = set(owned_keys(spec, name)) - set(base)
-    if missing:
+    if missing and lora.active:
         built = build_layer(spec, name, seed=seed).state_dict()
         base.update({k: built[k] for k in missing if k in built})
     return base, adapters
@@ -274,7 +279,10 @@ def _write_adapters(spec: ModelSpec, checkpoint: Path, out: Path, *, lora: LoraS
         full = is_trainable(name, trainable) and not lora.adapts(name)
         if not (lora.adapts(name) or full) or (tie is not None and name == tie.layers[1]):
             continue
-        base_state, adapters = _layer_tensors(spec, checkpoint, i, name, seed)
+        if full:
+            base_state, adapters = _layer_tensors(spec, checkpoint, i, name, seed, lora=lora)
+        else:  # the adapters alone: no need to rebuild the frozen base
+            base_state, adapters = split_state(_layer_state(checkpoint, i, name))
         saved = saved_adapter_names(spec, name, adapters)
         tensors.update(saved)
         targets += sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in saved})
@@ -296,6 +304,8 @@ def _write_adapters(spec: ModelSpec, checkpoint: Path, out: Path, *, lora: LoraS
                          f"train.lora run")
     config = peft_lora_config(lora, targets)
     config.modules_to_save = sorted(set(whole)) or None
+    if tie is not None and is_trainable("llm.embed", trainable) and not lora.adapts("llm.embed"):
+        config.ensure_weight_tying = True  # the trained embedding is the LM head too, as in training
     config.base_model_name_or_path = str(Path(base).resolve())
     config.save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / ADAPTER_FILE),
@@ -322,7 +332,7 @@ def _write(spec: ModelSpec, checkpoint: Path, out: Path, *, index: dict[str, Ten
         if tie is not None and name == tie.layers[1]:
             continue  # the tied head is the embedding's weight, saved with llm.embed
         path = checkpoint / f"layer_{i:02d}-model_states.pt"
-        state = _merge(_layer_tensors(spec, checkpoint, i, name, seed), lora, name)
+        state = _merge(_layer_tensors(spec, checkpoint, i, name, seed, lora=lora), lora, name)
         keys = owned_keys(spec, name)
         if set(state) != set(keys):
             extra = sorted(set(state) ^ set(keys))[:3]

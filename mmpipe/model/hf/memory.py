@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch import nn
-
 from mmpipe.model.hf.build import tied_embedding
-from mmpipe.model.hf.skeleton import layer_parts, owned_keys, skeleton
-from mmpipe.model.lora import matched_modules
+from mmpipe.model.hf.skeleton import owned_keys, skeleton
+from mmpipe.model.lora import layer_modules, matched_modules, tied_head
 from mmpipe.model.spec import NO_LORA, LoraSpec, ModelSpec, is_trainable, layer_names
 
 
@@ -80,25 +78,14 @@ def adapter_counts(spec: ModelSpec, lora: LoraSpec) -> dict[str, int]:
     on the meta-device model as the runtime finds them on a layer."""
     if not lora.active:
         return {}
-    model = skeleton(spec.hf)
     out = {}
     for name in layer_names(spec):
-        if not lora.adapts(name):
+        if not lora.adapts(name) or (name == "llm.head" and tied_head(spec)):  # a tied head is the embedding
             continue
-        holder = _Parts({attr: model.get_submodule(path) for attr, path in layer_parts(spec, name)
-                         if not path.endswith("image_newline")})
+        holder = layer_modules(spec, name)
         out[name] = sum(lora.r * (holder.get_submodule(local).in_features + holder.get_submodule(local).out_features)
                         for local in matched_modules(holder, spec, name, lora))
     return out
-
-
-class _Parts(nn.Module):
-    """A layer's modules under their layer attributes, for matching (nothing is copied)."""
-
-    def __init__(self, parts: dict[str, nn.Module]):
-        super().__init__()
-        for attr, module in parts.items():
-            self.add_module(attr, module)
 
 
 def _frozen_params(spec: ModelSpec) -> dict[str, int]:
