@@ -563,12 +563,7 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
 def check_run(rc: RunConfig) -> None:
     """Cross-key checks: the ones no single section can make (those on parallel.pp / dp wait
     for `resolve_layout` while they are auto)."""
-    lora = rc.train.lora
-    for part in lora.parts if lora.active else ():
-        if not any(n.startswith(part + ".") for n in rc.layers):
-            have = [c for c in ("llm", "vision", "audio") if any(n.startswith(c + ".") for n in rc.layers)]
-            raise ValueError(f"train.lora.parts names {part!r}, which model {rc.model.name} does not have; use "
-                             f"{' or '.join(have)}")
+    rc.train.lora.check_parts(rc.model)
     if rc.parallel.auto:
         _check_auto(rc)
         return

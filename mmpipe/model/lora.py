@@ -43,19 +43,13 @@ def peft_lora_config(lora: LoraSpec, targets: Iterable[str]):
                       target_modules=sorted(targets))
 
 
-def module_paths(spec: ModelSpec, layer: str) -> dict[str, str]:
-    """A layer's attribute -> that module's path in the whole model: the transformers path
-    (skeleton.layer_parts) for a Hugging Face model, `<layer name>.<attribute>` for mmpipe's own."""
-    if spec.hf is None:
-        return {}
+def whole_name(spec: ModelSpec, layer: str, local: str) -> str:
+    """The whole-model name of a module named `local` inside pipeline layer `layer`: its
+    transformers path (skeleton.layer_parts maps the layer's attributes) for a Hugging Face model,
+    `<layer name>.<local>` for mmpipe's own."""
     from mmpipe.model.hf.skeleton import layer_parts
 
-    return dict(layer_parts(spec, layer))
-
-
-def whole_name(spec: ModelSpec, layer: str, local: str) -> str:
-    """The whole-model name of a module named `local` inside pipeline layer `layer`."""
-    paths = module_paths(spec, layer)
+    paths = dict(layer_parts(spec, layer)) if spec.hf is not None else {}
     attr, _, rest = local.partition(".")
     if attr in paths:
         return paths[attr] + ("." + rest if rest else "")

@@ -410,13 +410,18 @@ class LoraSpec:
     def active(self) -> bool:
         return self.r > 0
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.r
-
     def adapts(self, layer: str) -> bool:
         """Whether a pipeline layer's base weights are frozen under adapters (its component is in parts)."""
         return self.active and layer.split(".")[0] in self.parts
+
+    def check_parts(self, model: ModelSpec) -> None:
+        """ValueError naming a part in `parts` that the model lacks (no adapters: nothing to check)."""
+        names = layer_names(model)
+        have = [c for c in COMPONENTS if any(n.startswith(c + ".") for n in names)]
+        for part in self.parts if self.active else ():
+            if part not in have:
+                raise ValueError(f"train.lora.parts names {part!r}, which model {model.name} does not have; use "
+                                 f"{' or '.join(have)}")
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 0:

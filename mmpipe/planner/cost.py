@@ -148,11 +148,7 @@ def validate_trainable(trainable: Sequence[str], model: ModelSpec, lora: LoraSpe
     valid = [p for p in TRAINABLE_PREFIXES
              if p == "all" or any(is_trainable(n, (p,)) for n in names)]
     trainable = tuple(str(t) for t in trainable)
-    for part in lora.parts if lora.active else ():
-        if not any(lora.adapts(n) and n.startswith(part + ".") for n in names):
-            have = [c for c in ("llm", "vision", "audio") if any(n.startswith(c + ".") for n in names)]
-            raise ValueError(f"train.lora.parts names {part!r}, which model {model.name} does not have; use "
-                             f"{_or_list(have)}")
+    lora.check_parts(model)
     if not trainable and not lora.active:
         raise ValueError(f"train.trainable=[] trains nothing; use {_or_list(valid)}")
     for t in trainable:

@@ -193,7 +193,7 @@ def test_recompute_override_needs_one_flag_per_overridden_stage(overrides, messa
     (["train.lora.r=8", "train.trainable=[vision.proj,llm]"], "train.trainable entry 'llm' is a part "
      "train.lora.parts=['llm'] adapts (its base weights stay frozen); a layer trains in full or through adapters"),
     (["train.lora.r=8", "train.lora.parts=[audio]", "model=qwen2-vl-7b"], "train.lora.parts names 'audio', which "
-     "model qwen2-vl-7b does not have; use llm or vision"),
+     "model qwen2-vl-7b does not have; use vision or llm"),
     (["train.lora.rank=8"], "train.lora.rank=8: no such config key; did you mean train.lora.r?"),
     (["train.lora.r=8", "train.lora.target_modules=[q_prj]"], "train.lora.target_modules=['q_prj'] matches no "
      "module of the llm part of model tiny, whose Linear modules are named head, mlp.down_proj, mlp.gate_proj"),

@@ -10,6 +10,7 @@ part (`planner/cost.py`); add its figure for the whole picture.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ def estimate_memory(spec: ModelSpec, *, stages: Sequence[tuple[int, int]], train
     counts = layer_params(spec)
     frozen = _frozen_params(spec)
     adapters = adapter_counts(spec, lora)
-    trainable = tuple(t for t in trainable)
+    trainable = tuple(trainable)
     out = []
     for i, (start, end) in enumerate(stages):
         layers = names[start:end]
@@ -73,9 +74,11 @@ def estimate_memory(spec: ModelSpec, *, stages: Sequence[tuple[int, int]], train
     return out
 
 
+@functools.lru_cache(maxsize=8)
 def adapter_counts(spec: ModelSpec, lora: LoraSpec) -> dict[str, int]:
     """Adapter parameters of each layer LoRA adapts: r x (in + out) of each matched Linear, found
-    on the meta-device model as the runtime finds them on a layer."""
+    on the meta-device model as the runtime finds them on a layer (cached: the pre-launch check
+    estimates several partitions; read it, do not change it)."""
     if not lora.active:
         return {}
     out = {}

@@ -22,7 +22,11 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
+    LlavaOnevisionForConditionalGeneration,
     MistralConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5OmniThinkerForConditionalGeneration,
     Qwen2AudioConfig,
     Qwen2AudioForConditionalGeneration,
     Qwen2Config,
@@ -44,6 +48,12 @@ from mmpipe.model.hf.skeleton import owned_keys
 from mmpipe.model.layers import run_layers, token_loss
 from mmpipe.runtime.batch import collate_hf
 
+CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
+           "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration,
+           "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration,
+           "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+           "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration}
+"""The transformers class of each checkpoint fixture (tests/unit/model/conftest.py)."""
 VOCAB, IMAGE, AUDIO, VSTART, VEND, VIDEO = 300, 290, 291, 292, 293, 294
 ASTART, AEND = 295, 296  # Qwen2.5-Omni's audio bos / eos
 TEXT = (10, 280)

@@ -11,13 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (
     LlavaForConditionalGeneration,
-    LlavaNextForConditionalGeneration,
-    LlavaOnevisionForConditionalGeneration,
-    Qwen2_5_VLForConditionalGeneration,
     Qwen2_5OmniThinkerForConditionalGeneration,
-    Qwen2AudioForConditionalGeneration,
-    Qwen2VLForConditionalGeneration,
-    Qwen3VLForConditionalGeneration,
 )
 
 from mmpipe.model.hf import weights as W
@@ -29,12 +23,6 @@ from mmpipe.model.hf.skeleton import layer_parts, owned_keys
 from mmpipe.model.spec import layer_names
 
 from . import hf_cases as H
-
-CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
-           "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration,
-           "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration,
-           "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-           "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration}
 
 
 def _differences(spec, layers, hf_model) -> list[str]:
@@ -58,11 +46,11 @@ def _differences(spec, layers, hf_model) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("case", list(CLASSES))
+@pytest.mark.parametrize("case", list(H.CLASSES))
 def test_a_built_layer_holds_the_checkpoints_tensors(case, request):
     folder = request.getfixturevalue(case)
     spec = spec_from_folder(folder)
-    hf = CLASSES[case].from_pretrained(folder, local_files_only=True)
+    hf = H.CLASSES[case].from_pretrained(folder, local_files_only=True)
     assert _differences(spec, build_layers(spec, seed=0), hf) == []
     # the same check fails when nothing is loaded: the perturbed norms and biases differ
     unloaded = _differences(spec, build_layers(spec, seed=0, load=False), hf)
@@ -135,12 +123,12 @@ def _export_round_trip(spec, source_model, tmp_path, cls):
     return report, layers
 
 
-@pytest.mark.parametrize("case", list(CLASSES))
+@pytest.mark.parametrize("case", list(H.CLASSES))
 def test_export_right_after_loading_is_bit_identical(case, request, tmp_path):
     folder = request.getfixturevalue(case)
     spec = spec_from_folder(folder)
-    source = CLASSES[case].from_pretrained(folder, local_files_only=True)
-    report, _ = _export_round_trip(spec, source, tmp_path, CLASSES[case])
+    source = H.CLASSES[case].from_pretrained(folder, local_files_only=True)
+    report, _ = _export_round_trip(spec, source, tmp_path, H.CLASSES[case])
     with open(folder / "config.json") as a, open(tmp_path / "export" / "config.json") as b:
         assert json.load(a) == json.load(b)
     assert (tmp_path / "export" / "preprocessor_config.json").is_file()

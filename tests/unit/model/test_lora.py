@@ -8,16 +8,6 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import (
-    LlavaForConditionalGeneration,
-    LlavaNextForConditionalGeneration,
-    LlavaOnevisionForConditionalGeneration,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5OmniThinkerForConditionalGeneration,
-    Qwen2AudioForConditionalGeneration,
-    Qwen2VLForConditionalGeneration,
-    Qwen3VLForConditionalGeneration,
-)
 
 from mmpipe.model.hf.arch import spec_from_folder
 from mmpipe.model.hf.build import build_layers
@@ -29,11 +19,6 @@ from mmpipe.runtime.batch import collate_hf
 
 from . import hf_cases as H
 
-CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen2": LlavaForConditionalGeneration,
-           "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration,
-           "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration,
-           "qwen2_audio": Qwen2AudioForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-           "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration}
 TOWER_TARGETS = ("qkv", "attn.proj", "fc1", "fc2", "out_proj", "linear_1", "linear_2")
 """Linear names of the towers and projectors (CLIP, SigLIP, Whisper, the Qwen towers' blocks and mergers)."""
 
@@ -49,7 +34,7 @@ def _ours(layers) -> set[str]:
     return {name for layer in layers for name in getattr(layer, "lora_modules", {}).values()}
 
 
-@pytest.mark.parametrize("case", list(CLASSES))
+@pytest.mark.parametrize("case", list(H.CLASSES))
 def test_the_adapted_modules_are_peft_s(case, request):
     """Every part adapted: the modules are those PEFT adapts on the whole model for the same list
     of names. parts=[llm]: those of them inside the decoder, and the config mmpipe writes for
@@ -59,7 +44,7 @@ def test_the_adapted_modules_are_peft_s(case, request):
     targets = LORA_TARGETS + TOWER_TARGETS
     every = LoraSpec(r=2, target_modules=targets, parts=("llm", "vision", "audio"))
     ours = _ours(adapt_layers(build_layers(spec, seed=0), spec, every, seed=0))
-    theirs = _adapted(get_peft_model(H.load_reference(CLASSES[case], folder),
+    theirs = _adapted(get_peft_model(H.load_reference(H.CLASSES[case], folder),
                                      LoraConfig(r=2, target_modules=list(targets))))
     # modules no pipeline layer holds (a CLIP tower's blocks after the feature layer, SigLIP's
     # pooling head: the model's forward never runs them) get none here
@@ -70,10 +55,10 @@ def test_the_adapted_modules_are_peft_s(case, request):
 
     llm = LoraSpec(r=2)
     ours = _ours(adapt_layers(build_layers(spec, seed=0), spec, llm, seed=0))
-    assert ours == {n for n in _adapted(get_peft_model(H.load_reference(CLASSES[case], folder),
+    assert ours == {n for n in _adapted(get_peft_model(H.load_reference(H.CLASSES[case], folder),
                                                        LoraConfig(r=2, target_modules=list(LORA_TARGETS))))
                     if n.startswith("model.language_model.")}
-    assert _adapted(get_peft_model(H.load_reference(CLASSES[case], folder), peft_lora_config(llm, ours))) == ours
+    assert _adapted(get_peft_model(H.load_reference(H.CLASSES[case], folder), peft_lora_config(llm, ours))) == ours
     # the memory check counts exactly the adapters the layers hold
     layers = adapt_layers(build_layers(spec, seed=0), spec, every, seed=0)
     counts = adapter_counts(spec, every)
@@ -87,7 +72,7 @@ def _text_samples(rng):
     return [H.sample("a", [H.text(rng, 5), H.text(rng, 9)]), H.sample("b", [H.text(rng, 3), H.text(rng, 12)])]
 
 
-@pytest.mark.parametrize("case", list(CLASSES))
+@pytest.mark.parametrize("case", list(H.CLASSES))
 def test_lora_layers_compute_peft_s_loss_and_adapter_gradients(case, request):
     """Text samples (the decoder's adapters, every family's decoder): the pipeline layers with
     adapters, in one process, give the loss and the gradient of every lora_A and lora_B that
@@ -97,7 +82,7 @@ def test_lora_layers_compute_peft_s_loss_and_adapter_gradients(case, request):
     spec = spec_from_folder(folder)
     lora = LoraSpec(r=4, alpha=8.0)
     layers = adapt_layers(build_layers(spec, seed=0), spec, lora, seed=0)
-    peft = get_peft_model(H.load_reference(CLASSES[case], folder),
+    peft = get_peft_model(H.load_reference(H.CLASSES[case], folder),
                           LoraConfig(r=4, lora_alpha=8, target_modules=sorted(_ours(layers))))
     theirs = dict(peft.named_parameters())
     gen = torch.Generator().manual_seed(1)
@@ -140,7 +125,7 @@ def test_all_linear_adapts_what_peft_s_all_linear_adapts(case, request):
     Linear but the LM head), but for modules no layer holds; over [llm]: those of the decoder."""
     folder = request.getfixturevalue(case)
     spec = spec_from_folder(folder)
-    theirs = _adapted(get_peft_model(H.load_reference(CLASSES[case], folder),
+    theirs = _adapted(get_peft_model(H.load_reference(H.CLASSES[case], folder),
                                      LoraConfig(r=2, target_modules="all-linear")))
     every = LoraSpec(r=2, target_modules=("all-linear",), parts=("llm", "vision", "audio"))
     ours = _ours(adapt_layers(build_layers(spec, seed=0), spec, every, seed=0))
