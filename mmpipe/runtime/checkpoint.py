@@ -36,6 +36,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from mmpipe.model.spec import identity_differences
+from mmpipe.runtime.reshard import ReshardError, layout_changes, load_states, order_file, read_states, reshard_problem
 
 MARKER = "committed.json"
 """The file whose presence makes a step folder a checkpoint."""
@@ -334,19 +335,6 @@ def load_step_fit(found: Found) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def reshard_problem(saved: dict, files: dict, *, zero: int) -> str | None:
-    """Why a checkpoint (its topology and committed files) cannot resume on another pipeline
-    layout under ZeRO stage `zero`, or None when it can."""
-    if saved.get("zero", 0) or zero:
-        return ("a resume on another pipeline layout remaps the optimizer state under ZeRO stage 0 only "
-                "(ZeRO-1's shards are not remapped): resume with the same pp and stages (plan.stages fixes them)")
-    lacking = [f for f in (order_file(s) for s in range(saved["pp"])) if f not in files]
-    if lacking:
-        return (f"the checkpoint records no optimizer parameter order ({lacking[0]}: written by an earlier "
-                f"mmpipe), so its optimizer state cannot be remapped: resume with the same pp and stages")
-    return None
-
-
 def describe(target: Path) -> str:
     """`mmpipe checkpoint info`: what a committed checkpoint holds and the layouts it resumes on
     (the rules `find_checkpoint` applies)."""
@@ -359,7 +347,7 @@ def describe(target: Path) -> str:
     lora = topo.get("lora")
     size = sum(f.get("size", 0) for f in files.values())
     zero, precision = topo.get("zero", 0), topo.get("precision", "fp32")
-    why = reshard_problem(topo, files, zero=0)
+    why = reshard_problem(topo, files)
     lines = [
         f"checkpoint {folder}: step {record.get('step')}, committed, {len(files)} files, {size / 2**20:.1f} MiB",
         f"model: {model.get('name')} ({model.get('class')}; {'; '.join(parts)})",
@@ -367,20 +355,14 @@ def describe(target: Path) -> str:
         f"(layer index ranges)",
         f"training: train.precision={precision}, ZeRO stage {zero}; "
         + (f"LoRA {lora} (the frozen base weights are not in the files)" if lora else "no adapters"),
-        "resumes on: the same model, train.precision and ZeRO stage"
+        "resumes on: the same model and train.precision"
         + (f" and train.lora={lora}" if lora else " and no train.lora")
-        + ("; any parallel.pp and cut (the optimizer state is remapped by parameter)" if why is None
-           else f"; parallel.pp={topo.get('pp')} with stages {topo.get('stages')} only: {why.split(': resume')[0]}")
-        + (f"; parallel.dp={topo.get('dp')} only (ZeRO-1 shards the optimizer state over the replicas)" if zero
-           else f"; parallel.dp={topo.get('dp')} exactly, any other with the data continuing approximately"),
+        + ("; any parallel.pp, cut, parallel.dp and ZeRO stage the precision allows (the optimizer state is "
+           "remapped by parameter)" if why is None
+           else f"; this layout only ({why.split(': resume')[0]})")
+        + "; the data continues exactly on another parallel.dp with plan.across_replicas=true, else approximately",
     ]
     return "\n".join(lines + [f"warning: {w}" for w in warnings])
-
-
-def order_file(stage: int) -> str:
-    """The file naming, in the optimizer's order, the parameters a stage trains (what lets a
-    checkpoint resume on another pipeline layout)."""
-    return f"optimizer_params_stage{stage}.json"
 
 
 def _required(topology: dict) -> list[str]:
@@ -488,16 +470,6 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     other = other_model(key, folder, saved, topology.get("model"))
     if other:
         return other
-    if (saved["pp"], saved["stages"]) != (topology["pp"], topology["stages"]):
-        how = (f"{key}: the checkpoint was written with parallel.pp={saved['pp']} and stages {saved['stages']} "
-               f"(layer index ranges); this run has parallel.pp={topology['pp']} and stages {topology['stages']}")
-        why = reshard_problem(saved, files, zero=topology["zero"])
-        if why:
-            return f"{how}; {why}"
-        warnings.append(f"resharded: pipeline pp={saved['pp']} stages {saved['stages']} -> pp={topology['pp']} "
-                        f"stages {topology['stages']}: the weights (layer files), the optimizer state of every "
-                        f"parameter (by name) and the learning-rate schedule carry over; random states start "
-                        f"afresh")
     if saved.get("lora") != topology.get("lora"):
         def said(lora) -> str:
             return "no adapters" if not lora else f"adapters {lora}"
@@ -507,18 +479,23 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
         if what in saved and saved[what] != topology.get(what):
             return (f"{key}: the checkpoint was written with {what} {saved[what]}; this run has "
                     f"{topology.get(what)}; resume with the same {fix}")
-    mode = (saved.get("precision", "fp32"), saved.get("zero", 0))
-    if mode != (topology["precision"], topology["zero"]):
-        return (f"{key}: the checkpoint was written with train.precision={mode[0]} and ZeRO stage {mode[1]}; this "
-                f"run has train.precision={topology['precision']} and ZeRO stage {topology['zero']}; DeepSpeed's "
-                f"optimizer files differ between them: resume with the same")
-    if saved["dp"] != topology["dp"] and topology["zero"]:
-        return (f"{key}: the checkpoint was written with parallel.dp={saved['dp']}; under ZeRO stage "
-                f"{topology['zero']} the optimizer state is split over the replicas: resume with parallel.dp="
-                f"{saved['dp']}")
+    if saved.get("precision", "fp32") != topology["precision"]:
+        return (f"{key}: the checkpoint was written with train.precision={saved.get('precision', 'fp32')}; this run "
+                f"has train.precision={topology['precision']}; resume with the same (the weights and the optimizer's "
+                f"master copy differ between them)")
+    changes = layout_changes(saved, topology)
+    if changes:
+        why = reshard_problem(saved, files)
+        if why:
+            return f"{key}: the checkpoint's layout differs from this run's ({'; '.join(changes)}); {why}"
+        warnings.append(f"resharded: {'; '.join(changes)}: the weights (layer files), the optimizer state of every "
+                        f"parameter (by name), the learning-rate schedule and the step counters carry over; random "
+                        f"states start afresh")
     if saved["dp"] != topology["dp"]:
-        warnings.append(f"parallel.dp={topology['dp']} differs from the checkpoint's {saved['dp']}: the data "
-                        f"continues approximately (see docs/data.md) and random states start afresh")
+        warnings.append(f"parallel.dp={topology['dp']} differs from the checkpoint's {saved['dp']}: the reader "
+                        f"positions carry over exactly when every replica reads the one stream "
+                        f"(plan.across_replicas=true), else approximately (a warning says so; docs/data.md); random "
+                        f"states start afresh")
     if step >= steps:
         return (f"{key}: the checkpoint is at step {step}, not below train.steps={steps}; raise train.steps to "
                 f"train further")
@@ -681,13 +658,13 @@ class Checkpointer:
         safe = self.engine.checkpoint_engine
         safe.trusted = self.resume_unsafe or folder.resolve().is_relative_to(self.run_dir.resolve())
         problem, reader_state = None, None
-        saved_dp = found.record["topology"]["dp"]
         saved = found.record["topology"]
-        reshard = (saved["pp"], saved["stages"]) != (self.topology["pp"], self.topology["stages"])
+        saved_dp = saved["dp"]
+        reshard = bool(layout_changes(saved, self.topology))
         try:
             self._check_layer_keys(folder)
             if reshard:
-                self._reshard(folder, saved["pp"], step)
+                self._reshard(folder, saved, step)
             else:
                 _, client = self.engine.load_checkpoint(str(folder.parent), tag=folder.name,
                                                         load_module_strict=not self.adapters)
@@ -739,49 +716,30 @@ class Checkpointer:
         every layout."""
         return [n for n, p in self.engine.module.named_parameters() if p.requires_grad]
 
-    def _reshard(self, folder: Path, saved_pp: int, step: int) -> None:
-        """Load a checkpoint written with another pipeline layout (ZeRO stage 0): the layer files
-        are named by global layer index, so DeepSpeed's own loader reads this stage's whatever the
-        cut; the optimizer state is gathered from every old stage's file by parameter name (a
-        tied weight's, the same on each stage holding it, from the first) and put in this stage's
-        order; the schedule and step counters come from the first old stage."""
+    def _reshard(self, folder: Path, saved: dict, step: int) -> None:
+        """Load a checkpoint written with another layout (pipeline cut, replicas, ZeRO stage): the
+        layer files are named by global layer index, so DeepSpeed's own loader reads this stage's
+        whatever the cut; the optimizer state is read by parameter name from every old stage's
+        (and replica's) files and put into this rank's optimizer (runtime/reshard.py); the
+        schedule and step counters come from the first old stage."""
         module, engine = self.engine.module, self.engine
         module.load_state_dir(str(folder), checkpoint_engine=engine.checkpoint_engine, strict=not self.adapters)
-        states: dict[str, dict] = {}
-        known: set[str] = set()
-        first: dict | None = None
-        mine = self._trained_names()
-        wanted = set(mine)
-        for s in range(saved_pp):  # one old stage's file at a time, keeping only this stage's parameters
-            names = json.loads((folder / order_file(s)).read_text())
-            sd = engine.checkpoint_engine.load(str(folder / f"mp_rank_{s:02d}_model_states.pt"), map_location="cpu")
-            opt = sd["optimizer"]
-            order = [i for g in opt["param_groups"] for i in g["params"]]
-            if len(order) != len(names):
-                raise CheckpointError(f"checkpoint {folder}: stage {s}'s optimizer holds {len(order)} parameters, "
-                                      f"{order_file(s)} names {len(names)}; it is damaged")
-            known.update(names)
-            for name, i in zip(names, order):
-                if i in opt["state"] and name in wanted:
-                    states.setdefault(name, opt["state"][i])
-            if first is None:
-                first = {"optimizer": {"param_groups": opt["param_groups"]},
-                         **{k: sd[k] for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps",
-                                               "step")}}
-            del sd, opt
-        assert first is not None
-        unknown = [n for n in mine if n not in known and n != "frozen_stage_anchor"]
+        names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+        try:
+            states = read_states(folder, saved, set(names.values()), engine.checkpoint_engine.load)
+        except ReshardError as err:
+            raise CheckpointError(str(err)) from None
+        unknown = [n for n in names.values() if n not in states.known and n != "frozen_stage_anchor"]
         if unknown:
             raise CheckpointError(f"checkpoint {folder}: this run trains {unknown[:3]}, which the checkpoint's "
                                   f"optimizer does not hold (another train.trainable?)")
-        group = {k: v for k, v in first["optimizer"]["param_groups"][0].items() if k != "params"}
-        engine.optimizer.load_state_dict({"state": {i: states[n] for i, n in enumerate(mine) if n in states},
-                                          "param_groups": [{**group, "params": list(range(len(mine)))}]})
-        engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
-        engine.global_steps, engine.global_samples = first["global_steps"], first["global_samples"]
-        engine.skipped_steps = first["skipped_steps"]
-        if first.get("step") != step:
-            raise CheckpointError(f"checkpoint {folder}: its model states are of step {first.get('step')}, "
+        load_states(engine, names, states)
+        counters = states.counters
+        engine.lr_scheduler.load_state_dict(counters["lr_scheduler"])
+        engine.global_steps, engine.global_samples = counters["global_steps"], counters["global_samples"]
+        engine.skipped_steps = counters["skipped_steps"]
+        if counters.get("step") != step:
+            raise CheckpointError(f"checkpoint {folder}: its model states are of step {counters.get('step')}, "
                                   f"not {step}")
 
     def _check_layer_keys(self, folder: Path) -> None:

@@ -157,10 +157,11 @@ def test_the_newest_committed_checkpoint_is_chosen_and_unfinished_ones_are_named
     ("damaged", "checkpoint {run}/checkpoints/step4 is damaged: data_state_dp0.json does not match its recorded "
                 "sha256; mp_rank_00_model_states.pt has 7 bytes, 100 recorded; rng_rank0.pt is missing; restore "
                 "these files or resume from an earlier one (train.resume={run}/checkpoints/step2)"),
-    ("other stages", "the checkpoint was written with parallel.pp=1 and stages [[0, 15]] (layer index ranges); "
-                     "this run has parallel.pp=2 and stages [[0, 11], [11, 15]]"),
-    ("other precision", "the checkpoint was written with train.precision=fp32 and ZeRO stage 0; this run has "
-                        "train.precision=bf16 and ZeRO stage 1"),
+    ("other stages", "the checkpoint's layout differs from this run's (pipeline pp=1 stages [[0, 15]] -> pp=2 "
+                     "stages [[0, 11], [11, 15]]); the checkpoint lacks optimizer_params_stage0.json (written by "
+                     "an earlier mmpipe), so its optimizer state cannot be remapped: resume with its layout"),
+    ("other precision", "the checkpoint was written with train.precision=fp32; this run has train.precision=bf16; "
+                        "resume with the same"),
     ("at the end", "the checkpoint is at step 4, not below train.steps=4; raise train.steps"),
     ("older, same run", "this run directory has newer checkpoints (step4); resuming step 2 here would mix two "
                         "histories"),
@@ -220,7 +221,8 @@ def test_another_replica_count_resumes_with_a_warning(one_rank, tmp_path, capsys
     _checkpoint(tmp_path / "run", 2)
     found = _find(tmp_path / "run", tmp_path / "new", topology={**TOPOLOGY, "dp": 2})
     assert found.step == 2
-    assert "warning: parallel.dp=2 differs from the checkpoint's 1: the data continues approximately" in \
+    assert ("warning: parallel.dp=2 differs from the checkpoint's 1: the reader positions carry over exactly when "
+            "every replica reads the one stream (plan.across_replicas=true), else approximately") in \
         capsys.readouterr().err
 
 
@@ -248,15 +250,18 @@ def test_nonfinite_weights_or_moments_are_found():
 
 
 def test_checkpoint_info_says_what_a_checkpoint_resumes_on(tmp_path, capsys):
-    """`mmpipe checkpoint info`: the step, layout, precision and adapters, and the layouts: any pp
-    and cut under ZeRO-0 with the optimizer order recorded, the same one under ZeRO-1."""
+    """`mmpipe checkpoint info`: the step, layout, precision and adapters, and the layouts: any pp,
+    cut, dp and ZeRO stage when the optimizer state can be read by parameter (ZeRO-0 with the
+    optimizer order recorded; ZeRO-1's per-replica files), its own layout only otherwise."""
     from mmpipe.cli import main
-    from mmpipe.runtime.checkpoint import commit, order_file
+    from mmpipe.runtime.checkpoint import commit
+    from mmpipe.runtime.reshard import order_file, zero_file
 
     def write(name, zero, orders, lora=None):
         folder = tmp_path / name / "checkpoints" / "step3"
         folder.mkdir(parents=True)
-        files = {order_file(s): {"size": 10, "sha256": "x"} for s in range(2) if orders}
+        names = [zero_file(s, d, "fp32") for s in range(2) for d in range(2)] if zero else map(order_file, range(2))
+        files = {n: {"size": 10, "sha256": "x"} for n in names if orders}
         files["layer_00-model_states.pt"] = {"size": 2**20, "sha256": "x"}
         commit(folder, step=3, files=files, schedule={},
                topology={"pp": 2, "dp": 2, "stages": [[0, 9], [9, 15]], "precision": "fp32", "zero": zero,
@@ -268,13 +273,15 @@ def test_checkpoint_info_says_what_a_checkpoint_resumes_on(tmp_path, capsys):
     assert "step 3, committed, 3 files, 1.0 MiB" in out
     assert "layout: parallel.pp=2 x parallel.dp=2, stages [[0, 9], [9, 15]]" in out
     assert "LoRA {'r': 8} (the frozen base weights are not in the files)" in out
-    assert "any parallel.pp and cut (the optimizer state is remapped by parameter)" in out
+    anywhere = "any parallel.pp, cut, parallel.dp and ZeRO stage the precision allows"
+    assert anywhere in out
     assert main(["checkpoint", "info", str(write("b", 1, True))]) == 0
     out = capsys.readouterr().out
-    assert "parallel.pp=2 with stages [[0, 9], [9, 15]] only: a resume on another pipeline layout remaps" in out
-    assert "parallel.dp=2 only (ZeRO-1 shards the optimizer state over the replicas)" in out
-    assert main(["checkpoint", "info", str(write("c", 0, False))]) == 0
-    assert "only: the checkpoint records no optimizer parameter order" in capsys.readouterr().out
+    assert "training: train.precision=fp32, ZeRO stage 1; no adapters" in out and anywhere in out
+    for name, zero, lacks in (("c", 0, "optimizer_params_stage0.json"), ("d", 1, "zero_pp_rank_0_mp_rank_00")):
+        assert main(["checkpoint", "info", str(write(name, zero, False))]) == 0
+        out = capsys.readouterr().out
+        assert f"; this layout only (the checkpoint lacks {lacks}" in out and anywhere not in out
     assert main(["checkpoint", "info", str(tmp_path / "none")]) == 2
     assert "no such folder; give a run directory" in capsys.readouterr().err
     assert main(["checkpoint", "show", str(tmp_path)]) == 2

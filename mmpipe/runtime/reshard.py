@@ -1,0 +1,242 @@
+"""Optimizer state that outlives its layout: read by parameter name from a checkpoint of any
+pipeline cut, data-parallel size and ZeRO stage, and put into this rank's optimizer.
+
+A checkpoint's model weights are already layout-free (DeepSpeed writes one file per layer,
+named by global layer index). Its optimizer state is not:
+
+- ZeRO stage 0 (fp32): one torch optimizer state per stage, keyed by the position of each
+  parameter in that stage's optimizer; mmpipe writes next to it the parameters' names in that
+  order (`optimizer_params_stage<S>.json`, checkpoint.order_file).
+- ZeRO stage 1 (fp32, bf16, fp16): per stage and replica, a flat fp32 partition of the master
+  weights and of each Adam moment, plus DeepSpeed's `param_slice_mappings` (parameter name ->
+  offset and length of its piece in that partition), which DeepSpeed saves for its universal
+  checkpoints. A parameter's pieces, in replica order, are the whole parameter.
+
+`read_states` turns either into whole per-parameter tensors by name; `load_states` writes them
+into this rank's optimizer, whatever its ZeRO stage and partitioning, through DeepSpeed's own
+fragment mapping (`param._hp_mapping`: where each parameter's piece lies in this rank's
+partition). DeepSpeed's universal checkpoint (`ds_to_universal` then
+`checkpoint.load_universal`) does the same for ZeRO-1 by first writing a second, per-parameter
+copy of the checkpoint with an offline script, and does not read ZeRO-0's plain torch
+optimizer state; mmpipe reads the committed files directly instead (and once, per stage).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["ReshardError", "SavedOptimizer", "layout_changes", "load_states", "order_file", "read_states",
+           "reshard_problem", "zero_file"]
+
+_COUNTERS = ("lr_scheduler", "global_steps", "global_samples", "skipped_steps", "step")
+"""What a stage's model-states file holds besides weights: the schedule and step counters
+(the same on every stage)."""
+_SCALER = ("loss_scaler", "dynamic_loss_scale", "overflow")
+"""An fp16 ZeRO optimizer's loss-scale state (the same on every rank)."""
+
+
+class ReshardError(ValueError):
+    """A checkpoint whose optimizer state cannot be put into this layout."""
+
+
+def order_file(stage: int) -> str:
+    """The file naming, in the optimizer's order, the parameters a stage trains under ZeRO
+    stage 0 (what lets such a checkpoint resume on another layout)."""
+    return f"optimizer_params_stage{stage}.json"
+
+
+def zero_file(stage: int, dp_rank: int, precision: str) -> str:
+    """DeepSpeed's ZeRO optimizer file of one stage and replica (the pipeline engine's naming;
+    `bf16_` in front when bf16 is on)."""
+    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{dp_rank}_mp_rank_{stage:02d}_optim_states.pt"
+
+
+def model_file(stage: int) -> str:
+    """DeepSpeed's per-stage model-states file (schedule, counters; the optimizer under ZeRO-0)."""
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+@dataclass(kw_only=True, slots=True)
+class SavedOptimizer:
+    """A checkpoint's optimizer state, whole per parameter and named layout-free."""
+
+    states: dict[str, dict[str, torch.Tensor]]
+    """Parameter name -> its optimizer state (`step`, `exp_avg`, `exp_avg_sq` for AdamW; empty
+    for SGD), the moments flat."""
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Parameter name -> its fp32 master weight, flat (ZeRO-1 checkpoints; under ZeRO-0 fp32 the
+    layer files hold the weights themselves)."""
+    hyper: dict
+    """The optimizer's hyper-parameters (its param_group without `params`)."""
+    counters: dict
+    """The schedule and DeepSpeed's step counters (_COUNTERS)."""
+    scaler: dict | None = None
+    """An fp16 run's loss-scale state (_SCALER), None otherwise."""
+    known: set[str] = field(default_factory=set)
+    """Every parameter name the checkpoint's optimizer holds (to name what this run lacks)."""
+
+
+def read_states(folder: Path, saved: dict, wanted: set[str], load) -> SavedOptimizer:
+    """The optimizer state of the parameters `wanted` from checkpoint `folder`, whose topology
+    record is `saved` (pp, dp, zero); `load(path)` reads one file (the run's safe checkpoint
+    engine). Reads one file at a time and keeps only what `wanted` names; a tied parameter's
+    state, the same on every stage holding it, is taken from the first."""
+    pp, dp, zero = saved["pp"], saved["dp"], saved.get("zero", 0)
+    out: SavedOptimizer | None = None
+    for s in range(pp):
+        sd = load(str(folder / model_file(s)))
+        counters = {k: sd[k] for k in _COUNTERS}
+        if zero:
+            part = _read_zero_stage(folder, s, dp, saved.get("precision", "fp32"), wanted, load)
+        else:
+            part = _read_plain_stage(folder, s, sd["optimizer"], wanted)
+        del sd
+        if out is None:
+            out = SavedOptimizer(states={}, hyper=part.hyper, counters=counters, scaler=part.scaler)
+        for name, state in part.states.items():
+            out.states.setdefault(name, state)
+        for name, master in part.masters.items():
+            out.masters.setdefault(name, master)
+        out.known |= part.known
+    assert out is not None
+    return out
+
+
+def _read_plain_stage(folder: Path, stage: int, opt: dict, wanted: set[str]) -> SavedOptimizer:
+    """One stage of a ZeRO-0 checkpoint: torch's optimizer state, by position, named by the
+    stage's order file."""
+    if not (folder / order_file(stage)).is_file():
+        raise ReshardError(f"checkpoint {folder}: {order_file(stage)} is missing (written by an earlier mmpipe), "
+                           f"so its optimizer state cannot be remapped: resume with the same layout")
+    names = json.loads((folder / order_file(stage)).read_text())
+    order = [i for g in opt["param_groups"] for i in g["params"]]
+    if len(order) != len(names):
+        raise ReshardError(f"checkpoint {folder}: stage {stage}'s optimizer holds {len(order)} parameters, "
+                           f"{order_file(stage)} names {len(names)}; it is damaged")
+    states = {name: {k: (v.flatten() if torch.is_tensor(v) and v.dim() else v) for k, v in opt["state"][i].items()}
+              for name, i in zip(names, order) if name in wanted and i in opt["state"]}
+    hyper = {k: v for k, v in opt["param_groups"][0].items() if k != "params"}
+    return SavedOptimizer(states=states, hyper=hyper, counters={}, known=set(names))
+
+
+def _read_zero_stage(folder: Path, stage: int, dp: int, precision: str, wanted: set[str], load) -> SavedOptimizer:
+    """One stage of a ZeRO-1 checkpoint: each replica's flat partitions, cut into per-parameter
+    pieces by DeepSpeed's param_slice_mappings and joined in replica order."""
+    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+    steps: dict[str, object] = {}
+    hyper: dict = {}
+    scaler: dict | None = None
+    known: set[str] = set()
+    for d in range(dp):
+        path = folder / zero_file(stage, d, precision)
+        osd = load(str(path))["optimizer_state_dict"]
+        base = osd["base_optimizer_state"]
+        hyper = hyper or {k: v for k, v in base["param_groups"][0].items() if k != "params"}
+        if scaler is None and "loss_scaler" in osd:
+            scaler = {k: osd[k] for k in _SCALER}
+        masters = osd["single_partition_of_fp32_groups"]
+        for g, mapping in enumerate(osd["param_slice_mappings"]):
+            state = base["state"].get(g, {})
+            flats = {"master": masters[g], **{k: v for k, v in state.items() if torch.is_tensor(v) and v.dim()}}
+            for name, addr in mapping.items():
+                known.add(name)
+                if name not in wanted:
+                    continue
+                got = pieces.setdefault(name, {k: [] for k in flats})
+                for k, flat in flats.items():
+                    got[k].append(flat.narrow(0, addr.start, addr.numel).clone())
+                if "step" in state:
+                    steps[name] = state["step"]
+        del osd, base
+    states, masters = {}, {}
+    for name, got in pieces.items():
+        masters[name] = torch.cat(got.pop("master"))
+        states[name] = {k: torch.cat(v) for k, v in got.items()}
+        if name in steps:  # a copy each: torch's optimizers count steps in place, per parameter
+            states[name]["step"] = steps[name].clone() if torch.is_tensor(steps[name]) else steps[name]
+    return SavedOptimizer(states=states, masters=masters, hyper=hyper, counters={}, scaler=scaler, known=known)
+
+
+def load_states(engine, names: dict, saved: SavedOptimizer) -> None:
+    """Put `saved` into this rank's optimizer; `names` maps each trained parameter of this
+    stage to its layout-free name. ZeRO-0: torch's load_state_dict on the plain optimizer.
+    ZeRO-1 (DeepSpeedZeroOptimizer, BF16_Optimizer): this rank's partition of the master weights
+    and moments, filled piece by piece at the offsets DeepSpeed's fragment mapping gives, then
+    handed to the wrapped torch optimizer and linked again as DeepSpeed's own loader does."""
+    opt = engine.optimizer
+    groups = getattr(opt, "bf16_groups", None) or getattr(opt, "bit16_groups", None)
+    if groups is None:  # ZeRO-0: the torch optimizer itself
+        params = [p for g in opt.param_groups for p in g["params"]]
+        state = {i: {k: (v.view_as(p) if torch.is_tensor(v) and v.dim() else v)
+                     for k, v in saved.states[names[p]].items()}
+                 for i, p in enumerate(params) if names[p] in saved.states}
+        opt.load_state_dict({"state": state, "param_groups": [{**saved.hyper, "params": list(range(len(params)))}]})
+        return
+    flats = getattr(opt, "fp32_groups_flat_partition", None) or opt.single_partition_of_fp32_groups
+    base_state: dict[int, dict] = {}
+    for g, (lps, flat) in enumerate(zip(groups, flats)):
+        moments: dict[str, torch.Tensor] = {}
+        step = None
+        for lp in lps:
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is None:  # no piece of this parameter in this rank's partition
+                continue
+            name = names[lp]
+            hp, lo = mapping.hp_fragment_address, mapping.lp_fragment_address
+            master = saved.masters.get(name)
+            if master is None:  # a ZeRO-0 fp32 checkpoint: its layer files hold the master weights
+                master = lp.detach().flatten().float()
+            flat.data.narrow(0, hp.start, hp.numel).copy_(master.narrow(0, lo.start, lo.numel))
+            for k, v in saved.states.get(name, {}).items():
+                if not (torch.is_tensor(v) and v.dim()):
+                    step = v
+                    continue
+                into = moments.setdefault(k, torch.zeros_like(flat))
+                into.narrow(0, hp.start, hp.numel).copy_(v.narrow(0, lo.start, lo.numel))
+        if moments:
+            counted = step.clone() if torch.is_tensor(step) else torch.tensor(float(step or 0))
+            base_state[g] = {"step": counted, **moments}
+    inner = opt.optimizer
+    template = inner.state_dict()["param_groups"]
+    inner.load_state_dict({"state": base_state,
+                           "param_groups": [{**g, **saved.hyper, "params": g["params"]} for g in template]})
+    if saved.scaler is not None and hasattr(opt, "loss_scaler"):
+        opt.loss_scaler = saved.scaler["loss_scaler"]
+        opt.dynamic_loss_scale = saved.scaler["dynamic_loss_scale"]
+        opt.overflow = saved.scaler["overflow"]
+    opt._link_all_hp_params()  # the fragments' views into the newly loaded state (DeepSpeed's loaders do this)
+
+
+def layout_changes(saved: dict, now: dict) -> list[str]:
+    """What differs between a checkpoint's layout (its topology record) and this run's, as
+    `key old -> new` phrases; empty when DeepSpeed's own loader reads the checkpoint as it is
+    (same stages and ZeRO stage, and the same replicas under ZeRO-1, whose files are per
+    replica)."""
+    changes = []
+    if (saved["pp"], saved["stages"]) != (now["pp"], now["stages"]):
+        changes.append(f"pipeline pp={saved['pp']} stages {saved['stages']} -> pp={now['pp']} stages {now['stages']}")
+    zero_saved, zero_now = saved.get("zero", 0), now.get("zero", 0)
+    if zero_saved != zero_now:
+        changes.append(f"ZeRO stage {zero_saved} -> {zero_now}")
+    if saved["dp"] != now["dp"] and (changes or zero_saved or zero_now):
+        changes.append(f"replicas dp={saved['dp']} -> dp={now['dp']}")
+    return changes
+
+
+def reshard_problem(saved: dict, files: dict) -> str | None:
+    """Why a checkpoint (its topology and committed files) cannot resume on another layout, or
+    None when it can."""
+    if saved.get("zero", 0):
+        precision = saved.get("precision", "fp32")
+        names = [zero_file(s, d, precision) for s in range(saved["pp"]) for d in range(saved["dp"])]
+        lacking = [n for n in names if n not in files]
+    else:
+        lacking = [order_file(s) for s in range(saved["pp"]) if order_file(s) not in files]
+    if lacking:
+        return (f"the checkpoint lacks {lacking[0]} (written by an earlier mmpipe), so its optimizer state cannot "
+                f"be remapped: resume with its layout")
+    return None
