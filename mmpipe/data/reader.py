@@ -114,6 +114,10 @@ class Reader:
     """Media sizes refused before decoding (data.max_image_pixels, max_member_mb, max_audio_seconds)."""
     resume_mode: str = field(default="start", init=False)
     """start | exact | approximate (...): how the last load_state_dict resumed."""
+    _after: list = field(default_factory=list, init=False, repr=False)
+    """The saved states of the readers of another layout this one continues (see `continues`)."""
+    _seen: dict = field(default_factory=dict, init=False, repr=False)
+    """Epoch -> raw samples (shard index, ordinal) those readers had taken: skipped here."""
     _start: list = field(default_factory=list, init=False, repr=False)
     _start_next: int = field(default=0, init=False, repr=False)
     _start_consumed: int = field(default=0, init=False, repr=False)
@@ -131,6 +135,7 @@ class Reader:
         self._start = [None] * self.num_workers
         self._start_next = 0
         self._start_consumed = 0
+        self._after, self._seen = [], {}
         self.rewind()
 
     def rewind(self) -> None:
@@ -220,12 +225,17 @@ class Reader:
 
     def state_dict(self) -> dict:
         """The position after the last noted item, as plain JSON-able values."""
-        return {"version": STATE_VERSION, "layout": self.layout(), "workers": copy.deepcopy(self._cursors),
-                "next_worker": self._next_worker, "consumed": self._consumed}
+        state = {"version": STATE_VERSION, "layout": self.layout(), "workers": copy.deepcopy(self._cursors),
+                 "next_worker": self._next_worker, "consumed": self._consumed}
+        if self._after and any(c is None or c["epoch"] <= max(self._seen, default=-1) for c in self._cursors):
+            state["after"] = copy.deepcopy(self._after)  # still inside an epoch they had read part of
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` at the next iteration: exactly when the layout (dp size and
-        rank, workers, seed, shuffle, shard list) is the same, else approximately (see
+        rank, workers, seed, shuffle, shard list) is the same; when only the dp size or the
+        worker count differ and `state["replicas"]` holds every saved replica's state, with
+        each sample the saved readers had not taken (see `continues`); else approximately (see
         `resume_mode` and docs/data.md)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"reader state must be a dict with version {STATE_VERSION}, got {str(state)[:80]}")
@@ -235,10 +245,22 @@ class Reader:
                 f"reader state of replica {saved.get('dp_rank')} loaded into replica {mine['dp_rank']} "
                 f"(parallel.dp={mine['dp_size']} both times); restore each replica its own state")
         self._start_consumed = int(state.get("consumed", 0))
+        self._after, self._seen = [], {}
         if saved == mine:
             self._start = copy.deepcopy(state["workers"])
             self._start_next = int(state.get("next_worker", 0))
             self.resume_mode = "exact"
+            if state.get("after"):
+                self._after, self._seen = state["after"], self.taken(state["after"])
+        elif state.get("replicas") and self.continues(state["replicas"]):
+            self._after = copy.deepcopy(state["replicas"])
+            self._seen = self.taken(self._after)
+            self._start = [{"epoch": min(self._seen), "offset": 0} for _ in range(self.num_workers)]
+            self._start_next = 0
+            changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in mine.items() if saved.get(k) != v)
+            self.resume_mode = f"continued ({changed})"
+            log.warning("data reader continues another layout (%s): from epoch %d, without the %d samples its "
+                        "readers had taken", changed, min(self._seen), sum(map(len, self._seen.values())))
         else:
             self._start = [self.approximate(state["workers"]) for _ in range(self.num_workers)]
             self._start_next = 0
@@ -249,6 +271,17 @@ class Reader:
 
     def _epoch_of(self, cursors: list) -> int:
         return min((c["epoch"] for c in cursors if c), default=0)
+
+    def continues(self, states: list[dict]) -> bool:
+        """Whether this reader can continue the saved readers `states` (every replica's, of
+        another dp size or worker count) sample for sample: the same kind of reader, seed,
+        shuffle and shards. Mixtures cannot (their sources' readers are not replayed)."""
+        return False
+
+    def taken(self, states: list[dict]) -> dict[int, set[tuple[int, int]]]:
+        """Epoch -> the raw samples (shard index, ordinal) the readers of `states` had taken,
+        from the earliest epoch any of them was in (that epoch present even when empty)."""
+        raise NotImplementedError
 
 
 def _no_usable(shards: list[Shard], errors: list[SampleError]) -> ValueError:
@@ -306,6 +339,42 @@ class SampleStream(Reader):
     def approximate(self, cursors: list) -> dict:
         return {"epoch": self._epoch_of(cursors), "offset": 0}
 
+    def continues(self, states: list[dict]) -> bool:
+        same = ("kind", "seed", "shuffle_buffer", "shards", "shard_crc")
+        mine = self.layout()
+        layouts = [st.get("layout", {}) for st in states]
+        return (all(all(lay.get(k) == mine[k] for k in same) for lay in layouts)
+                and sorted(lay.get("dp_rank") for lay in layouts) == list(range(len(states)))
+                and all(lay.get("dp_size") == len(states) for lay in layouts)
+                and all(not st.get("after") or self.continues(st["after"]) for st in states))
+
+    def taken(self, states: list[dict]) -> dict[int, set[tuple[int, int]]]:
+        # Replays each saved reader's order (its own dp rank, dp size and worker split; shard
+        # headers only, no member is read) up to its saved position; what an earlier layout's
+        # readers had taken before that one continued them is added from its "after".
+        first = min((c["epoch"] for st in states for c in st["workers"] if c), default=0)
+        seen: dict[int, set[tuple[int, int]]] = {first: set()}
+        for st in states:
+            lay = st["layout"]
+            twin = SampleStream(path=self.path, keep=self.keep, name=self.name, key=self.key, root=self.root,
+                                dp_rank=lay["dp_rank"], dp_size=lay["dp_size"], num_workers=lay["num_workers"],
+                                seed=self.seed, shuffle_buffer=self.shuffle_buffer, epochs=self.epochs)
+            for w, cursor in enumerate(st["workers"]):
+                if not cursor:
+                    continue
+                for epoch in range(first, int(cursor["epoch"]) + 1):
+                    upto = int(cursor["offset"]) if epoch == int(cursor["epoch"]) else None
+                    got = seen.setdefault(epoch, set())
+                    for i, ev in enumerate(twin.events(w, epoch, select=lambda name: False)):
+                        if upto is not None and i >= upto:
+                            break
+                        if not isinstance(ev, SampleError):
+                            got.add((ev["__shard__"], ev["__ordinal__"]))
+            if st.get("after"):
+                for epoch, got in self.taken(st["after"]).items():
+                    seen.setdefault(epoch, set()).update(got)
+        return seen
+
     def _rng(self, epoch: int, w: int) -> random.Random:
         if self.num_workers == 1:
             return random.Random(f"{self.seed}:{epoch}:{self.dp_rank}")
@@ -330,10 +399,13 @@ class SampleStream(Reader):
         epoch, skip = (int(start["epoch"]), int(start["offset"])) if start else (0, 0)
         pending: list[SampleError] = []
         while self.epochs is None or epoch < self.epochs:
-            made, resumed, errors, i = 0, skip > 0, [], -1
+            seen = self._seen.get(epoch, ())
+            made, resumed, errors, i = 0, skip > 0 or bool(seen), [], -1
             for i, ev in enumerate(self.events(w, epoch, select)):
                 if i < skip:
                     continue  # replayed to restore the position; counted before the interruption
+                if seen and not isinstance(ev, SampleError) and (ev["__shard__"], ev["__ordinal__"]) in seen:
+                    continue  # taken by the readers of the layout this one continues
                 if isinstance(ev, SampleError):
                     err = ev
                 else:

@@ -672,9 +672,12 @@ class Checkpointer:
                     problem = f"checkpoint {folder}: DeepSpeed found no model states for step {step}"
             if saved_dp == self.topology["dp"] and not reshard:
                 set_rng_state(torch.load(folder / f"rng_rank{rank}.pt", weights_only=True))
-            if self.reads_data:  # with another dp, any replica's position serves the approximate resume
+            if self.reads_data:
                 state_file = folder / f"data_state_dp{self.dp_rank % saved_dp}.json"
                 reader_state = json.loads(state_file.read_text())
+                if saved_dp != self.topology["dp"] and reader_state is not None:  # every old replica's position
+                    reader_state["replicas"] = [json.loads((folder / f"data_state_dp{d}.json").read_text())
+                                                for d in range(saved_dp)]
         except CheckpointError as err:
             problem = str(err)
         except Exception as err:  # noqa: BLE001 - verified files that still do not load: say which checkpoint

@@ -4,10 +4,11 @@ carry over; fp32: only the reduction order differs between layouts).
 
 - Tiny model, every replica reading the one stream (plan.across_replicas=true, so the samples of
   a step do not depend on dp): W trains 4 steps at ZeRO-1, pp=2 x dp=2 (saving step 2). R1
-  resumes W's step 2 at ZeRO-0, pp=3 x dp=1, saving every step; R2 resumes R1's step 3 at ZeRO-1,
+  resumes W's step 2 at ZeRO-0, pp=3 x dp=1, saving every step; it is SIGKILLed inside its first
+  save (step 3), then started again with the same command. R2 resumes R1's step 3 at ZeRO-1,
   pp=2 x dp=2 with a cut of its own. Steps 3 and 4 of R1 and R2 have W's losses, gradient norms
   and learning rates, and R2's step-4 layer files hold W's weights; the start-up says what was
-  resharded.
+  resharded. A layout that cannot hold the model is refused before launch, in one line.
 - Qwen2-VL (a transformers checkpoint) with LoRA on the decoder and the merger trained in full:
   ZeRO-0 pp=3 -> ZeRO-1 pp=2, the same.
 """
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from mmpipe.model.hf.demo import model_overrides
+from tests.distributed.test_checkpoint_faults import fi
 
 pytestmark = pytest.mark.distributed
 
@@ -48,12 +50,26 @@ def _same_weights(whole, resumed, step: int) -> None:
     assert compared > 20
 
 
-def test_resume_across_pp_dp_cut_and_zero_continues_the_run(run_mmpipe):
+def test_resume_across_pp_dp_cut_and_zero_continues_the_run(run_mmpipe, tmp_path):
     whole = run_mmpipe("train", *TINY, "parallel.pp=2", "parallel.dp=2", "train.zero_stage=1", "train.save_every=2",
                        name="whole")
     assert whole.code == 0, whole.out[-3000:]
-    r1 = run_mmpipe("train", *TINY, "parallel.pp=3", "parallel.dp=1", "train.zero_stage=0", "train.save_every=1",
-                    f"train.resume={whole.run_dir / 'checkpoints' / 'step2'}", name="r1")
+    step2 = whole.run_dir / "checkpoints" / "step2"
+    small = run_mmpipe("train", *TINY, "parallel.pp=1", "hardware.memory_gb=0.9", f"train.resume={step2}",
+                       name="small")
+    assert small.code != 0 and "stage 0 (vision.embed..llm.head) needs" in small.out, small.out[-2000:]
+    assert "raise parallel.pp or parallel.dp" in small.out and "Traceback" not in small.out
+
+    r1_args = [*TINY, "parallel.pp=3", "parallel.dp=1", "train.zero_stage=0", "train.save_every=1",
+               f"train.resume={step2}"]
+    killed = fi.start(tmp_path / "r1", r1_args)
+    saving = tmp_path / "r1" / "checkpoints" / "step3"
+    assert fi.wait_for(killed, lambda: saving.is_dir()), fi.finish(killed)[1][-3000:]
+    for p in fi.ranks(killed) + [fi.psutil.Process(killed.pid)]:
+        p.kill()
+    fi.finish(killed)
+    assert saving.is_dir() and not (saving / fi.MARKER).exists()  # the kill landed inside the save
+    r1 = run_mmpipe("train", *r1_args, name="r1")
     assert r1.code == 0, r1.out[-3000:]
     assert "warning: resharded: pipeline pp=2 stages [[0, " in r1.out
     assert "-> pp=3 stages" in r1.out and "ZeRO stage 1 -> 0; replicas dp=2 -> dp=1" in r1.out

@@ -170,6 +170,40 @@ def test_resume_continues_with_exactly_the_samples_that_came_next(mini_path, min
     assert again.consumed == len(whole)
 
 
+def test_resume_on_another_dp_size_trains_each_sample_of_the_epochs_once(mini_path, mini_tok, tiny_spec) -> None:
+    """Given every saved replica's state (`replicas`, as a checkpoint's resume passes them), readers
+    of another dp size and worker count continue with exactly the samples the old readers had not
+    taken: over the run's epochs, each sample once, across two such changes (dp 2 -> 4 -> 1 with 2
+    workers), even with the old replicas in different epochs."""
+    def make(dp, r, workers=1):
+        return stream(mini_path, mini_tok, tiny_spec, dp_size=dp, dp_rank=r, num_workers=workers, epochs=2,
+                      shuffle_buffer=7, seed=3)
+
+    def take(reader, n):
+        items = list(itertools.islice(reader.records(), n))
+        return [(i.cursor["epoch"], i.key) for i in items], json.loads(json.dumps(reader.state_dict()))
+
+    trained, states = [], []
+    for r, n in ((0, 13), (1, 25)):  # replica 1 is 5 samples into epoch 1, replica 0 still in epoch 0
+        got, state = take(make(2, r), n)
+        trained += got
+        states.append(state)
+    middle = []
+    for r in range(4):
+        reader = make(4, r)
+        reader.load_state_dict({**states[r % 2], "replicas": states})
+        assert reader.resume_mode.startswith("continued (") and "dp_size 2 -> 4" in reader.resume_mode
+        got, state = take(reader, 4)
+        trained += got
+        middle.append(state)
+    assert all("after" in st for st in middle)  # still inside epochs the dp=2 readers had read part of
+    last = make(1, 0, workers=2)
+    last.load_state_dict({**middle[0], "replicas": middle})
+    trained += [(i.cursor["epoch"], i.key) for i in last.records()]
+    every = all_keys(mini_path)
+    assert sorted(trained) == sorted((e, k) for e in range(2) for k in every)  # each once, none lost
+
+
 def test_resume_on_another_dp_size_restarts_the_epoch(mini_path, mini_tok, tiny_spec) -> None:
     old = stream(mini_path, mini_tok, tiny_spec, dp_size=2, epochs=3)
     list(itertools.islice(old.records(), 25))  # in epoch 1
