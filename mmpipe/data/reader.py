@@ -370,9 +370,10 @@ class SampleStream(Reader):
                             break
                         if not isinstance(ev, SampleError):
                             got.add((ev["__shard__"], ev["__ordinal__"]))
-            if st.get("after"):
+            if st.get("after"):  # epochs before `first` every saved reader had finished: no exclusions needed
                 for epoch, got in self.taken(st["after"]).items():
-                    seen.setdefault(epoch, set()).update(got)
+                    if epoch >= first:
+                        seen.setdefault(epoch, set()).update(got)
         return seen
 
     def _rng(self, epoch: int, w: int) -> random.Random:

@@ -18,6 +18,7 @@ loads with `weights_only=True`; see docs/runtime.md for what that covers.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -675,7 +676,7 @@ class Checkpointer:
             if self.reads_data:
                 state_file = folder / f"data_state_dp{self.dp_rank % saved_dp}.json"
                 reader_state = json.loads(state_file.read_text())
-                if saved_dp != self.topology["dp"] and reader_state is not None:  # every old replica's position
+                if reader_state is not None:  # every replica's position: another dp or worker count continues them
                     reader_state["replicas"] = [json.loads((folder / f"data_state_dp{d}.json").read_text())
                                                 for d in range(saved_dp)]
         except CheckpointError as err:
@@ -729,7 +730,8 @@ class Checkpointer:
         module.load_state_dir(str(folder), checkpoint_engine=engine.checkpoint_engine, strict=not self.adapters)
         names = {p: n for n, p in module.named_parameters() if p.requires_grad}
         try:
-            states = read_states(folder, saved, set(names.values()), engine.checkpoint_engine.load)
+            load = functools.partial(engine.checkpoint_engine.load, map_location="cpu")  # not onto the saver's GPU
+            states = read_states(folder, saved, set(names.values()), load)
         except ReshardError as err:
             raise CheckpointError(str(err)) from None
         unknown = [n for n in names.values() if n not in states.known and n != "frozen_stage_anchor"]

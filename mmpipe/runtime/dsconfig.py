@@ -42,6 +42,8 @@ OWNED: dict[str, str] = {
     "zero_optimization.offload_optimizer": _OFFLOAD,
     "zero_optimization.offload_param": _OFFLOAD,
     "zero_optimization.cpu_offload": _OFFLOAD,
+    "zero_optimization.elastic_checkpoint": "mmpipe reads ZeRO-1's optimizer files by parameter to resume on "
+                                            "another layout (pp, dp, cut, ZeRO stage); remove it",
     "gradient_clipping": "mmpipe clips by the gradient norm of the whole model across all stages; "
                          "use train.grad_clip",
     "optimizer": "mmpipe builds the optimizer and hands it to DeepSpeed; use train.optimizer, train.lr "

@@ -39,6 +39,23 @@ _SCALER = ("loss_scaler", "dynamic_loss_scale", "overflow")
 """An fp16 ZeRO optimizer's loss-scale state (the same on every rank)."""
 
 
+def _steps_taken(values: list) -> object:
+    """The optimizer's step count from its per-parameter `step` entries: their largest, in its
+    own type (a tensor copied, an int as it is). DeepSpeed's FusedAdam (the CUDA default)
+    counts only the last parameter of a group and leaves the others' `step` at 0, so any one
+    entry may be 0 while the optimizer took many steps; torch's optimizers count each."""
+    best = max(values, key=float)
+    return best.clone() if torch.is_tensor(best) else best
+
+
+def _count_for(optimizer, count) -> object:
+    """A step count in the form `optimizer` keeps it: torch's optimizers a float32 tensor per
+    parameter, DeepSpeed's FusedAdam a Python int (its kernel takes an int)."""
+    if type(optimizer).__module__.startswith("torch.optim"):
+        return torch.tensor(float(count), dtype=torch.float32)
+    return int(float(count))
+
+
 class ReshardError(ValueError):
     """A checkpoint whose optimizer state cannot be put into this layout."""
 
@@ -117,8 +134,12 @@ def _read_plain_stage(folder: Path, stage: int, opt: dict, wanted: set[str]) -> 
     if len(order) != len(names):
         raise ReshardError(f"checkpoint {folder}: stage {stage}'s optimizer holds {len(order)} parameters, "
                            f"{order_file(stage)} names {len(names)}; it is damaged")
+    counts = [st["step"] for st in opt["state"].values() if "step" in st]
     states = {name: {k: (v.flatten() if torch.is_tensor(v) and v.dim() else v) for k, v in opt["state"][i].items()}
               for name, i in zip(names, order) if name in wanted and i in opt["state"]}
+    for state in states.values():  # one count for the stage (FusedAdam keeps it on one parameter only)
+        if "step" in state:
+            state["step"] = _steps_taken(counts)
     hyper = {k: v for k, v in opt["param_groups"][0].items() if k != "params"}
     return SavedOptimizer(states=states, hyper=hyper, counters={}, known=set(names))
 
@@ -157,7 +178,7 @@ def _read_zero_stage(folder: Path, stage: int, dp: int, precision: str, wanted: 
         masters[name] = torch.cat(got.pop("master"))
         states[name] = {k: torch.cat(v) for k, v in got.items()}
         if name in steps:  # a copy each: torch's optimizers count steps in place, per parameter
-            states[name]["step"] = steps[name].clone() if torch.is_tensor(steps[name]) else steps[name]
+            states[name]["step"] = _steps_taken([steps[name]])
     return SavedOptimizer(states=states, masters=masters, hyper=hyper, counters={}, scaler=scaler, known=known)
 
 
@@ -171,7 +192,9 @@ def load_states(engine, names: dict, saved: SavedOptimizer) -> None:
     groups = getattr(opt, "bf16_groups", None) or getattr(opt, "bit16_groups", None)
     if groups is None:  # ZeRO-0: the torch optimizer itself
         params = [p for g in opt.param_groups for p in g["params"]]
-        state = {i: {k: (v.view_as(p) if torch.is_tensor(v) and v.dim() else v)
+        counts = [st["step"] for p in params if "step" in (st := saved.states.get(names[p], {}))]
+        state = {i: {k: (v.view_as(p) if torch.is_tensor(v) and v.dim() else _count_for(opt, max(counts, key=float))
+                         if k == "step" else v)
                      for k, v in saved.states[names[p]].items()}
                  for i, p in enumerate(params) if names[p] in saved.states}
         opt.load_state_dict({"state": state, "param_groups": [{**saved.hyper, "params": list(range(len(params)))}]})
@@ -180,7 +203,7 @@ def load_states(engine, names: dict, saved: SavedOptimizer) -> None:
     base_state: dict[int, dict] = {}
     for g, (lps, flat) in enumerate(zip(groups, flats)):
         moments: dict[str, torch.Tensor] = {}
-        step = None
+        counts: list = []
         for lp in lps:
             mapping = getattr(lp, "_hp_mapping", None)
             if mapping is None:  # no piece of this parameter in this rank's partition
@@ -193,13 +216,12 @@ def load_states(engine, names: dict, saved: SavedOptimizer) -> None:
             flat.data.narrow(0, hp.start, hp.numel).copy_(master.narrow(0, lo.start, lo.numel))
             for k, v in saved.states.get(name, {}).items():
                 if not (torch.is_tensor(v) and v.dim()):
-                    step = v
+                    counts.append(v)
                     continue
                 into = moments.setdefault(k, torch.zeros_like(flat))
                 into.narrow(0, hp.start, hp.numel).copy_(v.narrow(0, lo.start, lo.numel))
         if moments:
-            counted = step.clone() if torch.is_tensor(step) else torch.tensor(float(step or 0))
-            base_state[g] = {"step": counted, **moments}
+            base_state[g] = {"step": _count_for(opt.optimizer, max(counts, key=float) if counts else 0), **moments}
     inner = opt.optimizer
     template = inner.state_dict()["param_groups"]
     inner.load_state_dict({"state": base_state,

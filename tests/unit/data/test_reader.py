@@ -170,11 +170,14 @@ def test_resume_continues_with_exactly_the_samples_that_came_next(mini_path, min
     assert again.consumed == len(whole)
 
 
-def test_resume_on_another_dp_size_trains_each_sample_of_the_epochs_once(mini_path, mini_tok, tiny_spec) -> None:
+@pytest.mark.parametrize("middle_takes", [4, 8])
+def test_resume_on_another_dp_size_trains_each_sample_of_the_epochs_once(mini_path, mini_tok, tiny_spec,
+                                                                         middle_takes) -> None:
     """Given every saved replica's state (`replicas`, as a checkpoint's resume passes them), readers
     of another dp size and worker count continue with exactly the samples the old readers had not
     taken: over the run's epochs, each sample once, across two such changes (dp 2 -> 4 -> 1 with 2
-    workers), even with the old replicas in different epochs."""
+    workers), with the old replicas in different epochs, and (8) with the middle layout's readers
+    all past the epoch the first layout left unfinished."""
     def make(dp, r, workers=1):
         return stream(mini_path, mini_tok, tiny_spec, dp_size=dp, dp_rank=r, num_workers=workers, epochs=2,
                       shuffle_buffer=7, seed=3)
@@ -193,10 +196,11 @@ def test_resume_on_another_dp_size_trains_each_sample_of_the_epochs_once(mini_pa
         reader = make(4, r)
         reader.load_state_dict({**states[r % 2], "replicas": states})
         assert reader.resume_mode.startswith("continued (") and "dp_size 2 -> 4" in reader.resume_mode
-        got, state = take(reader, 4)
+        got, state = take(reader, middle_takes)
         trained += got
         middle.append(state)
-    assert all("after" in st for st in middle)  # still inside epochs the dp=2 readers had read part of
+    assert all("after" in st for st in middle)
+    assert middle_takes == 4 or all(c["epoch"] == 1 for st in middle for c in st["workers"])  # still inside epochs the dp=2 readers had read part of
     last = make(1, 0, workers=2)
     last.load_state_dict({**middle[0], "replicas": middle})
     trained += [(i.cursor["epoch"], i.key) for i in last.records()]
