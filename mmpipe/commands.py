@@ -150,8 +150,13 @@ def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
 def run_train(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
     from mmpipe.runtime.preflight import write_run_config
+    from mmpipe.runtime.recut import clear_request, recut_config, take_request
 
     rc = train_layout(rc)
+    if under_external_launcher() and rc.plan.recut == "auto":
+        raise ValueError("plan.recut=auto relaunches the ranks on the new cut, which only mmpipe's own launcher "
+                         "does; under torchrun or deepspeed use plan.recut=off (re-cut by resuming with new "
+                         "plan.stages)")
     if under_external_launcher():
         from mmpipe.runtime.host import accelerator_env
         from mmpipe.runtime.worker import run_rank
@@ -168,9 +173,20 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
     print(f"mmpipe train: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), each rank's "
           f"output in {logs}/rank<R>.log; each builds its pipeline stage with DeepSpeed, which takes a while on CPU",
           flush=True)
-    return launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
+    clear_request(Path(rc.run_dir))
+    code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
                   master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
                   extra_env=quiet_env(rc))
+    while code == 0 and (request := take_request(Path(rc.run_dir))) is not None:  # plan.recut=auto
+        rc = recut_config(rc, request)
+        path = write_run_config(rc)
+        print(f"mmpipe train: re-cut after step {request['step']}: stages {request['old']} -> {request['new']} "
+              f"(predicted {request['predicted_gain']:+.1%} faster); relaunching {nproc} processes from its "
+              f"checkpoint", flush=True)
+        code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
+                      master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
+                      extra_env=quiet_env(rc))
+    return code
 
 
 def check_plan(rc: RunConfig) -> None:

@@ -310,8 +310,21 @@ class PlanConfig:
     micro-batches (count, sizes, order) with the run's measured costs instead of the hardware
     config's (the stage cut stays). false: every step is planned with the hardware config,
     so the micro-batches are a function of the data alone and a run repeats bit for bit."""
+    recut: str = "off"
+    """Training: off | auto. auto: at each checkpoint (train.save_every), re-plan the stage cut on
+    the samples trained since the last check, priced with the run's step-time re-fit; when
+    another cut is predicted faster by more than plan.recut_gain, commit the checkpoint and
+    relaunch the ranks on the new cut from it (the layout-changing resume). Off by default: a
+    re-cut costs a relaunch (the ranks' start-up, tens of seconds) that short runs never repay."""
+    recut_gain: float = 0.05
+    """The least predicted speed-up (a fraction: 0.05 = 5%) for plan.recut=auto to re-cut."""
 
     def __post_init__(self) -> None:
+        if self.recut not in ("off", "auto"):
+            raise ValueError(f"plan.recut={self.recut!r} is unknown; use off or auto")
+        if not (isinstance(self.recut_gain, (int, float)) and self.recut_gain >= 0):
+            raise ValueError(f"plan.recut_gain={self.recut_gain!r} must be a fraction >= 0 (0.05: re-cut when "
+                             f"another cut is predicted 5% faster)")
         if self.policy not in POLICIES:
             raise ValueError(f"plan.policy={self.policy!r} is unknown; use {', '.join(POLICIES)}")
         check_headroom(self.memory_headroom)
@@ -597,7 +610,20 @@ def check_run(rc: RunConfig) -> None:
         )
     _ = rc.stage_bounds  # validates names and tiling
     _check_eval(rc)
+    _check_recut(rc)
     hardware_spec(rc)
+
+
+def _check_recut(rc: RunConfig) -> None:
+    """A re-cut happens at a checkpoint, between stages: it needs both."""
+    if rc.plan.recut != "auto":
+        return
+    if not rc.train.save_every:
+        raise ValueError("plan.recut=auto re-cuts at checkpoints: set train.save_every=N (a re-cut is considered "
+                         "every N steps), or plan.recut=off")
+    if isinstance(rc.parallel.pp, int) and rc.parallel.pp < 2:
+        raise ValueError(f"plan.recut=auto moves stage cuts, and parallel.pp={rc.parallel.pp} has none; use "
+                         f"parallel.pp=2 or more, or plan.recut=off")
 
 
 def _check_eval(rc: RunConfig) -> None:
@@ -636,6 +662,7 @@ def _check_auto(rc: RunConfig) -> None:
     if rc.plan.stages is not None:
         stages_to_bounds(rc.plan.stages, rc.layers)  # validates names and tiling
     _check_eval(rc)
+    _check_recut(rc)
     hardware_spec(rc)
 
 

@@ -73,6 +73,9 @@ class PlannedStep:
     the replicas), under the hardware config's byte costs."""
     reader_state: dict
     """The reader's position after this step's samples (saved with a checkpoint)."""
+    features: tuple = ()
+    """The features of the samples the planner planned this step with (every replica's when
+    planned across replicas, else this replica's): what plan.recut=auto re-plans the cut on."""
 
 
 class StepFeeder:
@@ -203,7 +206,8 @@ class StepFeeder:
         return PlannedStep(micro_batches=mbs, plan_seconds=t2 - t1, feed_seconds=(t1 - t0) + (t4 - t3),
                            predicted_s=planned.step_time, compute_s=planned.compute[mine] / scale,
                            fit=self.planned_with, predicted_busy=planned.busy[mine],
-                           predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state)
+                           predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state,
+                           features=tuple(feats))
 
     def _collate(self, samples: list) -> MicroBatch:
         return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media)

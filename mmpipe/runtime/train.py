@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -17,10 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmpipe.config import RunConfig, eval_interval, hardware_spec
+from mmpipe.config import RunConfig, eval_interval, hardware_spec, training_precision
 from mmpipe.model.spec import layer_names, lora_identity, model_identity
 from mmpipe.paths import resolve_path
-from mmpipe.planner.api import StagePlan, StepCalibration
+from mmpipe.planner.api import StagePlan, StepCalibration, calibrated_hardware
+from mmpipe.planner.recut import consider_recut
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (
     Checkpointer,
@@ -32,6 +35,7 @@ from mmpipe.runtime.checkpoint import (
     load_step_fit,
     refuse_other_history,
     truncate_records,
+    write_atomic,
 )
 from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
 from mmpipe.runtime.evaluate import EvalResult, Evaluator, result_path
@@ -53,6 +57,7 @@ from mmpipe.runtime.pipeline import (
     media_tokens,
 )
 from mmpipe.runtime.quiet import held_prints, quiet_deepspeed
+from mmpipe.runtime.recut import RECUT_REQUEST, last_recut
 from mmpipe.runtime.stage_record import add_to_stage_file, parameter_digest, write_stage_file
 from mmpipe.runtime.stages import choose_stages, format_stage_table
 from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage, resident_bytes
@@ -240,7 +245,9 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
         try:
             result = _run_steps(_Loop(rc=rc, pipe=pipe, feeder=feeder, writer=writer, bar=bar, ckpt=ckpt, stop=stop,
                                       evaluator=evaluator, start=start, calibration=calibration,
-                                      result=RunResult(calibration=calibration if rank == 0 else None)))
+                                      result=RunResult(calibration=calibration if rank == 0 else None),
+                                      stage_plan=stages.plan,
+                                      recut_from=last_recut(run_dir, start) if rank == 0 and start else None))
         finally:
             if feeder is not None:
                 feeder.close()
@@ -312,6 +319,14 @@ class _Loop:
     """Whether the console was told the feeder now plans with the run's own fit."""
     last_state: dict | None = None
     """The reader's position after the last step trained (saved with a checkpoint)."""
+    stage_plan: StagePlan | None = None
+    """The run's stage cut (what plan.recut=auto compares other cuts with)."""
+    recent: list = field(default_factory=list)
+    """Rank 0: the features of each step planned since the last re-cut check."""
+    recut_from: dict | None = None
+    """Rank 0 of a run relaunched by a re-cut: that re-cut's record, until its measured gain is logged."""
+    launch_times: list = field(default_factory=list)
+    """Rank 0: the step time of every step since this launch, s."""
 
     def __post_init__(self) -> None:
         engine = self.pipe.engine
@@ -366,8 +381,9 @@ def _run_steps(loop: _Loop) -> RunResult:
         fed = _feed(loop, step)
         trained = _train_step(loop, fed)
         evaluated = _evaluate(loop, step)
-        _log(loop, step, fed, trained, evaluated)
-        if _after_step(loop, step, trained):
+        recut = _consider_recut(loop, step)
+        _log(loop, step, fed, trained, evaluated, recut)
+        if _after_step(loop, step, trained, recut):
             break
     loop.result.seconds = time.perf_counter() - t_start
     return loop.result
@@ -388,6 +404,8 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     if pipe.first or pipe.last:
         dist.all_reduce(counts, group=pipe.dp_group)  # whole-step figures, all replicas
         planned_fig = _slowest_replica(planned_fig, pipe.dp_group)
+    if planned is not None and loop.rc.plan.recut == "auto" and dist.get_rank() == 0:
+        loop.recent.append(planned.features)
     fed = _Fed(planned=planned, micro_batches=mbs, label_tokens=int(counts[0]), samples=int(counts[1]),
                tokens=int(counts[2]), predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
                slow_micro_batches=int(planned_fig[2]), started=t0)
@@ -434,16 +452,75 @@ def _evaluate(loop: _Loop, step: int) -> EvalResult | None:
     return evaluated
 
 
-def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalResult | None) -> None:
-    """Rank 0: the step's metrics line (every train.log_every steps, the last, a non-finite one and
-    one with an evaluation) and the progress bar."""
+def _consider_recut(loop: _Loop, step: int) -> dict | None:
+    """plan.recut=auto, at a checkpoint before the last step: rank 0 re-plans the cut on the steps
+    trained since the last check, priced with the run's step-time re-fit (the hardware config's
+    costs until it has one), and every rank gets its verdict (RecutChoice.record); else None."""
+    rc = loop.rc
+    if rc.plan.recut != "auto" or step % rc.train.save_every or step >= rc.train.steps:
+        return None
+    record: list = [None]
+    if dist.get_rank() == 0:
+        hw = hardware_spec(rc)
+        if loop.calibration.fitted:
+            hw = calibrated_hardware(hw, loop.calibration.coef)
+        choice = consider_recut(model=rc.model, hardware=hw, trainable=rc.train.trainable, pp=rc.parallel.pp,
+                                dp=rc.parallel.dp, current=loop.stage_plan, steps=loop.recent,
+                                policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
+                                replicas=rc.parallel.dp if rc.plan.across_replicas else 1,
+                                threshold=rc.plan.recut_gain, precision=training_precision(rc),
+                                memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora)
+        loop.recent.clear()
+        record[0] = {**choice.record(), "priced_with": "the run's step-time fit" if loop.calibration.fitted
+                     else f"hardware {hw.name}"}
+    dist.broadcast_object_list(record, src=0)
+    return record[0]
+
+
+def _recut_measured(loop: _Loop, step: int, rec: dict) -> dict | None:
+    """Rank 0 of a run a re-cut relaunched: at its next checkpoint (or last step), the measured
+    gain: the median step time of the steps since the relaunch against the median of the
+    train.save_every steps before the re-cut (the old cut's), each without the first step after
+    a launch (start-up)."""
+    cut = loop.recut_from
+    rc = loop.rc
+    if cut is None or (step - cut["step"] < rc.train.save_every and step != rc.train.steps):
+        return None
+    loop.recut_from = None
+    after = loop.launch_times[1:] + [rec["step_time"]]
+    path = Path(rc.run_dir) / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    before = [r["step_time"] for r in lines if "step_time" in r and not r.get("first_of_launch")
+              and cut["step"] - rc.train.save_every < r["step"] <= cut["step"]]
+    if not after or not before:
+        return None
+    a, b = statistics.median(after), statistics.median(before)
+    return {"after_step": cut["step"], "before_s": b, "after_s": a, "gain": b / a - 1.0,
+            "predicted_gain": cut["predicted_gain"], "steps_measured": [len(before), len(after)]}
+
+
+def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalResult | None,
+         recut: dict | None = None) -> None:
+    """Rank 0: the step's metrics line (every train.log_every steps, the last, a non-finite one,
+    one with an evaluation and one with a re-cut check) and the progress bar."""
     if dist.get_rank() != 0:
         return
     rc = loop.rc
     rec = _metrics_record(loop, step, fed, trained)
     if evaluated is not None:
         rec.update(evaluated.record())
-    if step % rc.train.log_every == 0 or step == rc.train.steps or trained.nonfinite or evaluated is not None:
+    if recut is not None:
+        rec["recut"] = recut
+    rec["first_of_launch"] = step == loop.start + 1
+    measured = _recut_measured(loop, step, rec)
+    loop.launch_times.append(rec["step_time"])
+    if measured is not None:
+        rec["recut_measured"] = measured
+        loop.bar.note(f"re-cut after step {measured['after_step']}: measured {measured['gain']:+.1%} faster "
+                      f"(median step {measured['before_s']:.3g} s -> {measured['after_s']:.3g} s; predicted "
+                      f"{measured['predicted_gain']:+.1%})")
+    if (step % rc.train.log_every == 0 or step == rc.train.steps or trained.nonfinite or evaluated is not None
+            or recut is not None or measured is not None):
         loop.writer.write(rec)
     last_eval = loop.result.evals[-1][1] if loop.result.evals else None
     loop.bar.update(loss=trained.loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"],
@@ -486,9 +563,9 @@ def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dic
     return rec
 
 
-def _after_step(loop: _Loop, step: int, trained: _Trained) -> bool:
+def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = None) -> bool:
     """Every rank agrees on a non-finite step and on a stop request, then saves when due.
-    Returns whether the run stops here (a stop signal, after its checkpoint)."""
+    Returns whether the run stops here (a stop signal, or a re-cut, after its checkpoint)."""
     rc, stop = loop.rc, loop.stop
     fit = _share_fit(loop.calibration, loop.pipe.engine.device)
     if loop.feeder is not None:
@@ -506,6 +583,14 @@ def _after_step(loop: _Loop, step: int, trained: _Trained) -> bool:
         why = signal.Signals(requested).name if requested else "another rank's stop signal"
         loop.result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
                                f"train.resume={Path(rc.run_dir)}")
+    elif recut is not None and recut["recut"]:
+        if dist.get_rank() == 0:
+            write_atomic(Path(rc.run_dir) / RECUT_REQUEST, json.dumps({"step": step, **recut}).encode())
+        loop.result.stopped = (f"re-cut after step {step}: stages {recut['old']} -> {recut['new']}, predicted "
+                               f"{recut['predicted_gain']:+.1%} faster ({recut['priced_with']}); checkpoint {folder} "
+                               f"committed; the launcher relaunches the ranks on the new cut from it")
+        dist.barrier()  # the request exists before any rank ends
+        return True
     return stopping
 
 

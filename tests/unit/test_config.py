@@ -207,6 +207,27 @@ def test_lora_mistakes_are_one_line_errors_before_launch(overrides, message, cap
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["plan.recut=always"], "plan.recut='always' is unknown; use off or auto"),
+    (["plan.recut=auto", "plan.recut_gain=-0.1"], "plan.recut_gain=-0.1 must be a fraction >= 0"),
+    (["plan.recut=auto"], "plan.recut=auto re-cuts at checkpoints: set train.save_every=N"),
+    (["plan.recut=auto", "train.save_every=2", "parallel.pp=1"], "plan.recut=auto moves stage cuts, and "
+     "parallel.pp=1 has none"),
+])
+def test_recut_mistakes_are_one_line_errors_before_launch(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_recut_refused_under_an_external_launcher(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "plan.recut=auto", "train.save_every=2"]) == 2
+    assert "plan.recut=auto relaunches the ranks on the new cut, which only mmpipe's own launcher does" in \
+        capsys.readouterr().err
+
+
 def test_lora_settings_resolve_what_trains(capsys):
     """With adapters the default trains them alone; `all` means every layer they do not adapt."""
     rc = load(["train.lora.r=8"], job="test")
