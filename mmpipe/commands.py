@@ -148,6 +148,7 @@ def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
 
 
 def run_train(rc: RunConfig, _inv: Invocation) -> int:
+    from mmpipe.planner.recut import describe_gain
     from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
     from mmpipe.runtime.preflight import write_run_config
     from mmpipe.runtime.recut import clear_request, recut_config, take_request
@@ -181,8 +182,7 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
         rc = recut_config(rc, request)
         path = write_run_config(rc)
         print(f"mmpipe train: re-cut after step {request['step']}: stages {request['old']} -> {request['new']} "
-              f"(predicted {request['predicted_gain']:+.1%} faster); relaunching {nproc} processes from its "
-              f"checkpoint", flush=True)
+              f"({describe_gain(request)}); relaunching {nproc} processes from its checkpoint", flush=True)
         code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
                       master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
                       extra_env=quiet_env(rc))

@@ -28,7 +28,7 @@ from mmpipe.data.reader import Reader, SampleStream
 from mmpipe.data.shards import Shard, count_samples, is_local
 
 LIMIT_MODES = ("first", "random")
-_SOURCE_KEYS = ("name", "path", "weight", "limit", "limit_mode")
+_SOURCE_KEYS = ("name", "path", "weight", "limit", "limit_mode", "schedule")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +45,19 @@ class MixtureSource:
     """Keep only this many samples of the source (None: all)."""
     limit_mode: str = "first"
     """first: the first `limit` samples in shard order; random: `limit` samples drawn with the seed."""
+    schedule: tuple[tuple[int, float], ...] = ()
+    """(step, weight) pairs, steps increasing from 1: the source's weight from that training step
+    on (before the first pair: `weight`). Steps are counted in samples the replica has read
+    (`Mixture.samples_per_step` a step), so the weights change at the same step on every rank
+    and across a resume."""
+
+    def weight_at(self, step: int) -> float:
+        """The source's weight at training step `step` (1-based)."""
+        weight = self.weight
+        for start, w in self.schedule:
+            if step >= start:
+                weight = w
+        return weight
 
 
 def mixture_from_dicts(sources: Sequence[Mapping[str, Any]]) -> list[MixtureSource]:
@@ -78,8 +91,29 @@ def mixture_from_dicts(sources: Sequence[Mapping[str, Any]]) -> list[MixtureSour
         mode = src.get("limit_mode", "first")
         if mode not in LIMIT_MODES:
             raise ValueError(f"{where}.limit_mode={mode!r} is unknown; use first or random")
-        out.append(MixtureSource(name=name, path=path, weight=float(weight), limit=limit, limit_mode=mode))
+        out.append(MixtureSource(name=name, path=path, weight=float(weight), limit=limit, limit_mode=mode,
+                                 schedule=_schedule(src.get("schedule"), where)))
     return out
+
+
+def _schedule(value: Any, where: str) -> tuple[tuple[int, float], ...]:
+    """A source's weight schedule, checked: [[step, weight], ...], steps increasing from 1."""
+    if value is None:
+        return ()
+    example = f"{where}.schedule=[[1,4],[200,1]] (weight 4 from step 1, 1 from step 200 on)"
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValueError(f"{where}.schedule={value!r:.60} must be a list of [step, weight] pairs, e.g. {example}")
+    out: list[tuple[int, float]] = []
+    for pair in value:
+        ok = (isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2
+              and isinstance(pair[0], int) and not isinstance(pair[0], bool) and pair[0] >= 1
+              and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool) and pair[1] > 0)
+        if not ok:
+            raise ValueError(f"{where}.schedule entry {pair!r:.40} must be [step >= 1, weight > 0], e.g. {example}")
+        if out and pair[0] <= out[-1][0]:
+            raise ValueError(f"{where}.schedule steps must increase ({out[-1][0]} then {pair[0]}), e.g. {example}")
+        out.append((int(pair[0]), float(pair[1])))
+    return tuple(out)
 
 
 def shard_sizes(shards: Sequence[Shard]) -> list[int]:
@@ -144,6 +178,9 @@ class Mixture(Reader):
 
     sources: list[MixtureSource]
     """The datasets (from mixture_from_dicts); the other options apply to each of them."""
+    samples_per_step: int = 0
+    """Samples this replica reads per training step: what a source's `schedule` counts steps in
+    (needed only when a source has one)."""
     streams: list[SampleStream] = field(default_factory=list, init=False)
     """One stream per source."""
     sizes: list[int] = field(default_factory=list, init=False)
@@ -154,6 +191,8 @@ class Mixture(Reader):
         self.check()
         if not self.sources:
             raise ValueError("data.sources is empty")
+        if any(src.schedule for src in self.sources) and self.samples_per_step < 1:
+            raise ValueError("a data.sources schedule counts training steps: give the mixture samples_per_step")
         for i, src in enumerate(self.sources):
             s = SampleStream(path=src.path, tokenizer=self.tokenizer, spec=self.spec, dp_rank=self.dp_rank,
                              dp_size=self.dp_size, seed=self.seed, epochs=self.epochs,
@@ -175,6 +214,7 @@ class Mixture(Reader):
         return {"kind": "mixture", "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
                 "seed": self.seed, "shuffle_buffer": self.shuffle_buffer,
                 "sources": [[s.name, s.weight, s.limit, s.limit_mode, st.layout()["shard_crc"]]
+                            + ([[list(p) for p in s.schedule], self.samples_per_step] if s.schedule else [])
                             for s, st in zip(self.sources, self.streams)]}
 
     def approximate(self, cursors: list) -> dict:
@@ -212,7 +252,11 @@ class Mixture(Reader):
         active = list(start["active"]) if start else [True] * n
         realised = list(start["realised"]) if start else [0] * n
         gens = [st.worker_items(w, src_cursors[i], make, select) for i, st in enumerate(self.streams)]
+        scheduled = any(src.schedule for src in self.sources)
         while any(active):
+            if scheduled:  # this worker's next item is the replica's (drawn * workers + w)-th (round-robin)
+                step = (sum(realised) * self.num_workers + w) // self.samples_per_step + 1
+                weights = [src.weight_at(step) for src in self.sources]
             total = sum(wt for wt, a in zip(weights, active) if a)
             for i in range(n):
                 if active[i]:

@@ -10,6 +10,7 @@ their summed simulated step times, minus one. Pure: the runtime gathers the inpu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from mmpipe.planner.hardware import HardwareSpec
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.precision import TrainingPrecision
 
-__all__ = ["RecutChoice", "consider_recut"]
+__all__ = ["RecutChoice", "consider_recut", "describe_gain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,10 @@ class RecutChoice:
 
     @property
     def gain(self) -> float:
-        """Predicted speed-up of the candidate, as a fraction (0.1: 10% faster)."""
+        """Predicted speed-up of the candidate, as a fraction (0.1: 10% faster; inf: the current
+        cut cannot hold some of the samples in memory)."""
+        if self.current_s == self.candidate_s:
+            return 0.0
         return self.current_s / self.candidate_s - 1.0 if self.candidate_s > 0 else 0.0
 
     @property
@@ -51,12 +55,21 @@ class RecutChoice:
         return self.candidate != self.current and self.gain > self.threshold
 
     def record(self) -> dict:
-        """JSON-able: what metrics.jsonl and the re-cut request hold."""
+        """JSON-able: what metrics.jsonl and the re-cut request hold (`predicted_old_s` and
+        `predicted_gain` null when the current cut cannot hold the samples: `current_fits`)."""
+        fits = math.isfinite(self.current_s)
         return {"old": [list(s) for s in self.current.stages], "new": [list(s) for s in self.candidate.stages],
                 "old_recompute": list(self.current.recompute), "new_recompute": list(self.candidate.recompute),
-                "predicted_old_s": self.current_s, "predicted_new_s": self.candidate_s,
-                "predicted_gain": self.gain, "threshold": self.threshold, "steps_compared": self.steps,
-                "recut": self.recut}
+                "predicted_old_s": self.current_s if fits else None, "predicted_new_s": self.candidate_s,
+                "predicted_gain": self.gain if fits else None, "current_fits": fits, "threshold": self.threshold,
+                "steps_compared": self.steps, "recut": self.recut}
+
+
+def describe_gain(record: dict) -> str:
+    """A re-cut record's predicted gain, in words."""
+    if not record.get("current_fits", True):
+        return "the current cut cannot hold the recent samples in memory"
+    return f"predicted {record['predicted_gain']:+.1%} faster"
 
 
 def consider_recut(*, model: ModelSpec, hardware: HardwareSpec, trainable: tuple[str, ...], pp: int, dp: int,
@@ -72,7 +85,10 @@ def consider_recut(*, model: ModelSpec, hardware: HardwareSpec, trainable: tuple
 
     def total(plan: StagePlan) -> float:
         planner = StepPlanner(stage_plan=plan, replicas=replicas, **common)
-        return sum(planner.plan(list(s)).step_time for s in steps)
+        try:
+            return sum(planner.plan(list(s)).step_time for s in steps)
+        except ValueError:  # a sample this cut cannot hold in memory: any cut that can is better
+            return math.inf
 
     same = candidate == current
     current_s = total(current)

@@ -23,5 +23,6 @@ def make_stream(rc: RunConfig, *, tokenizer: Tokenizer, dp_rank: int, skips: Ski
                   skips=skips, limits=d.limits)
     if d.sources:
         sources = [dict(s, path=resolve_path(s["path"])) for s in d.sources]
-        return Mixture(sources=mixture_from_dicts(sources), **common)
+        per_step = rc.train.global_batch // dp_size  # what a source's schedule counts steps in
+        return Mixture(sources=mixture_from_dicts(sources), samples_per_step=per_step, **common)
     return SampleStream(path=resolve_path(d.path), **common)

@@ -23,7 +23,7 @@ from mmpipe.config import RunConfig, eval_interval, hardware_spec, training_prec
 from mmpipe.model.spec import layer_names, lora_identity, model_identity
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import StagePlan, StepCalibration, calibrated_hardware
-from mmpipe.planner.recut import consider_recut
+from mmpipe.planner.recut import consider_recut, describe_gain
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (
     Checkpointer,
@@ -496,7 +496,8 @@ def _recut_measured(loop: _Loop, step: int, rec: dict) -> dict | None:
         return None
     a, b = statistics.median(after), statistics.median(before)
     return {"after_step": cut["step"], "before_s": b, "after_s": a, "gain": b / a - 1.0,
-            "predicted_gain": cut["predicted_gain"], "steps_measured": [len(before), len(after)]}
+            "predicted_gain": cut["predicted_gain"], "current_fits": cut.get("current_fits", True),
+            "steps_measured": [len(before), len(after)]}
 
 
 def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalResult | None,
@@ -517,8 +518,8 @@ def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalRe
     if measured is not None:
         rec["recut_measured"] = measured
         loop.bar.note(f"re-cut after step {measured['after_step']}: measured {measured['gain']:+.1%} faster "
-                      f"(median step {measured['before_s']:.3g} s -> {measured['after_s']:.3g} s; predicted "
-                      f"{measured['predicted_gain']:+.1%})")
+                      f"(median step {measured['before_s']:.3g} s -> {measured['after_s']:.3g} s; "
+                      f"{describe_gain(measured)})")
     if (step % rc.train.log_every == 0 or step == rc.train.steps or trained.nonfinite or evaluated is not None
             or recut is not None or measured is not None):
         loop.writer.write(rec)
@@ -586,9 +587,9 @@ def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = 
     elif recut is not None and recut["recut"]:
         if dist.get_rank() == 0:
             write_atomic(Path(rc.run_dir) / RECUT_REQUEST, json.dumps({"step": step, **recut}).encode())
-        loop.result.stopped = (f"re-cut after step {step}: stages {recut['old']} -> {recut['new']}, predicted "
-                               f"{recut['predicted_gain']:+.1%} faster ({recut['priced_with']}); checkpoint {folder} "
-                               f"committed; the launcher relaunches the ranks on the new cut from it")
+        loop.result.stopped = (f"re-cut after step {step}: stages {recut['old']} -> {recut['new']}, "
+                               f"{describe_gain(recut)} ({recut['priced_with']}); checkpoint {folder} committed; the "
+                               f"launcher relaunches the ranks on the new cut from it")
         dist.barrier()  # the request exists before any rank ends
         return True
     return stopping

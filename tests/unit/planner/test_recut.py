@@ -1,13 +1,14 @@
 """plan.recut=auto's decision (planner/recut.py): a cut that piles the vision tower on one stage
-is re-cut, the planner's own cut is kept, and the threshold holds a small gain back."""
+is re-cut, the planner's own cut is kept, the threshold holds a small gain back, and a cut planned
+on images is re-cut when the steps move to video or audio."""
 
 import dataclasses
 import itertools
 
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import StagePlan, StepPlanner
+from mmpipe.planner.api import StagePlan, StepPlanner, plan_stages
 from mmpipe.planner.precision import TrainingPrecision
-from mmpipe.planner.recut import consider_recut
+from mmpipe.planner.recut import consider_recut, describe_gain
 from mmpipe.planner.trace import read_trace
 
 from .helpers import WORKLOADS, hardware, model
@@ -39,3 +40,24 @@ def test_a_piled_up_cut_is_recut_and_the_planners_own_is_kept():
     held = consider_recut(**_args(PILED, threshold=choice.gain + 0.01))
     assert not held.recut and held.candidate == choice.candidate
     assert dataclasses.replace(held, threshold=choice.gain - 0.01).recut
+
+
+def _steps(m, trace: str) -> list:
+    feats = [features(m, meta) for meta in itertools.islice(read_trace(WORKLOADS / trace), 64)]
+    return [feats[:32], feats[32:]]
+
+
+def test_a_mixture_moving_from_images_to_video_or_audio_is_recut():
+    """The cut planned on image steps, then steps of another mix: Qwen2.5-Omni moving to the omni mix
+    (audio and video) is predicted faster on another cut by more than 5%; Qwen2-VL moving to video
+    cannot hold the video samples on its image cut at all, and the re-cut says so."""
+    for name, later, fits in (("qwen2.5-omni-7b", "omni-mix.jsonl", True), ("qwen2-vl-7b", "video-mix.jsonl", False)):
+        m = model(name)
+        common = dict(model=m, hardware=hardware("h100"), trainable=("all",), dp=1, policy="data-aware",
+                      micro_batches=8, precision=TrainingPrecision(), memory_headroom=0.08)
+        images = plan_stages(pp=4, sample=[f for s in _steps(m, "llava-sft.jsonl") for f in s], **common)
+        choice = consider_recut(pp=4, current=images, steps=_steps(m, later), replicas=1, threshold=0.05, **common)
+        record = choice.record()
+        assert choice.recut and record["current_fits"] is fits, (name, record)
+        assert (record["predicted_gain"] > 0.05) if fits else record["predicted_gain"] is None
+        assert describe_gain(record).startswith("predicted +" if fits else "the current cut cannot hold")
