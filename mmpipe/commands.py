@@ -148,7 +148,7 @@ def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
 
 
 def run_train(rc: RunConfig, _inv: Invocation) -> int:
-    from mmpipe.planner.recut import describe_gain
+    from mmpipe.planner.api import describe_gain
     from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
     from mmpipe.runtime.preflight import write_run_config
     from mmpipe.runtime.recut import clear_request, recut_config, take_request

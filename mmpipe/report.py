@@ -92,7 +92,23 @@ def summary(run: RunMetrics) -> str:
         parts.append(f"bubble {statistics.median(bubble):.1%}")
     if err:
         parts.append(f"|prediction error| {statistics.median(abs(e) for e in err):.1%}")
-    return ", ".join(parts)
+    return ", ".join(parts) + "".join(f"; {line}" for line in recut_lines(run))
+
+
+def recut_lines(run: RunMetrics) -> list[str]:
+    """One phrase per re-cut of the run (plan.recut=auto): where, the cuts, the predicted and the
+    measured gain."""
+    from mmpipe.planner.api import describe_gain
+
+    measured = {r["recut_measured"]["after_step"]: r["recut_measured"] for r in run.steps if "recut_measured" in r}
+    out = []
+    for r in run.steps:
+        cut = r.get("recut")
+        if cut and cut.get("recut"):
+            m = measured.get(r["step"])
+            out.append(f"re-cut after step {r['step']}: {cut['old']} -> {cut['new']}, {describe_gain(cut)}"
+                       + (f", measured {m['gain']:+.1%}" if m else ", not measured (the run ended first)"))
+    return out
 
 
 def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path, list[str]]:
@@ -111,6 +127,9 @@ def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path,
         for ax, key, scale in ((ax_loss, "loss", 1.0), (ax_sps, "samples_per_s", 1.0), (ax_bubble, "bubble", 100.0)):
             x, y = _series(run, key)
             ax.plot(x, [v * scale for v in y], color=colour, label=run.label, lw=1.4)
+        for r in run.steps:  # where the run re-cut its stages (plan.recut=auto)
+            if (r.get("recut") or {}).get("recut"):
+                ax_sps.axvline(r["step"] + 0.5, color=colour, ls=":", lw=1.2)
         x, y = _series(run, "eval_loss")
         if x:
             ax_loss.plot(x, y, color=colour, label=f"{run.label} eval_loss".strip(), lw=1.4, ls="--", marker="o", ms=3)
@@ -120,7 +139,7 @@ def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path,
         if pts:
             ax_pred.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, color=colour, label=run.label, alpha=0.8)
     for ax, title, ylabel in ((ax_loss, "loss (dashed: held-out eval_loss)", "loss"),
-                              (ax_sps, "throughput", "samples/s"),
+                              (ax_sps, "throughput (dotted: a re-cut)", "samples/s"),
                               (ax_bubble, "measured bubble", "idle share of the stages (%)")):
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -26,6 +26,12 @@
         steps of `sample` (features in stream order, whole steps of global_batch); `.best` has
         pp, dp and the stage plan it was priced with; `.layouts` the ranked table.
 
+    consider_recut(*, model, hardware, trainable, pp, dp, current, steps, ...) -> RecutChoice
+        plan.recut=auto: plan the run's recent steps (their samples' features) on the current
+        cut and on the cut plan_stages chooses for them, with the same planner and hardware (the
+        run's step-time re-fit); `.recut` when another cut is predicted faster by more than the
+        threshold (a cut that cannot hold the samples in memory counts as infinitely slow).
+
     calibrated_hardware(hardware, coef) -> HardwareSpec
         The hardware whose predicted step time is a StepCalibration fit's prediction (time
         constants scaled by its a; its per-micro-batch and per-step costs b, c become
@@ -44,6 +50,7 @@ train.zero_stage, train.optimizer; default the spec's bf16, ZeRO-1, AdamW) and
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,8 +88,8 @@ UNLIMITED_MEMORY_GB = 1e6
 __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
            "HardwareSpec",
            "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
-           "StepPlanner", "TrainingPrecision", "build_cost_model", "calibrated_hardware",
-           "check_headroom", "check_policy", "choose_layout",
+           "StepPlanner", "TrainingPrecision", "RecutChoice", "build_cost_model", "calibrated_hardware",
+           "check_headroom", "check_policy", "choose_layout", "consider_recut", "describe_gain",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "plan_stages", "plan_step",
            "stage_memory_warnings", "validate_trainable"]
 
@@ -279,3 +286,77 @@ def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequen
                         precision=precision, memory_headroom=memory_headroom, lora=lora)
     return search_layouts(costs=costs, table=table, steps=steps, devices=devices,
                           global_batch=global_batch, micro_batches=micro_batches, pp=pp, dp=dp)
+
+
+# -- re-cutting a running pipeline (plan.recut=auto) ------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RecutChoice:
+    """The comparison behind a re-cut decision."""
+
+    current: StagePlan
+    """The run's cut."""
+    candidate: StagePlan
+    """The cut the planner chooses for the recent steps."""
+    current_s: float
+    """Summed simulated time of the recent steps on the current cut, s."""
+    candidate_s: float
+    """The same on the candidate cut, s."""
+    steps: int
+    """How many recent steps were compared."""
+    threshold: float
+    """plan.recut_gain."""
+
+    @property
+    def gain(self) -> float:
+        """Predicted speed-up of the candidate, as a fraction (0.1: 10% faster; inf: the current
+        cut cannot hold some of the samples in memory)."""
+        if self.current_s == self.candidate_s:
+            return 0.0
+        return self.current_s / self.candidate_s - 1.0 if self.candidate_s > 0 else 0.0
+
+    @property
+    def recut(self) -> bool:
+        """Re-cut: another cut, predicted faster by more than the threshold."""
+        return self.candidate != self.current and self.gain > self.threshold
+
+    def record(self) -> dict:
+        """JSON-able: what metrics.jsonl and the re-cut request hold (`predicted_old_s` and
+        `predicted_gain` null when the current cut cannot hold the samples: `current_fits`)."""
+        fits = math.isfinite(self.current_s)
+        return {"old": [list(s) for s in self.current.stages], "new": [list(s) for s in self.candidate.stages],
+                "old_recompute": list(self.current.recompute), "new_recompute": list(self.candidate.recompute),
+                "predicted_old_s": self.current_s if fits else None, "predicted_new_s": self.candidate_s,
+                "predicted_gain": self.gain if fits else None, "current_fits": fits, "threshold": self.threshold,
+                "steps_compared": self.steps, "recut": self.recut}
+
+
+def describe_gain(record: dict) -> str:
+    """A re-cut record's predicted gain, in words."""
+    if not record.get("current_fits", True):
+        return "the current cut cannot hold the recent samples in memory"
+    return f"predicted {record['predicted_gain']:+.1%} faster"
+
+
+def consider_recut(*, model: ModelSpec, hardware: HardwareSpec, trainable: tuple[str, ...], pp: int, dp: int,
+                   current: StagePlan, steps: Sequence[Sequence[SampleFeatures]], policy: str, micro_batches: int,
+                   replicas: int, threshold: float, precision: TrainingPrecision, memory_headroom: float,
+                   lora: LoraSpec = NO_LORA) -> RecutChoice:
+    """Compare the current cut with the planner's cut for `steps` (each the features one
+    `StepPlanner.plan` call of the run receives: every replica's samples when steps are planned
+    across replicas, `replicas` = dp, else one replica's, `replicas` = 1)."""
+    common = dict(model=model, hardware=hardware, trainable=trainable, dp=dp, policy=policy,
+                  micro_batches=micro_batches, precision=precision, memory_headroom=memory_headroom, lora=lora)
+    candidate = plan_stages(pp=pp, sample=[f for s in steps for f in s], **common)
+
+    def total(plan: StagePlan) -> float:
+        planner = StepPlanner(stage_plan=plan, replicas=replicas, **common)
+        try:
+            return sum(planner.plan(list(s)).step_time for s in steps)
+        except ValueError:  # a sample this cut cannot hold in memory: any cut that can is better
+            return math.inf
+
+    same = candidate == current
+    current_s = total(current)
+    return RecutChoice(current=current, candidate=candidate, current_s=current_s,
+                       candidate_s=current_s if same else total(candidate), steps=len(steps), threshold=threshold)

@@ -1,7 +1,7 @@
 """The launcher's side of a re-cut (plan.recut=auto): the request the ranks leave in the run
 directory when they stop for one, and the config the launcher relaunches them with.
 
-The ranks decide (runtime/train.py: `_consider_recut`, planner/recut.py), commit a checkpoint,
+The ranks decide (runtime/train.py: `_consider_recut`, planner/api.py: `consider_recut`), commit a checkpoint,
 write RECUT_REQUEST and end normally. mmpipe's launcher (commands.run_train) then takes the
 request, appends it to RECUT_HISTORY and starts the ranks again with the new cut as
 `plan.stages` / `plan.recompute` and `train.resume=RUN_DIR`: the layout-changing resume

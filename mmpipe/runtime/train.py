@@ -22,8 +22,7 @@ import torch.distributed as dist
 from mmpipe.config import RunConfig, eval_interval, hardware_spec, training_precision
 from mmpipe.model.spec import layer_names, lora_identity, model_identity
 from mmpipe.paths import resolve_path
-from mmpipe.planner.api import StagePlan, StepCalibration, calibrated_hardware
-from mmpipe.planner.recut import consider_recut, describe_gain
+from mmpipe.planner.api import StagePlan, StepCalibration, calibrated_hardware, consider_recut, describe_gain
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (
     Checkpointer,

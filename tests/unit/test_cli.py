@@ -67,7 +67,7 @@ def test_command_help_is_specific_and_shows_the_values_it_would_run_with(capsys)
     assert "train.lr" not in out and "parallel.pp" not in out
     assert main(["train", "--help", "train.steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "train.steps: 7" in out and "Optimizer steps." in out and "data: mixture, shards, synthetic, trace" in out
+    assert "train.steps: 7" in out and "Optimizer steps." in out and "data: curriculum, mixture, shards, synthetic, trace" in out
 
 
 def test_help_of_a_hugging_face_group_lists_its_folders(capsys):
@@ -161,6 +161,10 @@ def _fake_run(path: Path, policy: str, slow: float, *, evaluated: bool = False) 
              "predicted_step_time": 0.19 * slow, "prediction_error": 0.05, "stage_busy_s": [0.1, 0.1],
              **({"eval_loss": 6.5 - s / 4} if evaluated and s > 1 else {})}
             for s in (1, 2, 3)]
+    if policy == "ds-default":  # this run re-cut after step 2 and measured the gain at step 3
+        rows[1]["recut"] = {"recut": True, "old": [[0, 1], [1, 15]], "new": [[0, 12], [12, 15]],
+                            "predicted_gain": 0.07, "current_fits": True}
+        rows[2]["recut_measured"] = {"after_step": 2, "gain": 0.05}
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -184,6 +188,8 @@ def test_report_draws_several_runs_into_one_png(in_tmp, capsys, monkeypatch):
     assert ("plan.policy=data-aware: 3 steps, loss 6.000 -> 4.000, eval_loss 6.000 -> 5.750 (2 evaluations), "
             "60.0 samples/s, bubble 20.0%") in out
     assert "plan.policy=ds-default: 3 steps, loss 6.000 -> 4.000, 30.0 samples/s, bubble 40.0%" in out
+    assert "re-cut after step 2: [[0, 1], [1, 15]] -> [[0, 12], [12, 15]], predicted +7.0% faster, measured " \
+           "+5.0%" in out
     # the held-out loss is drawn where the run evaluated; a run that did not has no such line
     assert drawn["plan.policy=data-aware eval_loss"] == ([2, 3], [6.0, 5.75])
     assert "plan.policy=ds-default eval_loss" not in drawn

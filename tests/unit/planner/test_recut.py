@@ -1,4 +1,4 @@
-"""plan.recut=auto's decision (planner/recut.py): a cut that piles the vision tower on one stage
+"""plan.recut=auto's decision (planner/api.py: consider_recut): a cut that piles the vision tower on one stage
 is re-cut, the planner's own cut is kept, the threshold holds a small gain back, and a cut planned
 on images is re-cut when the steps move to video or audio."""
 
@@ -6,9 +6,8 @@ import dataclasses
 import itertools
 
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import StagePlan, StepPlanner, plan_stages
+from mmpipe.planner.api import StagePlan, StepPlanner, consider_recut, describe_gain, plan_stages
 from mmpipe.planner.precision import TrainingPrecision
-from mmpipe.planner.recut import consider_recut, describe_gain
 from mmpipe.planner.trace import read_trace
 
 from .helpers import WORKLOADS, hardware, model
