@@ -83,6 +83,17 @@ def check_train(rc: RunConfig) -> None:
     _check_pipeline(rc)
     if rc.train.resume:
         checkpoint_dir(rc.train.resume, rc.model)  # also: a checkpoint of another model, named now
+    _check_stages(rc)
+
+
+def _check_stages(rc: RunConfig) -> None:
+    """The stage cut every rank will choose (the user's, or the planner's on the first steps of
+    the data), against memory: a layout that cannot hold the model (a fresh run's, or one a
+    checkpoint is resumed on) is refused here, before any rank starts."""
+    from mmpipe.runtime.hf_run import load_templater
+    from mmpipe.runtime.stages import choose_stages
+
+    choose_stages(rc, load_templater(rc))
 
 
 def _check_model(rc: RunConfig) -> None:

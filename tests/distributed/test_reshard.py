@@ -10,7 +10,7 @@ carry over; fp32: only the reduction order differs between layouts).
   and learning rates, and R2's step-4 layer files hold W's weights; the start-up says what was
   resharded. A layout that cannot hold the model is refused before launch, in one line.
 - Qwen2-VL (a transformers checkpoint) with LoRA on the decoder and the merger trained in full:
-  ZeRO-0 pp=3 -> ZeRO-1 pp=2, the same.
+  ZeRO-0 pp=3 x dp=1 -> ZeRO-1 pp=2 x dp=2, the same.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def test_resume_across_pp_dp_cut_and_zero_continues_the_run(run_mmpipe, tmp_path
     step2 = whole.run_dir / "checkpoints" / "step2"
     small = run_mmpipe("train", *TINY, "parallel.pp=1", "hardware.memory_gb=0.9", f"train.resume={step2}",
                        name="small")
-    assert small.code != 0 and "stage 0 (vision.embed..llm.head) needs" in small.out, small.out[-2000:]
+    assert small.code == 2 and "stage 0 (vision.embed..llm.head) needs" in small.out, small.out[-2000:]
     assert "raise parallel.pp or parallel.dp" in small.out and "Traceback" not in small.out
+    assert "launching" not in small.out  # refused before any rank started
 
     r1_args = [*TINY, "parallel.pp=3", "parallel.dp=1", "train.zero_stage=0", "train.save_every=1",
                f"train.resume={step2}"]
@@ -87,13 +88,14 @@ def test_resume_across_pp_dp_cut_and_zero_continues_the_run(run_mmpipe, tmp_path
 def test_lora_transformers_checkpoint_resumes_on_another_pipeline_and_zero(hf_checkpoints, run_mmpipe):
     common = [*model_overrides("qwen2-vl", hf_checkpoints), "train.steps=4", "train.global_batch=8",
               "train.micro_batches=2", "train.warmup_steps=0", "train.lora.r=4", "train.lora.alpha=8",
-              "train.trainable=[vision.proj]"]
+              "train.trainable=[vision.proj]", "plan.across_replicas=true"]
     whole = run_mmpipe("train", *common, "parallel.pp=3", "train.save_every=2", name="whole", timeout=600)
     assert whole.code == 0, whole.out[-3000:]
-    moved = run_mmpipe("train", *common, "parallel.pp=2", "train.zero_stage=1",
+    moved = run_mmpipe("train", *common, "parallel.pp=2", "parallel.dp=2", "train.zero_stage=1",
                        f"train.resume={whole.run_dir / 'checkpoints' / 'step2'}", "train.save_final=true",
                        name="moved", timeout=600)
     assert moved.code == 0, moved.out[-3000:]
-    assert "warning: resharded: pipeline pp=3" in moved.out and "ZeRO stage 0 -> 1" in moved.out
+    assert "warning: resharded: pipeline pp=3" in moved.out
+    assert "ZeRO stage 0 -> 1; replicas dp=1 -> dp=2" in moved.out
     _same_steps(whole, moved, 3)
     _same_weights(whole, moved, 4)
