@@ -67,7 +67,8 @@ def test_command_help_is_specific_and_shows_the_values_it_would_run_with(capsys)
     assert "train.lr" not in out and "parallel.pp" not in out
     assert main(["train", "--help", "train.steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "train.steps: 7" in out and "Optimizer steps." in out and "data: curriculum, mixture, shards, synthetic, trace" in out
+    assert "train.steps: 7" in out and "Optimizer steps." in out
+    assert "data: curriculum, mixture, shards, synthetic, trace" in out
 
 
 def test_help_of_a_hugging_face_group_lists_its_folders(capsys):
