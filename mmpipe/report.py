@@ -81,6 +81,8 @@ def summary(run: RunMetrics) -> str:
     _, bubble = _series(run, "bubble")
     _, err = _series(run, "prediction_error")
     _, held_out = _series(run, "eval_loss")
+    _, bound = _series(run, "bound_fraction")
+    _, mfu = _series(run, "mfu")
     parts = [f"{run.label}: {len(run.steps)} steps"]
     if loss:
         parts.append(f"loss {loss[0]:.3f} -> {loss[-1]:.3f}")
@@ -92,6 +94,10 @@ def summary(run: RunMetrics) -> str:
         parts.append(f"bubble {statistics.median(bubble):.1%}")
     if err:
         parts.append(f"|prediction error| {statistics.median(abs(e) for e in err):.1%}")
+    if bound:
+        parts.append(f"{statistics.median(bound):.1%} of the lower bound")
+    if mfu:
+        parts.append(f"MFU {statistics.median(mfu):.2%} (encoders counted)")
     return ", ".join(parts) + "".join(f"; {line}" for line in recut_lines(run))
 
 
@@ -130,6 +136,10 @@ def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path,
         for r in run.steps:  # where the run re-cut its stages (plan.recut=auto)
             if (r.get("recut") or {}).get("recut"):
                 ax_sps.axvline(r["step"] + 0.5, color=colour, ls=":", lw=1.2)
+        x, y = _series(run, "bound_fraction")
+        if x:
+            ax_bubble.plot(x, [v * 100.0 for v in y], color=colour, label=f"{run.label} of bound".strip(), lw=1.4,
+                           ls="--")
         x, y = _series(run, "eval_loss")
         if x:
             ax_loss.plot(x, y, color=colour, label=f"{run.label} eval_loss".strip(), lw=1.4, ls="--", marker="o", ms=3)
@@ -140,7 +150,8 @@ def write_report(dirs: list[str] | tuple[str, ...], *, out: Path) -> tuple[Path,
             ax_pred.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, color=colour, label=run.label, alpha=0.8)
     for ax, title, ylabel in ((ax_loss, "loss (dashed: held-out eval_loss)", "loss"),
                               (ax_sps, "throughput (dotted: a re-cut)", "samples/s"),
-                              (ax_bubble, "measured bubble", "idle share of the stages (%)")):
+                              (ax_bubble, "measured bubble (dashed: achieved fraction of the step's lower bound)",
+                               "idle share of the stages / fraction of the bound (%)")):
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

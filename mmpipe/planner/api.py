@@ -68,6 +68,8 @@ from mmpipe.planner.cost import (
     CostModel,
     build_cost_model,
     check_headroom,
+    ideal_compute_s,
+    model_flops,
     validate_trainable,
 )
 from mmpipe.planner.hardware import GB, HardwareSpec, hardware_from_dict, hardware_to_dict
@@ -88,10 +90,10 @@ UNLIMITED_MEMORY_GB = 1e6
 __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
            "HardwareSpec",
            "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
-           "StepPlanner", "TrainingPrecision", "RecutChoice", "build_cost_model", "calibrated_hardware",
+           "StepPlanner", "StepWork", "TrainingPrecision", "RecutChoice", "build_cost_model", "calibrated_hardware",
            "check_headroom", "check_policy", "choose_layout", "consider_recut", "describe_gain",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "plan_stages", "plan_step",
-           "stage_memory_warnings", "validate_trainable"]
+           "stage_memory_warnings", "step_work", "validate_trainable"]
 
 
 def packed_streams(features: Sequence[SampleFeatures]) -> tuple[np.ndarray, np.ndarray]:
@@ -286,6 +288,27 @@ def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequen
                         precision=precision, memory_headroom=memory_headroom, lora=lora)
     return search_layouts(costs=costs, table=table, steps=steps, devices=devices,
                           global_batch=global_batch, micro_batches=micro_batches, pp=pp, dp=dp)
+
+
+# -- what a step's samples need: its lower bound and its model FLOPs -----------------------
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """The compute some samples need, whatever the plan."""
+
+    ideal_s: float
+    """Forward + backward time at the hardware's peak efficiency, no overhead, padding or
+    recompute (summed over the step's samples and divided by pp x dp, the step's lower bound)."""
+    flops: float
+    """Model FLOPs (encoders, projectors and decoder; forward and the backward each layer needs)."""
+
+
+def step_work(cost: CostModel, features: Sequence[SampleFeatures]) -> StepWork:
+    """`StepWork` of these samples under `cost` (a StepPlanner's `.cost`)."""
+    if not features:
+        return StepWork(ideal_s=0.0, flops=0.0)
+    table = sample_table(list(features))
+    return StepWork(ideal_s=ideal_compute_s(cost, table), flops=model_flops(cost, table))
 
 
 # -- re-cutting a running pipeline (plan.recut=auto) ------------------------------------

@@ -404,6 +404,17 @@ def ideal_compute_s(cost: CostModel, table: SampleTable) -> float:
     return total
 
 
+def model_flops(cost: CostModel, table: SampleTable) -> float:
+    """The FLOPs the step's samples need through the model, encoders included: each layer's
+    forward and the backward it must run (2 forwards trained, 1 crossed frozen, plus adapters),
+    no recompute, no padding: the numerator of the model-FLOPs utilisation."""
+    tok = table.tokens.sum(axis=0)
+    sq = table.squares.sum(axis=0)
+    return float(sum((1.0 + layer.bwd_factor) * (layer.lin_flops * tok[KIND_STREAM[layer.kind]]
+                                                  + layer.attn_flops * sq[KIND_STREAM[layer.kind]])
+                     for layer in cost.layers if layer.kind != "other"))
+
+
 def lower_bound_s(cost: CostModel, table: SampleTable, *, pp: int, dp: int) -> float:
     """Spec section 7: total compute of the step at peak efficiency / (pp * dp)."""
     return ideal_compute_s(cost, table) / (pp * dp)

@@ -34,7 +34,7 @@ from mmpipe.data.skips import SkipCounter
 from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import Coef, StagePlan, StepPlanner, calibrated_hardware
+from mmpipe.planner.api import Coef, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
 from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.stream import make_stream
 
@@ -76,6 +76,9 @@ class PlannedStep:
     features: tuple = ()
     """The features of the samples the planner planned this step with (every replica's when
     planned across replicas, else this replica's): what plan.recut=auto re-plans the cut on."""
+    work: StepWork = StepWork(ideal_s=0.0, flops=0.0)
+    """What this replica's samples need at the hardware config's rates (the step's lower bound
+    and model FLOPs, summed over the replicas by the training loop)."""
 
 
 class StepFeeder:
@@ -105,6 +108,7 @@ class StepFeeder:
                                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom,
                                   lora=rc.train.lora)
         self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
+        self._rates = self.planner.cost  # the hardware config's: what the efficiency figures are priced at
         self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
         self.planned_with: Coef | None = None
         self.packed = self.planner.packing
@@ -207,7 +211,7 @@ class StepFeeder:
                            predicted_s=planned.step_time, compute_s=planned.compute[mine] / scale,
                            fit=self.planned_with, predicted_busy=planned.busy[mine],
                            predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state,
-                           features=tuple(feats))
+                           features=tuple(feats), work=step_work(self._rates, [feats[i] for g in groups for i in g]))
 
     def _collate(self, samples: list) -> MicroBatch:
         return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media)

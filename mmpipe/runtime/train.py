@@ -96,6 +96,8 @@ class RunResult:
     """Rank 0: per stage, the largest peak memory the planner predicted for any step, bytes."""
     memory_measure: str = ""
     """What the measured peaks are (telemetry.PeakMemory.kind)."""
+    efficiency: list[tuple[float, float]] = field(default_factory=list)
+    """Rank 0: (fraction of the lower bound, model-FLOPs utilisation) of every step."""
 
 
 def _init_distributed(rc: RunConfig) -> RunConfig:
@@ -343,6 +345,11 @@ class _Fed:
     label_tokens: int
     samples: int
     tokens: int
+    ideal_s: float
+    """The step's samples (every replica) at the hardware config's peak rates, forward and
+    backward, s: pp x dp times the step's lower bound."""
+    flops: float
+    """The step's model FLOPs (every replica; encoders included)."""
     predicted_s: float
     """The slowest replica's simulated step time."""
     compute_s: float
@@ -396,8 +403,10 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     planned = loop.feeder.next_step() if loop.feeder else None
     mbs: list[MicroBatch] = planned.micro_batches if planned else []
     agree_on_micro_batches(pipe.engine, len(mbs), loop.rc.parallel.dp)
+    work = planned.work if planned else None
     counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
-                           sum(m.tokens for m in mbs)], dtype=torch.float64, device=dev)
+                           sum(m.tokens for m in mbs), work.ideal_s if work else 0.0, work.flops if work else 0.0],
+                          dtype=torch.float64, device=dev)
     planned_fig = torch.tensor([planned.predicted_s, planned.compute_s, len(mbs)] if planned else [0.0] * 3,
                                dtype=torch.float64, device=dev)
     if pipe.first or pipe.last:
@@ -406,7 +415,8 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     if planned is not None and loop.rc.plan.recut == "auto" and dist.get_rank() == 0:
         loop.recent.append(planned.features)
     fed = _Fed(planned=planned, micro_batches=mbs, label_tokens=int(counts[0]), samples=int(counts[1]),
-               tokens=int(counts[2]), predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
+               tokens=int(counts[2]), ideal_s=float(counts[3]), flops=float(counts[4]),
+               predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
                slow_micro_batches=int(planned_fig[2]), started=t0)
     if step == loop.start + 1 and dist.get_rank() == 0:
         said = (f"tokens per step: {fed.tokens} LLM tokens, {fed.label_tokens} label tokens, "
@@ -499,6 +509,18 @@ def _recut_measured(loop: _Loop, step: int, rec: dict) -> dict | None:
             "steps_measured": [len(before), len(after)]}
 
 
+def _efficiency(rc: RunConfig, fed: _Fed, step_s: float) -> dict:
+    """The step against its lower bound (its samples' forward and backward at the hardware
+    config's peak rates, spread evenly over every rank: docs/planner.md), and the model-FLOPs
+    utilisation with the encoders' FLOPs counted, both over the measured step time."""
+    world = rc.parallel.pp * rc.parallel.dp
+    hw = hardware_spec(rc)
+    bound = fed.ideal_s / world
+    return {"lower_bound_s": bound, "bound_fraction": bound / step_s if step_s > 0 else None,
+            "model_flops": fed.flops,
+            "mfu": fed.flops / (step_s * world * hw.peak_flops) if step_s > 0 else None}
+
+
 def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalResult | None,
          recut: dict | None = None) -> None:
     """Rank 0: the step's metrics line (every train.log_every steps, the last, a non-finite one,
@@ -558,6 +580,9 @@ def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dic
            "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": loop.memory.kind,
            "predicted_peak_mem_gb": [b / 1e9 for b in fed.planned.predicted_peak_bytes],
            "nonfinite": trained.nonfinite}
+    rec.update(_efficiency(loop.rc, fed, dt))
+    if rec["bound_fraction"] is not None:
+        loop.result.efficiency.append((rec["bound_fraction"], rec["mfu"]))
     if loop.rc.train.precision == "fp16":
         rec["loss_scale"] = trained.loss_scale  # a step that overflowed was skipped: grad_norm null
     return rec
@@ -757,6 +782,13 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),
         flush=True,
     )
+    if r.efficiency:
+        bound = statistics.median(b for b, _ in r.efficiency)
+        mfu = statistics.median(m for _, m in r.efficiency)
+        ranks = rc.parallel.pp * rc.parallel.dp
+        print(f"efficiency (median over the steps; hardware {hardware_spec(rc).name}'s peak rates): {bound:.1%} of "
+              f"the step's lower bound (its samples' compute at peak, spread over the {ranks} ranks), model-FLOPs "
+              f"utilisation {mfu:.2%} with the encoders' FLOPs", flush=True)
     if r.peak_memory and r.predicted_memory:
         print("memory per stage, peak of the run (" + r.memory_measure + "): "
               + ", ".join(f"stage {s} {m / 1e9:.3g} GB measured, {p / 1e9:.3g} GB predicted ({m / p - 1:+.0%})"

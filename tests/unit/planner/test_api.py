@@ -51,3 +51,31 @@ def test_without_the_memory_limit_the_user_stages_still_get_every_sample_planned
     step = StepPlanner(memory_limit=False, **common).plan(feats)
     assert sorted(i for rep in step.replicas for mb in rep for i in mb) == list(range(64))
     assert step.step_time > 0 and len(step.busy[0]) == 4
+
+
+def test_step_work_is_the_plans_lower_bound_and_counts_the_encoders_flops():
+    """A step's work (runtime efficiency figures): its ideal time over pp x dp is the lower bound
+    `mmpipe plan` reports; it adds up over samples; the vision tower's FLOPs are in it (three
+    forwards trained, none of its backward when it is frozen and nothing before it trains)."""
+    from mmpipe.planner.api import build_cost_model, step_work
+    from mmpipe.planner.cost import lower_bound_s
+    from mmpipe.planner.samples import sample_table
+
+    feats, common = _setup(80)
+    args = {k: common[k] for k in ("model", "hardware", "trainable", "dp")}
+    cost = build_cost_model(**args)
+    work = step_work(cost, feats)
+    assert work.ideal_s / 4 == pytest.approx(lower_bound_s(cost, sample_table(feats), pp=4, dp=1), rel=1e-12)
+    halves = [step_work(cost, feats[:20]), step_work(cost, feats[20:])]
+    assert work.flops == pytest.approx(sum(h.flops for h in halves), rel=1e-12)
+    frozen = step_work(build_cost_model(**{**args, "trainable": ("llm",)}), feats)
+    vision = [layer for layer in cost.layers if layer.name.startswith("vision.")]
+    assert all(layer.bwd_factor == 2 for layer in vision)
+    tok = sample_table(feats).tokens.sum(axis=0)
+    sq = sample_table(feats).squares.sum(axis=0)
+    from mmpipe.planner.cost import KIND_STREAM
+
+    forward = sum(layer.lin_flops * tok[KIND_STREAM[layer.kind]] + layer.attn_flops * sq[KIND_STREAM[layer.kind]]
+                  for layer in vision)
+    assert forward > 0.1 * work.flops / 3  # images: the tower is a real share of the step
+    assert work.flops - frozen.flops == pytest.approx(2 * forward, rel=1e-9)
