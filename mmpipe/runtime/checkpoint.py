@@ -361,7 +361,8 @@ def describe(target: Path) -> str:
         + ("; any parallel.pp, cut, parallel.dp and ZeRO stage the precision allows (the optimizer state is "
            "remapped by parameter)" if why is None
            else f"; this layout only ({why.split(': resume')[0]})")
-        + "; the data continues exactly on another parallel.dp with plan.across_replicas=true, else approximately",
+        + "; on another parallel.dp the readers continue with the samples the old replicas had not taken (a "
+        "mixture restarts its epoch), and the steps hold the same samples with plan.across_replicas=true",
     ]
     return "\n".join(lines + [f"warning: {w}" for w in warnings])
 
@@ -495,8 +496,9 @@ def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
     if saved["dp"] != topology["dp"]:
         warnings.append(f"parallel.dp={topology['dp']} differs from the checkpoint's {saved['dp']}: the reader "
                         f"positions carry over exactly when every replica reads the one stream "
-                        f"(plan.across_replicas=true), else approximately (a warning says so; docs/data.md); random "
-                        f"states start afresh")
+                        f"(plan.across_replicas=true), else each reader skips the samples the old replicas had "
+                        f"taken (a mixture restarts its epoch, with a warning; docs/data.md); random states start "
+                        f"afresh")
     if step >= steps:
         return (f"{key}: the checkpoint is at step {step}, not below train.steps={steps}; raise train.steps to "
                 f"train further")

@@ -222,7 +222,8 @@ def test_another_replica_count_resumes_with_a_warning(one_rank, tmp_path, capsys
     found = _find(tmp_path / "run", tmp_path / "new", topology={**TOPOLOGY, "dp": 2})
     assert found.step == 2
     assert ("warning: parallel.dp=2 differs from the checkpoint's 1: the reader positions carry over exactly when "
-            "every replica reads the one stream (plan.across_replicas=true), else approximately") in \
+            "every replica reads the one stream (plan.across_replicas=true), else each reader skips the samples the "
+            "old replicas had taken") in \
         capsys.readouterr().err
 
 
