@@ -186,18 +186,17 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
           f"output in {logs}/rank<R>.log; each builds its pipeline stage with DeepSpeed, which takes a while on CPU",
           flush=True)
     clear_request(Path(rc.run_dir))
-    code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
-                  master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
-                  extra_env=quiet_env(rc))
-    while code == 0 and (request := take_request(Path(rc.run_dir))) is not None:  # plan.recut=auto
+    while True:
+        code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
+                      master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
+                      extra_env=quiet_env(rc))
+        request = take_request(Path(rc.run_dir)) if code == 0 else None  # plan.recut=auto
+        if request is None:
+            return code
         rc = recut_config(rc, request)
         path = write_run_config(rc)
         print(f"mmpipe train: re-cut after step {request['step']}: stages {request['old']} -> {request['new']} "
               f"({describe_gain(request)}); relaunching {nproc} processes from its checkpoint", flush=True)
-        code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
-                      master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
-                      extra_env=quiet_env(rc))
-    return code
 
 
 def check_plan(rc: RunConfig) -> None:

@@ -22,7 +22,14 @@ import torch.distributed as dist
 from mmpipe.config import RunConfig, eval_interval, hardware_spec, training_precision
 from mmpipe.model.spec import layer_names, lora_identity, model_identity
 from mmpipe.paths import resolve_path
-from mmpipe.planner.api import StagePlan, StepCalibration, calibrated_hardware, consider_recut, describe_gain
+from mmpipe.planner.api import (
+    HardwareSpec,
+    StagePlan,
+    StepCalibration,
+    calibrated_hardware,
+    consider_recut,
+    describe_gain,
+)
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (
     Checkpointer,
@@ -328,8 +335,11 @@ class _Loop:
     """Rank 0 of a run relaunched by a re-cut: that re-cut's record, until its measured gain is logged."""
     launch_times: list = field(default_factory=list)
     """Rank 0: the step time of every step since this launch, s."""
+    hardware: HardwareSpec = field(init=False)
+    """The hardware config (its rates price the efficiency figures and the re-cut checks)."""
 
     def __post_init__(self) -> None:
+        self.hardware = hardware_spec(self.rc)
         engine = self.pipe.engine
         self.timer = StageTimer(engine)
         self.memory = PeakMemory(engine.device)
@@ -470,7 +480,7 @@ def _consider_recut(loop: _Loop, step: int) -> dict | None:
         return None
     record: list = [None]
     if dist.get_rank() == 0:
-        hw = hardware_spec(rc)
+        hw = loop.hardware
         if loop.calibration.fitted:
             hw = calibrated_hardware(hw, loop.calibration.coef)
         choice = consider_recut(model=rc.model, hardware=hw, trainable=rc.train.trainable, pp=rc.parallel.pp,
@@ -509,12 +519,11 @@ def _recut_measured(loop: _Loop, step: int, rec: dict) -> dict | None:
             "steps_measured": [len(before), len(after)]}
 
 
-def _efficiency(rc: RunConfig, fed: _Fed, step_s: float) -> dict:
+def _efficiency(rc: RunConfig, hw: HardwareSpec, fed: _Fed, step_s: float) -> dict:
     """The step against its lower bound (its samples' forward and backward at the hardware
     config's peak rates, spread evenly over every rank: docs/planner.md), and the model-FLOPs
     utilisation with the encoders' FLOPs counted, both over the measured step time."""
     world = rc.parallel.pp * rc.parallel.dp
-    hw = hardware_spec(rc)
     bound = fed.ideal_s / world
     return {"lower_bound_s": bound, "bound_fraction": bound / step_s if step_s > 0 else None,
             "model_flops": fed.flops,
@@ -580,7 +589,7 @@ def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dic
            "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": loop.memory.kind,
            "predicted_peak_mem_gb": [b / 1e9 for b in fed.planned.predicted_peak_bytes],
            "nonfinite": trained.nonfinite}
-    rec.update(_efficiency(loop.rc, fed, dt))
+    rec.update(_efficiency(loop.rc, loop.hardware, fed, dt))
     if rec["bound_fraction"] is not None:
         loop.result.efficiency.append((rec["bound_fraction"], rec["mfu"]))
     if loop.rc.train.precision == "fp16":
@@ -601,7 +610,7 @@ def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = 
     stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
     every = rc.train.save_every and step % rc.train.save_every == 0
     if stopping or every or (rc.train.save_final and step == rc.train.steps):
-        folder = loop.ckpt.save(step, loop.last_state, step_fit=({"hardware": hardware_spec(rc).name,
+        folder = loop.ckpt.save(step, loop.last_state, step_fit=({"hardware": loop.hardware.name,
                                                                   "calibration": loop.calibration.state_dict()}
                                                                  if dist.get_rank() == 0 else None))
     if stopping:
