@@ -257,7 +257,7 @@ def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False)
          source=rc.data.path, out=output_path(rc, rc.plan.out), steps=rc.plan.steps,
          plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
          compare_schedules=compare_schedules, memory_headroom=rc.plan.memory_headroom,
-         precision=plan_precision(rc, inv), lora=rc.train.lora)
+         precision=plan_precision(rc, inv), lora=rc.train.lora, encoders=rc.plan.encoders)
     return 0
 
 
@@ -361,7 +361,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
                    "to use it (a user config folder wins over the shipped one).",)),
     Command(name="bench",
             summary="train once per policy (alternating) on the same data; compare samples/s and bubbles",
-            run=run_bench, check=check_train, keys=("bench.policies", "bench.rounds", "bench.steps"),
+            run=run_bench, check=check_train, keys=("bench.policies", "bench.encoders", "bench.rounds", "bench.steps"),
             examples=("mmpipe bench",
                       "mmpipe bench " + shell_word("bench.policies=[data-aware,ds-default]") + " bench.rounds=1",
                       "mmpipe bench hardware=measured-tiny parallel.dp=2"),

@@ -16,7 +16,14 @@ from mmpipe.model.group import model_from_group
 from mmpipe.model.kernel_choice import KERNELS
 from mmpipe.model.spec import NO_LORA, TRAINABLE_PREFIXES, LoraSpec, ModelSpec, layer_names
 from mmpipe.paths import model_folder, resolve_path, shell_word
-from mmpipe.planner.api import DEFAULT_HEADROOM, POLICIES, check_headroom, hardware_from_dict  # planner-owned
+from mmpipe.planner.api import (  # planner-owned
+    DEFAULT_HEADROOM,
+    POLICIES,
+    check_encoders_value,
+    check_headroom,
+    hardware_from_dict,
+    parse_encoders,
+)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Values of train.precision."""
@@ -318,6 +325,13 @@ class PlanConfig:
     re-cut costs a relaunch (the ranks' start-up, tens of seconds) that short runs never repay."""
     recut_gain: float = 0.05
     """The least predicted speed-up (a fraction: 0.05 = 5%) for plan.recut=auto to re-cut."""
+    encoders: str | Mapping[str, str] = "auto"
+    """Where the encoder towers run: auto | stages | spread, or per tower, e.g.
+    "plan.encoders={vision: spread, audio: stages}" (a tower left out stays on the stages).
+    stages: a tower's layers run on the pipeline stages that hold them; spread: every rank
+    holds the whole tower and encodes a share of its replica's samples before the pipeline
+    runs (docs/planner.md, Encoder placement); auto: the planner compares the best plan of
+    each placement by its simulated step time and keeps the fastest (ties: stages)."""
 
     def __post_init__(self) -> None:
         if self.recut not in ("off", "auto"):
@@ -328,6 +342,9 @@ class PlanConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"plan.policy={self.policy!r} is unknown; use {', '.join(POLICIES)}")
         check_headroom(self.memory_headroom)
+        check_encoders_value(self.encoders)
+        if isinstance(self.encoders, Mapping):  # frozen: a plain dict, once
+            object.__setattr__(self, "encoders", {str(k): v for k, v in self.encoders.items()})
         if self.recompute is not None:
             if self.stages is None:
                 raise ValueError(f"plan.recompute={_flags(self.recompute)} needs plan.stages (it gives each "
@@ -409,6 +426,9 @@ class ShardsConfig:
 class BenchConfig:
     policies: tuple[str, ...] = POLICIES
     """Policies `mmpipe bench` trains, alternating."""
+    encoders: tuple[str, ...] = ()
+    """Encoder placements (plan.encoders values: stages, spread, auto) each policy trains with, as
+    runs of their own (`data-aware/spread`, ...); empty: the run's plan.encoders only."""
     rounds: int = 2
     """Alternating rounds (each policy trains once per round)."""
     steps: int = 30
@@ -422,6 +442,10 @@ class BenchConfig:
         for p in self.policies:
             if p not in POLICIES:
                 raise ValueError(f"bench.policies entry {p!r} is unknown; use {', '.join(POLICIES)}")
+        for e in self.encoders:
+            if e not in ("stages", "spread", "auto"):
+                raise ValueError(f"bench.encoders entry {e!r} is unknown; use stages, spread or auto (a per-tower "
+                                 f"placement goes in plan.encoders)")
         if self.rounds < 1 or self.steps < 3:
             raise ValueError(f"bench.rounds={self.rounds} / bench.steps={self.steps}: need rounds >= 1, steps >= 3")
 
@@ -577,10 +601,16 @@ def check_run(rc: RunConfig) -> None:
     """Cross-key checks: the ones no single section can make (those on parallel.pp / dp wait
     for `resolve_layout` while they are auto)."""
     rc.train.lora.check_parts(rc.model)
+    parse_encoders(rc.plan.encoders, rc.model)  # a tower the model lacks
     if rc.parallel.auto:
         _check_auto(rc)
         return
     pp, dp, t = rc.parallel.pp, rc.parallel.dp, rc.train
+    spreads = parse_encoders(rc.plan.encoders, rc.model)
+    if pp == 1 and isinstance(spreads, dict) and "spread" in spreads.values():
+        raise ValueError(f"plan.encoders={rc.plan.encoders} needs parallel.pp >= 2 (a spread tower is encoded by "
+                         f"the stages of a replica; with one stage it is staged); set parallel.pp=2 or more, or "
+                         f"plan.encoders=stages")
     n_layers = len(rc.layers)
     if pp > n_layers:
         raise ValueError(

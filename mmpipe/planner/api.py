@@ -77,6 +77,21 @@ from mmpipe.planner.layout import Layout, LayoutChoice, costs_by_dp, search_layo
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.samples import SampleTable, mb_streams, sample_table
+from mmpipe.planner.spread import (
+    Encoders,
+    SpreadModel,
+    candidate_placements,
+    check_encoders_value,
+    encode_costs,
+    parse_encoders,
+    pipeline_stage_costs,
+    placement_name,
+    price_step,
+    reserve_bytes,
+    reserved_pipeline,
+    show_encoders,
+    spread_model,
+)
 from mmpipe.planner.stage_cost import StageCosts, stage_costs
 from mmpipe.planner.step import Replicas, evaluate_step
 
@@ -90,8 +105,9 @@ UNLIMITED_MEMORY_GB = 1e6
 __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
            "HardwareSpec",
            "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
-           "StepPlanner", "StepWork", "TrainingPrecision", "RecutChoice", "build_cost_model", "calibrated_hardware",
-           "check_headroom", "check_policy", "choose_layout", "consider_recut", "describe_gain",
+           "StepPlanner", "StepWork", "TrainingPrecision", "RecutChoice", "EncoderChoice", "build_cost_model",
+           "calibrated_hardware", "check_headroom", "check_policy", "choose_encoders", "choose_layout",
+           "consider_recut", "describe_gain", "resolve_encoders", "check_encoders_value", "parse_encoders",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "plan_stages", "plan_step",
            "stage_memory_warnings", "step_work", "validate_trainable"]
 
@@ -115,21 +131,45 @@ def check_policy(policy: str) -> None:
         raise ValueError(f"plan.policy={policy!r} is unknown; use {', '.join(POLICIES)}")
 
 
+def resolve_encoders(encoders: object, model: ModelSpec) -> dict[str, str]:
+    """A plan.encoders value other than `auto` as the placement of every tower of the model
+    (None: all on the stages). ValueError for a bad value, a tower the model lacks, or
+    `auto` (which `choose_encoders` resolves)."""
+    value = parse_encoders(encoders, model)
+    if value == "auto":
+        raise ValueError("plan.encoders=auto is resolved by comparing the placements: call "
+                         "choose_encoders and pass its .encoders")
+    assert isinstance(value, dict)
+    return value
+
+
 def plan_stages(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int,
                 trainable: tuple[str, ...], sample: list[SampleFeatures], micro_batches: int,
                 policy: str, precision: TrainingPrecision = DEFAULT_PRECISION,
-                memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA) -> StagePlan:
-    """Stage ranges and recompute for a policy (see module docstring)."""
+                memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA,
+                encoders: Encoders | str | None = None) -> StagePlan:
+    """Stage ranges and recompute for a policy (see module docstring). `encoders`: the
+    placement of the encoder towers (plan.encoders without auto; None: all on the stages);
+    a spread tower's layers cost nothing on the stages, and the ranges still cover every
+    layer (docs/spec.md section 4)."""
     check_policy(policy)
     check_pp(pp, len(layer_names(model)), model.name)
     cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
                             precision=precision, memory_headroom=memory_headroom, lora=lora)
+    sm = spread_model(cost, None if encoders is None else resolve_encoders(encoders, model))
     table = sample_table(sample)
     rows = list(range(len(sample)))
+    if sm.active:
+        check_pp(pp, len(sm.keep), f"{model.name} with {placement_name(sm.encoders)} encoders")
+        # what every rank leaves to the spread towers (stage 0's features: the step planner's
+        # own per-stage reserve, where the balancer makes room with its micro-batches)
+        reserve = reserve_bytes(sm, encode_costs(sm, table), rows, pp=pp, dp=dp)
+        cost = reserved_pipeline(sm, float(reserve[-1]))
     if policy == "data-aware":
-        return data_aware_stages(cost, table, [rows], pp=pp, dp=dp, micro_batches=micro_batches)
-    return tune_baseline(policy, cost, table, [rows], pp=pp, dp=dp,
-                         micro_batches=micro_batches).stage_plan
+        plan = data_aware_stages(cost, table, [rows], pp=pp, dp=dp, micro_batches=micro_batches)
+    else:
+        plan = tune_baseline(policy, cost, table, [rows], pp=pp, dp=dp, micro_batches=micro_batches).stage_plan
+    return sm.to_full(plan) if sm.active else plan
 
 
 def plan_step(*, policy: str, features: list[SampleFeatures], stage_plan: StagePlan,
@@ -170,7 +210,18 @@ class StepPlan:
     compute: tuple[float, ...]
     """Per replica, its simulated 1F1B makespan without the runtime's fixed costs, s (what
     the step-time re-fit, `StepCalibration`, regresses measured steps on); 0 for a replica
-    without samples."""
+    without samples. With spread towers: pre-pass + makespan + post-pass."""
+    encode: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Per replica, per pipeline stage: the indices (into the step's samples) of the samples
+    whose media that stage's rank encodes for the spread towers (every spread tower of a
+    sample on one rank, only samples of that replica, each sample with such media exactly
+    once); empty tuples when no tower is spread."""
+    encode_recompute: str = "none"
+    """What the encode shares keep from the pre-pass to the post-pass: none (every
+    activation), blocks (block inputs) or tower (the tower's input only); planner.spread."""
+    encode_seconds: tuple[tuple[float, ...], ...] = ()
+    """Per replica, per stage: its rank's encode time this step (pre-pass forward and
+    post-pass), s; empty when no tower is spread."""
 
 
 class StepPlanner:
@@ -184,7 +235,8 @@ class StepPlanner:
                  dp: int, stage_plan: StagePlan, policy: str, micro_batches: int,
                  replicas: int | None = None, memory_limit: bool = True,
                  precision: TrainingPrecision = DEFAULT_PRECISION,
-                 memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA) -> None:
+                 memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA,
+                 encoders: Encoders | str | None = None) -> None:
         """Args:
             model, hardware, trainable, dp: what the cost model prices (dp: data-parallel
                 replicas of the run, over which ZeRO-1 shards optimizer states).
@@ -200,6 +252,10 @@ class StepPlanner:
                 spec's bf16, ZeRO-1, AdamW).
             memory_headroom: plan.memory_headroom, the share of usable memory never planned
                 into (default 0: all of it).
+            encoders: the towers' placement (plan.encoders resolved, `choose_encoders(...)
+                .encoders`; None: all on the stages). With a spread tower, `plan` also says
+                which rank encodes which sample (`StepPlan.encode`), and its step time and
+                memory include the pre-pass, the post-pass and the all-reduce.
         To re-plan with what the runtime measured, build a new StepPlanner with
         `calibrated_hardware(hardware, calibration.coef)` (runtime/feed.py does, once the
         run's re-fit has seen its warm-up steps).
@@ -213,8 +269,22 @@ class StepPlanner:
         self.replicas = dp if replicas is None else replicas
         self.cost = build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=dp,
                                      precision=precision, memory_headroom=memory_headroom, lora=lora)
-        self.stage_costs = stage_costs(self.cost, stage_plan.stages, stage_plan.recompute)
+        self.spread: SpreadModel = spread_model(
+            self.cost, None if encoders is None else resolve_encoders(encoders, model))
+        self.stage_plan = stage_plan
+        self.dp = dp
+        self.stage_costs = (pipeline_stage_costs(self.spread, stage_plan,
+                                                 reserve_bytes(self.spread, encode_costs(self.spread, sample_table([])),
+                                                               [], pp=stage_plan.pp, dp=dp))
+                            if self.spread.active else
+                            stage_costs(self.cost, stage_plan.stages, stage_plan.recompute))
         self.resident = hardware.reserved_gb * GB  # held by every rank whatever its plan
+
+    @property
+    def usable_bytes(self) -> float:
+        """Bytes a rank may fill beside what it holds before its model (`peak_bytes` counts
+        that too): usable memory less the headroom, plus `HardwareSpec.reserved_gb`."""
+        return self.cost.usable_bytes + self.resident
 
     @property
     def packing(self) -> bool:
@@ -224,12 +294,28 @@ class StepPlanner:
     def plan(self, features: Sequence[SampleFeatures]) -> StepPlan:
         """Plan one step's samples (in stream order) and predict its time."""
         table = sample_table(features)
-        reps = _replicas(self.policy, table, self.stage_costs, self.replicas, self.micro_batches)
-        ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
-        return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
+        pp = self.stage_plan.pp
+        if not self.spread.active:
+            reps = _replicas(self.policy, table, self.stage_costs, self.replicas, self.micro_batches)
+            ev = evaluate_step(self.stage_costs, table, reps, packing=self.packing)
+            return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=ev.step_time,
+                            busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
+                            peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in ev.replica_peaks),
+                            compute=tuple(float(r.makespan) if r is not None else 0.0 for r in ev.replicas),
+                            encode=tuple(((),) * pp for _ in reps))
+        sm = self.spread
+        ec = encode_costs(sm, table)
+        rows = range(len(table))
+        reserve = reserve_bytes(sm, ec, rows, pp=pp, dp=self.replicas)
+        sc = pipeline_stage_costs(sm, self.stage_plan, reserve)
+        reps = _replicas(self.policy, table, sc, self.replicas, self.micro_batches)
+        ev = evaluate_step(sc, table, reps, packing=self.packing)
+        sp = price_step(sm, ec, reps, ev, sc, reserve, ranks=pp * self.dp)
+        return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=sp.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
-                        peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in ev.replica_peaks),
-                        compute=tuple(float(r.makespan) if r is not None else 0.0 for r in ev.replicas))
+                        peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in sp.peaks),
+                        compute=sp.compute, encode=sp.encode, encode_recompute=sp.mode,
+                        encode_seconds=sp.loads)
 
 
 def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
@@ -288,6 +374,80 @@ def choose_layout(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequen
                         precision=precision, memory_headroom=memory_headroom, lora=lora)
     return search_layouts(costs=costs, table=table, steps=steps, devices=devices,
                           global_batch=global_batch, micro_batches=micro_batches, pp=pp, dp=dp)
+
+
+# -- where the encoder towers run (plan.encoders) ------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class EncoderChoice:
+    """The placements of the encoder towers compared, and the one chosen."""
+
+    encoders: dict[str, str]
+    """The chosen placement of every tower of the model (`stages` | `spread`)."""
+    stage_plan: StagePlan
+    """Its stage plan (ranges over every layer, docs/spec.md section 4)."""
+    candidates: tuple[tuple[dict[str, str], float, StagePlan | None], ...]
+    """Each placement compared, in `candidate_placements` order: its summed simulated step
+    time over the steps, s (inf when it does not fit), and its stage plan."""
+
+    def times(self) -> dict[str, float]:
+        """Summed simulated step time per placement name (`stages`, `spread`, ...)."""
+        return {placement_name(e): t for e, t, _ in self.candidates}
+
+
+def choose_encoders(*, model: ModelSpec, hardware: HardwareSpec, pp: int, dp: int,
+                    trainable: Sequence[str], steps: Sequence[Sequence[SampleFeatures]], policy: str,
+                    micro_batches: int, encoders: object = "auto", replicas: int | None = None,
+                    stage_plan: StagePlan | None = None,
+                    precision: TrainingPrecision = DEFAULT_PRECISION, memory_headroom: float = 0.0,
+                    lora: LoraSpec = NO_LORA) -> EncoderChoice:
+    """Resolve plan.encoders for a run: with `auto`, every candidate placement (all stages;
+    every tower spread; with two towers, the two mixed ones) gets its best plan (the stages
+    `plan_stages` cuts for it on all of `steps`' samples, or the user's `stage_plan`), each
+    step of `steps` is planned with `StepPlanner(encoders=...)`, and the placement with the
+    least summed simulated step time wins (ties: the earlier candidate, so stages first); a
+    placement that cannot hold a step counts as infinitely slow (when none can, the first
+    with a stage plan is returned, so a user's `stage_plan` over memory is still trained with
+    warnings; ValueError when no placement even has a stage plan). Any other value is that
+    placement alone, priced the same way.
+
+    Args:
+        steps: each the features one `StepPlanner.plan` call of the run receives (every
+            replica's samples when steps are planned across replicas, `replicas` = dp, the
+            default; one replica's, `replicas` = 1).
+    """
+    value = parse_encoders(encoders, model)
+    cands = candidate_placements(model) if value == "auto" else [value]
+    sample = [f for st in steps for f in st]
+    common = dict(model=model, hardware=hardware, trainable=tuple(trainable), dp=dp, policy=policy,
+                  micro_batches=micro_batches, precision=precision, memory_headroom=memory_headroom,
+                  lora=lora)
+    out: list[tuple[dict[str, str], float, StagePlan | None]] = []
+    errors: list[str] = []
+    for enc in cands:
+        assert isinstance(enc, dict)
+        plan: StagePlan | None = stage_plan
+        try:
+            plan = plan or plan_stages(pp=pp, sample=sample, encoders=enc, **common)
+            planner = StepPlanner(stage_plan=plan, replicas=replicas, encoders=enc, **common)
+            planned = [planner.plan(list(st)) for st in steps]
+            fits = all(max(max(rep, default=0.0) for rep in p.peak_bytes) <= planner.usable_bytes * (1 + 1e-9)
+                       for p in planned)
+            total = sum(p.step_time for p in planned) if fits else math.inf
+        except ValueError as err:  # a stage or a sample this placement cannot hold
+            total = math.inf
+            errors.append(f"{placement_name(enc)}: {err}")
+        out.append((enc, total, plan))
+    # the fastest; when none fits, the first that has a stage plan (the user's stage plan is
+    # kept even over memory: the caller warns and trains it, as without spread towers)
+    best = min((i for i in range(len(out)) if out[i][2] is not None), key=lambda i: (out[i][1], i),
+               default=None)
+    if best is None:
+        raise ValueError(f"plan.encoders={show_encoders(encoders)}: no placement of the encoder towers "
+                         f"can be planned on these steps ({errors[0]})")
+    enc, total, plan = out[best]
+    assert plan is not None
+    return EncoderChoice(encoders=enc, stage_plan=plan, candidates=tuple(out))
 
 
 # -- what a step's samples need: its lower bound and its model FLOPs -----------------------
@@ -364,16 +524,17 @@ def describe_gain(record: dict) -> str:
 def consider_recut(*, model: ModelSpec, hardware: HardwareSpec, trainable: tuple[str, ...], pp: int, dp: int,
                    current: StagePlan, steps: Sequence[Sequence[SampleFeatures]], policy: str, micro_batches: int,
                    replicas: int, threshold: float, precision: TrainingPrecision, memory_headroom: float,
-                   lora: LoraSpec = NO_LORA) -> RecutChoice:
+                   lora: LoraSpec = NO_LORA, encoders: Encoders | None = None) -> RecutChoice:
     """Compare the current cut with the planner's cut for `steps` (each the features one
     `StepPlanner.plan` call of the run receives: every replica's samples when steps are planned
-    across replicas, `replicas` = dp, else one replica's, `replicas` = 1)."""
+    across replicas, `replicas` = dp, else one replica's, `replicas` = 1), both under the run's
+    encoder placement `encoders` (resolved; None: every tower on the stages)."""
     common = dict(model=model, hardware=hardware, trainable=trainable, dp=dp, policy=policy,
                   micro_batches=micro_batches, precision=precision, memory_headroom=memory_headroom, lora=lora)
-    candidate = plan_stages(pp=pp, sample=[f for s in steps for f in s], **common)
+    candidate = plan_stages(pp=pp, sample=[f for s in steps for f in s], encoders=encoders, **common)
 
     def total(plan: StagePlan) -> float:
-        planner = StepPlanner(stage_plan=plan, replicas=replicas, **common)
+        planner = StepPlanner(stage_plan=plan, replicas=replicas, encoders=encoders, **common)
         try:
             return sum(planner.plan(list(s)).step_time for s in steps)
         except ValueError:  # a sample this cut cannot hold in memory: any cut that can is better

@@ -34,9 +34,22 @@ from mmpipe.planner.report import (
     stage_table,
     steps_table,
 )
-from mmpipe.planner.samples import sample_table
-from mmpipe.planner.stage_cost import stage_costs
-from mmpipe.planner.step import evaluate_step
+from mmpipe.planner.samples import SampleTable, sample_table
+from mmpipe.planner.spread import (
+    SpreadStep,
+    candidate_placements,
+    encode_costs,
+    parse_encoders,
+    pipeline_stage_costs,
+    placement_name,
+    price_step,
+    reserve_bytes,
+    reserved_pipeline,
+    show_encoders,
+    spread_model,
+)
+from mmpipe.planner.stage_cost import StageCosts, stage_costs
+from mmpipe.planner.step import Replicas, StepEval, evaluate_step
 from mmpipe.planner.trace import read_trace
 
 GB = 1e9
@@ -55,7 +68,7 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
              memory_headroom: float = DEFAULT_HEADROOM,
              precision: TrainingPrecision = DEFAULT_PRECISION,
              samples: Sequence[tuple[str, SampleMeta]] | None = None,
-             source: str = "", lora: LoraSpec = NO_LORA) -> dict[str, Any]:
+             source: str = "", lora: LoraSpec = NO_LORA, encoders: object = "stages") -> dict[str, Any]:
     """Plan the full steps (or the first `steps`) of a trace or of shard metadata and return
     the plan dict.
 
@@ -66,8 +79,18 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
             named by `source` (the data.path) in messages.
         memory_headroom: plan.memory_headroom; precision: the run's precision, ZeRO stage
             and optimizer.
+        encoders: plan.encoders (planner.spread): `stages` (the default here), `spread`, a
+            mapping per tower, or `auto`: the data-aware plan of each candidate placement is
+            made and the fastest by its simulated step time is kept (ties: stages). The layout
+            search (parallel.pp/dp=auto) ranks layouts with the towers on the stages.
     """
     check_policy(policy)
+    placement = parse_encoders(encoders, model)
+    if policy != "data-aware":
+        if isinstance(placement, dict) and "spread" in placement.values():
+            raise ValueError(f"plan.encoders={show_encoders(encoders)} spreads a tower, which mmpipe plan "
+                             f"plans with plan.policy=data-aware only; use plan.encoders=stages")
+        placement = {t: "stages" for t in candidate_placements(model)[0]}
     names = layer_names(model)
     for key, v in (("train.global_batch", global_batch), ("train.micro_batches", micro_batches)):
         if not isinstance(v, int) or v < 1:
@@ -155,8 +178,38 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
         plans = list(chosen_base.steps)
         evals = [evaluate_step(sc, table, p, packing=packing) for p in plans]
         setting = chosen_base.setting
+    cands = candidate_placements(model) if placement == "auto" else [placement]
+    compared: list[tuple[dict[str, str], float]] = []
+    spread_steps: list[SpreadStep] | None = None
+    chosen_enc = cands[0]
+    if policy == "data-aware":
+        best_t = np.inf
+        for enc in cands:
+            if "spread" not in enc.values():
+                t = float(sum(e.step_time for e in evals)) if all(e.fits for e in evals) else np.inf
+                if t < best_t:
+                    best_t, chosen_enc = t, enc
+                compared.append((enc, t))
+                continue
+            try:
+                got = _plan_spread(cost, enc, table, step_rows, probe, stages=stage_plan if stages else None,
+                                   pp=pp, dp=dp, micro_batches=micro_batches, labels=labels)
+                t = float(sum(x.step_time for x in got[4])) if all(x.fits for x in got[4]) else np.inf
+            except ValueError as err:
+                if len(cands) == 1:
+                    raise
+                got, t = None, np.inf
+                setting += f"; {placement_name(enc)}: {err}"
+            compared.append((enc, t))
+            if got is not None and (t < best_t or len(cands) == 1):
+                best_t, chosen_enc = t, enc
+                stage_plan, sc, plans, evals, spread_steps = got
 
     lower = [lower_bound_s(cost, table.rows(rows), pp=pp, dp=dp) for rows in step_rows]
+    times = [x.step_time for x in spread_steps] if spread_steps else [e.step_time for e in evals]
+    peaks = (np.max([np.max(x.peaks, axis=0) for x in spread_steps], axis=0) if spread_steps
+             else np.max([e.peak_bytes for e in evals], axis=0))
+    fits = all(x.fits for x in spread_steps) if spread_steps else all(e.fits for e in evals)
     plan: dict[str, Any] = {
         "version": 1,
         "model": model.name,
@@ -165,13 +218,16 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
         "recompute": list(stage_plan.recompute),
         "packing": bool(packing),
         "schedule": "1f1b",
-        "steps": [{"replicas": [[[int(i) for i in mb] for mb in rep] for rep in p]} for p in plans],
+        "encoders": dict(chosen_enc),
+        "steps": [{"replicas": [[[int(i) for i in mb] for mb in rep] for rep in p],
+                   "encode": encode_by_rank(spread_steps[k].encode if spread_steps else None, pp, dp),
+                   **({"encode_recompute": spread_steps[k].mode} if spread_steps else {})}
+                  for k, p in enumerate(plans)],
         "predicted": {
-            "step_time_s": [round(e.step_time, 6) for e in evals],
+            "step_time_s": [round(t, 6) for t in times],
             "lower_bound_s": [round(x, 6) for x in lower],
-            "peak_memory_gb": [round(float(x) / GB, 3) for x in
-                               np.max([e.peak_bytes for e in evals], axis=0)],
-            "fits": all(e.fits for e in evals),
+            "peak_memory_gb": [round(float(x) / GB, 3) for x in peaks],
+            "fits": fits,
             "hardware": hardware.name,
             "memory": {"precision": precision.precision, "zero_stage": precision.zero_stage,
                        "optimizer": precision.optimizer, "memory_headroom": memory_headroom,
@@ -183,6 +239,15 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
                           for b, bp in baselines.items()},
         },
     }
+    if compared:
+        plan["predicted"]["encoders"] = {
+            "value": show_encoders(encoders), "chosen": placement_name(chosen_enc),
+            "step_time_s": {placement_name(e): (round(t / len(step_rows), 6) if np.isfinite(t) else None)
+                            for e, t in compared}}
+        if spread_steps:
+            plan["predicted"]["encoders"].update(
+                encode_s=[[[round(x, 6) for x in rep] for rep in st.loads] for st in spread_steps],
+                allreduce_s=round(spread_steps[0].allreduce, 6))
     if choice is not None:
         plan["predicted"]["layout"] = {"devices": devices, "pp": pp, "dp": dp}
         plan["predicted"]["layouts"] = [layout_json(x) for x in choice.layouts]
@@ -192,7 +257,9 @@ def run_plan(*, model: ModelSpec, hardware: HardwareSpec, pp: int | None, dp: in
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(plan, indent=1) + "\n")
     text = _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, evals,
-                   setting, baselines, lower, feats, step_rows, precision)
+                   setting, baselines, lower, feats, step_rows, precision, times=times, fits=fits)
+    if compared:
+        text += "\n" + encoders_report(encoders, chosen_enc, compared, spread_steps, len(step_rows))
     if choice is not None:
         text = (f"layouts of parallel.devices={devices} (data-aware, {len(probe)} probe "
                 f"step{'s' if len(probe) > 1 else ''}; * chosen):\n{layout_table(choice)}\n\n"
@@ -242,7 +309,7 @@ def _probe_steps(step_rows: list[list[int]], k: int = 2) -> list[list[int]]:
 
 
 def _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, evals, setting,
-            baselines, lower, feats, step_rows, precision) -> str:
+            baselines, lower, feats, step_rows, precision, *, times, fits) -> str:
     tokens = np.mean([sum(feats[i].llm_len for i in rows) for rows in step_rows])
     head = (f"mmpipe plan: model {model.name} on {hardware.name}, pp={pp} dp={dp}, "
             f"global batch {global_batch} ({tokens:,.0f} LLM tokens per step), "
@@ -260,12 +327,73 @@ def _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, ev
                  f"{equal_bubble(pp, per_replica):.1%} even at one sample per micro-batch (which "
                  f"runs far below peak); fewer stages or a larger train.global_batch avoid it "
                  f"(parallel.pp=auto parallel.devices={pp * dp} weighs the layouts)")
-    rows = [(policy, [e.step_time for e in evals], setting)]
+    rows = [(policy, list(times), setting)]
     for b, bp in baselines.items():
         if b != policy:
             mark = "" if bp.fits else " (does not fit)"
             rows.append((b, [e.step_time for e in bp.evals], bp.setting + mark))
-    mean = np.mean([e.step_time for e in evals])
+    mean = np.mean(times)
     summary = (f"predicted mean step time {mean:.3f} s = {mean / np.mean(lower):.2f}x the lower "
-               f"bound; fits in memory: {'yes' if all(e.fits for e in evals) else 'NO'}")
+               f"bound; fits in memory: {'yes' if fits else 'NO'}")
     return "\n".join([head, "", stage_table(sc, evals), "", steps_table(rows, lower), "", summary])
+
+
+def _plan_spread(cost, encoders: dict[str, str], table: SampleTable, step_rows: list[list[int]],
+                 probe: list[list[int]], *, stages: StagePlan | None, pp: int, dp: int, micro_batches: int,
+                 labels: Sequence[str]) -> tuple[StagePlan, StageCosts, list[Replicas], list[StepEval],
+                                                 list[SpreadStep]]:
+    """The data-aware plan of every step under a placement with a spread tower: the partition
+    (or the user's `stages`) of the pipeline's layers, each step's micro-batches balanced with
+    the spread towers' memory reserved, and its price (planner.spread)."""
+    sm = spread_model(cost, encoders)
+    ec = encode_costs(sm, table)
+    if stages is None:
+        room = max(float(reserve_bytes(sm, ec, rows, pp=pp, dp=dp)[-1]) for rows in probe)
+        check_pp(pp, len(sm.keep), f"{cost.model.name} with {placement_name(encoders)} encoders")
+        stage_plan = sm.to_full(data_aware_stages(reserved_pipeline(sm, room), table, probe, pp=pp, dp=dp,
+                                                  micro_batches=micro_batches, labels=labels))
+    else:
+        stage_plan = stages
+    plans, evals, priced = [], [], []
+    sc = pipeline_stage_costs(sm, stage_plan)
+    for rows in step_rows:
+        reserve = reserve_bytes(sm, ec, rows, pp=pp, dp=dp)
+        sc = pipeline_stage_costs(sm, stage_plan, reserve)
+        rep = balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches, labels=labels)
+        ev = evaluate_step(sc, table, rep, packing=True)
+        plans.append(rep)
+        evals.append(ev)
+        priced.append(price_step(sm, ec, rep, ev, sc, reserve))
+    return stage_plan, sc, plans, evals, priced
+
+
+def encode_by_rank(encode: Sequence[Sequence[Sequence[int]]] | None, pp: int, dp: int) -> list[list[int]]:
+    """A step's encode shares (per replica, per stage) in global rank order, rank = stage x dp
+    + replica (DeepSpeed's pipe-major PipeModelDataParallelTopology); empty lists when no tower
+    is spread."""
+    out: list[list[int]] = [[] for _ in range(pp * dp)]
+    for r, rep in enumerate(encode or ()):
+        for s, share in enumerate(rep):
+            out[s * dp + r] = [int(i) for i in share]
+    return out
+
+
+def encoders_report(value: object, chosen: dict[str, str], compared: Sequence[tuple[dict[str, str], float]],
+                    spread_steps: Sequence[SpreadStep] | None, n_steps: int, show_steps: int = 4) -> str:
+    """The placement chosen, the placements compared (mean simulated step time of each one's
+    best plan) and, under a spread placement, each rank's encode load on the first steps."""
+    towers = ", ".join(f"{t} {w}" for t, w in chosen.items()) or "none"
+    lines = [f"encoders: {towers} (plan.encoders={show_encoders(value)})"]
+    if len(compared) > 1:
+        cells = [f"{placement_name(e)} {t / n_steps:.3f} s" if np.isfinite(t) else f"{placement_name(e)} does not fit"
+                 for e, t in compared]
+        lines.append("placements compared (mean simulated step time of each one's best plan): " + "; ".join(cells))
+    if spread_steps:
+        lines.append(f"encode load per rank (pre-pass forward + post-pass, s; shares keep: {spread_steps[0].mode}; "
+                     f"all-reduce of the spread towers {spread_steps[0].allreduce:.3f} s):")
+        for k, st in enumerate(spread_steps[:show_steps]):
+            loads = [x for rep in st.loads for x in rep]
+            pre, post = max(st.pre, default=0.0), max(st.post, default=0.0)
+            lines.append(f"  step {k}: max {max(loads, default=0.0):.3f} mean {np.mean(loads) if loads else 0.0:.3f}; "
+                         f"slowest pre-pass {pre:.3f}, post-pass {post:.3f}")
+    return "\n".join(lines)

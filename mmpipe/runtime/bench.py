@@ -4,6 +4,7 @@ invocation, alternating policies round by round so machine noise hits all of the
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -36,20 +37,28 @@ class PolicyFigures:
     """Median share of the step the feeder thread spent planning, reading, decoding, collating."""
     loss: float
     """Mean loss of the last steps."""
+    bound_fraction: float
+    """Median fraction of the step's lower bound achieved (lower bound / measured step)."""
+    chose: str = ""
+    """plan.encoders=auto: the placement the run's planner chose."""
 
 
 def run_bench(rc: RunConfig, overrides: list[str]) -> list[PolicyFigures]:
     out_dir = Path(rc.run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    placed = ("plan.encoders",) if rc.bench.encoders else ()
     passthrough = [o for o in overrides if not o.split("=", 1)[0].startswith(("plan.policy", "train.steps",
-                                                                               "hydra.run.dir", "bench."))]
-    runs: dict[str, list[list[dict]]] = {p: [] for p in rc.bench.policies}
+                                                                               "hydra.run.dir", "bench.", *placed))]
+    variants = {(f"{p}/{e}" if e else p): (p, e) for p in rc.bench.policies for e in rc.bench.encoders or ("",)}
+    runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
+    chose: dict[str, str] = {}
     for rnd in range(rc.bench.rounds):
-        order = rc.bench.policies if rnd % 2 == 0 else tuple(reversed(rc.bench.policies))
-        for policy in order:
-            run_dir = out_dir / f"round{rnd}-{policy}"
+        order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
+        for variant in order:
+            policy, enc = variants[variant]
+            run_dir = out_dir / f"round{rnd}-{variant.replace('/', '-')}"
             cmd = [sys.executable, "-m", "mmpipe", "train", *passthrough, f"plan.policy={policy}",
-                   f"train.steps={rc.bench.steps}", f"hydra.run.dir={run_dir}"]
+                   f"train.steps={rc.bench.steps}", f"hydra.run.dir={run_dir}", *([f"plan.encoders={enc}"] * bool(enc))]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -60,9 +69,12 @@ def run_bench(rc: RunConfig, overrides: list[str]) -> list[PolicyFigures]:
                 raise RuntimeError(f"bench run {policy} (round {rnd}) failed:\n"
                                    f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
             metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            runs[policy].append(metrics)
-            print(f"round {rnd} {policy:<14} {time.perf_counter() - t0:6.1f}s", flush=True)
-    figures = [_figures(p, runs[p]) for p in rc.bench.policies]
+            runs[variant].append(metrics)
+            found = re.search(r"plan.encoders=auto chose (\S+)", proc.stdout + proc.stderr) if enc == "auto" else None
+            if found:
+                chose[variant] = found.group(1)
+            print(f"round {rnd} {variant:<20} {time.perf_counter() - t0:6.1f}s", flush=True)
+    figures = [_figures(v, runs[v], chose.get(v, "")) for v in variants]
     _print_table(rc, figures)
     (out_dir / "bench.json").write_text(json.dumps([_as_dict(f) for f in figures], indent=1))
     return figures
@@ -72,7 +84,7 @@ def _as_dict(f: PolicyFigures) -> dict:
     return {k: getattr(f, k) for k in f.__slots__}
 
 
-def _figures(policy: str, rounds: list[list[dict]]) -> PolicyFigures:
+def _figures(policy: str, rounds: list[list[dict]], chose: str = "") -> PolicyFigures:
     steps = [m for r in rounds for m in r[SKIP_STEPS:]]
     wall = sum(m["step_time"] for m in steps)
     return PolicyFigures(
@@ -85,17 +97,21 @@ def _figures(policy: str, rounds: list[list[dict]]) -> PolicyFigures:
         overhead=statistics.median(m["overhead_s"] / m["step_time"] for m in steps),
         feeder=statistics.median((m["plan_s"] + m["feed_s"]) / m["step_time"] for m in steps),
         loss=statistics.mean(m["loss"] for r in rounds for m in r[-5:]),
+        bound_fraction=statistics.median(m["bound_fraction"] for m in steps),
+        chose=chose,
     )
 
 
 def _print_table(rc: RunConfig, figures: list[PolicyFigures]) -> None:
-    ref = next((f for f in figures if f.policy == "data-aware"), figures[0])
+    ref = next((f for f in figures if f.policy.split("/")[0] == "data-aware"), figures[0])
     print(f"\nmmpipe bench: model {rc.model.name}, pp={rc.parallel.pp} dp={rc.parallel.dp}, "
           f"{rc.train.global_batch} samples/step, {rc.bench.steps} steps x {rc.bench.rounds} rounds "
           f"(first {SKIP_STEPS} steps of each run not timed), hardware {rc.hardware.get('name')}")
-    print(f"{'policy':<14}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}{'pred err':>9}{'overhead':>9}"
-          f"{'feeder':>8}{'vs data-aware':>14}")
+    w = max(14, *(len(f.policy) + 2 for f in figures))
+    print(f"{'policy':<{w}}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}{'pred err':>9}{'overhead':>9}"
+          f"{'feeder':>8}{'of bound':>9}{'vs ' + ref.policy:>{len(ref.policy) + 5}}")
     for f in figures:
-        print(f"{f.policy:<14}{f.samples_per_s:>10.1f}{f.tokens_per_s:>10.0f}{f.bubble:>8.1%}"
-              f"{f.prediction_error:>9.1%}{f.overhead:>9.1%}{f.feeder:>8.1%}"
-              f"{f.samples_per_s / ref.samples_per_s:>13.2f}x")
+        print(f"{f.policy:<{w}}{f.samples_per_s:>10.1f}{f.tokens_per_s:>10.0f}{f.bubble:>8.1%}"
+              f"{f.prediction_error:>9.1%}{f.overhead:>9.1%}{f.feeder:>8.1%}{f.bound_fraction:>9.1%}"
+              f"{f.samples_per_s / ref.samples_per_s:>{len(ref.policy) + 4}.2f}x"
+              + (f"  (auto chose {f.chose})" if f.chose else ""))

@@ -36,6 +36,7 @@ from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
 from mmpipe.planner.api import Coef, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
 from mmpipe.runtime.batch import MicroBatch, collate_for
+from mmpipe.runtime.spread import EncodeStep, feature_rows
 from mmpipe.runtime.stream import make_stream
 
 FIT_LAG = 3
@@ -79,6 +80,9 @@ class PlannedStep:
     work: StepWork = StepWork(ideal_s=0.0, flops=0.0)
     """What this replica's samples need at the hardware config's rates (the step's lower bound
     and model FLOPs, summed over the replicas by the training loop)."""
+    encode: EncodeStep | None = None
+    """With spread towers (plan.encoders): the replica's encoder shares and this rank's share
+    collated with its media."""
 
 
 class StepFeeder:
@@ -88,9 +92,14 @@ class StepFeeder:
                  over_memory: bool = False, media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None, first_step: int = 0, skips: SkipCounter | None = None,
-                 fit: Coef | None = None):
+                 fit: Coef | None = None, encoders: dict[str, str] | None = None,
+                 encode_stage: int | None = None):
         """`fit`: the step-time fit a resumed run's checkpoint saved (None: none yet); it plans
-        the steps until this run's own fits take over (only with plan.refit)."""
+        the steps until this run's own fits take over (only with plan.refit). `encode_stage`:
+        with spread towers, this rank's pipeline stage (its share of the media is decoded and
+        collated for the towers' pre-pass, runtime/spread.py); `encoders`: the run's resolved
+        plan.encoders (the planner deals each stage its share)."""
+        self.encode_stage = encode_stage
         self.rc = rc
         self.tokenizer = tokenizer
         if skips is None:  # the first stage logs the run's drops
@@ -106,7 +115,7 @@ class StepFeeder:
                                   stage_plan=stage_plan, policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
                                   replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
                                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom,
-                                  lora=rc.train.lora)
+                                  lora=rc.train.lora, encoders=encoders or None)
         self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
         self._rates = self.planner.cost  # the hardware config's: what the efficiency figures are priced at
         self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
@@ -199,6 +208,7 @@ class StepFeeder:
             if mb.tokens != planned_len:
                 raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens but the planner "
                                    f"counted {planned_len}")
+        encode = self._encode_step(planned, mine, groups, records, feats, samples)
         self.steps_made += 1
         if self._record:
             self._record.write(json.dumps({"step": self.first_step + self.steps_made,
@@ -211,7 +221,25 @@ class StepFeeder:
                            predicted_s=planned.step_time, compute_s=planned.compute[mine] / scale,
                            fit=self.planned_with, predicted_busy=planned.busy[mine],
                            predicted_peak_bytes=planned.peak_bytes[mine], reader_state=state,
-                           features=tuple(feats), work=step_work(self._rates, [feats[i] for g in groups for i in g]))
+                           features=tuple(feats), work=step_work(self._rates, [feats[i] for g in groups for i in g]),
+                           encode=encode)
+
+    def _encode_step(self, planned, mine: int, groups, records: list[Record], feats: list,
+                     samples: dict) -> EncodeStep | None:
+        """The spread towers' view of the step: every stage's share, and this rank's share
+        decoded with its media (a stage that decoded them for its micro-batches reuses them)."""
+        if self.encode_stage is None:
+            return None
+        shares = planned.encode[mine]
+        share = shares[self.encode_stage]
+        media = [samples[i] if self.media else decode_record(records[i], self.tokenizer, self.rc.model,
+                                                             media=True, blank=True, limits=self.stream.limits)
+                 for i in share]
+        carriers = tuple(collate_for(self.rc.model, [m], packed=True, pad_id=self.tokenizer.pad_id).carrier
+                         for m in media)
+        return EncodeStep(shares=tuple(tuple(x) for x in shares), groups=tuple(tuple(g) for g in groups),
+                          rows={i: feature_rows(feats[i]) for g in groups for i in g}, carriers=carriers,
+                          mode=planned.encode_recompute)
 
     def _collate(self, samples: list) -> MicroBatch:
         return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media)

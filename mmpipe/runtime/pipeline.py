@@ -126,14 +126,30 @@ def build_pipeline_module(p: PipelineSpec) -> StagedPipelineModule:
                                                               use_reentrant=False)
     layers = [f for f in module.forward_funcs if isinstance(f, nn.Module)] + list(module.tied_modules.values())
     for layer in layers:
-        name_of = getattr(layer, "name", "")
-        full = is_trainable(name_of, p.trainable)
-        fixed = getattr(layer, "frozen_params", frozenset())  # frozen by the transformers module itself
-        for name, param in layer.named_parameters():
-            param.requires_grad_(trains(name_of, name, full=full, lora=p.lora) and name not in fixed)
+        _set_trainable(layer, p)
     if not any(param.requires_grad for param in module.parameters()):
         _add_frozen_stage_anchor(module)
     return module
+
+
+def _set_trainable(layer: nn.Module, p: PipelineSpec) -> None:
+    """requires_grad of each of a layer's parameters under train.trainable and train.lora."""
+    name_of = getattr(layer, "name", "")
+    full = is_trainable(name_of, p.trainable)
+    fixed = getattr(layer, "frozen_params", frozenset())  # frozen by the transformers module itself
+    for name, param in layer.named_parameters():
+        param.requires_grad_(trains(name_of, name, full=full, lora=p.lora) and name not in fixed)
+
+
+def build_layers(p: PipelineSpec, names: list[str], device) -> list[nn.Module]:
+    """The named layers as a stage builds them (weights, adapters, what trains), outside any
+    PipelineModule: a spread tower's replica on the ranks of stages other than 0."""
+    out = []
+    for n in names:
+        layer = _LayerFromName(p.model, n, p.seed, p.image_token, p.audio_token, p.video_token, p.lora)
+        _set_trainable(layer, p)
+        out.append(layer.to(device))
+    return out
 
 
 def _add_frozen_stage_anchor(module: nn.Module) -> None:

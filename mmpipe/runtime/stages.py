@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,7 +10,7 @@ from mmpipe.config import RunConfig, hardware_spec, training_precision
 from mmpipe.data.skips import SkipCounter
 from mmpipe.model.geometry import SampleFeatures, features
 from mmpipe.model.spec import ModelSpec, layer_names
-from mmpipe.planner.api import StagePlan, plan_stages, stage_memory_warnings
+from mmpipe.planner.api import StagePlan, choose_encoders, plan_stages, resolve_encoders, stage_memory_warnings
 from mmpipe.runtime.stream import make_stream
 
 
@@ -24,6 +24,15 @@ class ChosenStages:
     """`override` (plan.stages) or `planner (<policy>)`."""
     warnings: tuple[str, ...] = ()
     """Problems the cost model sees with these stages (e.g. a stage over memory)."""
+    encoders: dict[str, str] = field(default_factory=dict)
+    """plan.encoders resolved: each tower's placement, `stages` or `spread` (runtime/spread.py)."""
+    placements: dict[str, float] = field(default_factory=dict)
+    """plan.encoders=auto: each placement's summed simulated step time over the sample steps, s."""
+
+    @property
+    def spread(self) -> tuple[str, ...]:
+        """The spread towers, in the model's order."""
+        return tuple(t for t in ("vision", "audio") if self.encoders.get(t) == "spread")
 
 
 def layer_param_counts(spec: ModelSpec) -> list[int]:
@@ -69,12 +78,51 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
     common = dict(model=rc.model, hardware=hardware_spec(rc), dp=rc.parallel.dp, trainable=rc.train.trainable,
                   micro_batches=rc.train.micro_batches, policy=rc.plan.policy,
                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora)
+    towers = [t for t in ("vision", "audio") if getattr(rc.model, t) is not None]
+    value = rc.plan.encoders
+    fixed = {t: "stages" for t in towers} if value == "stages" or not towers or rc.parallel.pp == 1 else None
     if rc.stage_bounds is not None:
         plan = StagePlan(stages=rc.stage_bounds, recompute=rc.plan.recompute or ())
-        return ChosenStages(plan=plan, source="override", warnings=stage_memory_warnings(
-            stage_plan=plan, sample=workload_sample(rc, tokenizer, steps=1), **common))
-    plan = plan_stages(pp=rc.parallel.pp, sample=workload_sample(rc, tokenizer), **common)
-    return ChosenStages(plan=plan, source=f"planner ({rc.plan.policy})")
+        if fixed is not None:
+            return ChosenStages(plan=plan, source="override", encoders=fixed, warnings=stage_memory_warnings(
+                stage_plan=plan, sample=workload_sample(rc, tokenizer, steps=1), **common))
+    elif fixed is not None:
+        plan = plan_stages(pp=rc.parallel.pp, sample=workload_sample(rc, tokenizer), **common)
+        return ChosenStages(plan=plan, source=f"planner ({rc.plan.policy})", encoders=fixed)
+    # plan.encoders=auto or a spread tower: the planner prices the placements (with the user's
+    # stages, or each with its own cut) on the first steps, as the feeder will plan them
+    across = rc.plan.across_replicas
+    per_step = rc.train.global_batch // (1 if across else rc.parallel.dp)
+    if rc.stage_bounds is not None and value != "auto":
+        _check_stage0(rc.model, resolve_encoders(value, rc.model), plan)
+    sample = workload_sample(rc, tokenizer)
+    steps = [sample[i:i + per_step] for i in range(0, len(sample), per_step)]
+    given = plan if rc.stage_bounds is not None else None
+    try:
+        choice = choose_encoders(pp=rc.parallel.pp, steps=steps, encoders=value,
+                                 replicas=rc.parallel.dp if across else 1, stage_plan=given, **common)
+    except ValueError:
+        if value == "auto" and given is None:  # the staged cut's own words on why nothing fits
+            plan_stages(pp=rc.parallel.pp, sample=sample, **common)
+        raise
+    _check_stage0(rc.model, choice.encoders, choice.stage_plan)
+    warnings = ()
+    if given is not None and not any(w == "spread" for w in choice.encoders.values()):
+        warnings = stage_memory_warnings(stage_plan=given, sample=workload_sample(rc, tokenizer, steps=1), **common)
+    return ChosenStages(plan=choice.stage_plan, source="override" if given else f"planner ({rc.plan.policy})",
+                        encoders=choice.encoders, warnings=warnings,
+                        placements=choice.times() if value == "auto" else {})
+
+
+def _check_stage0(model: ModelSpec, encoders: dict[str, str], plan: StagePlan) -> None:
+    """A spread tower's layers must lie on stage 0, which holds its weights (runtime/spread.py)."""
+    names = layer_names(model)
+    spread = [n for n in names if encoders.get(n.split(".")[0]) == "spread"]
+    end = plan.stages[0][1]
+    if spread and names.index(spread[-1]) >= end:
+        raise ValueError(f"plan.stages ends stage 0 at {names[end - 1]}, but plan.encoders spreads "
+                         f"{spread[-1].split('.')[0]}, whose layers stage 0 must hold (up to {spread[-1]}); "
+                         f"end stage 0 after {spread[-1]}, or set plan.encoders=stages")
 
 
 def format_stage_table(rc: RunConfig, choice: ChosenStages, names: list[str]) -> str:
@@ -86,4 +134,11 @@ def format_stage_table(rc: RunConfig, choice: ChosenStages, names: list[str]) ->
     for s, (a, b) in enumerate(plan.stages):
         span = f"{names[a]} .. {names[b - 1]}" if b - a > 1 else names[a]
         lines.append(f"{s:>5}  {span:<36} {b - a:>5} {sum(counts[a:b]):>10,}  {plan.recompute[s]}")
+    if choice.spread:
+        lines.append(f"encoders: {', '.join(choice.spread)} spread: held by stage 0, encoded by every stage of each "
+                     f"replica (its share of the replica's media), features sent to stage 0")
+    if choice.placements:
+        said = ", ".join(f"{k} {v:.3g} s" for k, v in choice.placements.items())
+        lines.append(f"plan.encoders=auto chose {'+'.join(choice.spread) or 'stages'} "
+                     f"(simulated time of the first steps: {said})")
     return "\n".join(lines)

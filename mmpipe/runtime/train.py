@@ -52,6 +52,7 @@ from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (
     GlobalGradClip,
     PipelineSpec,
+    build_layers,
     build_pipeline_module,
     deepspeed_grad_norm,
     describe_training,
@@ -64,8 +65,9 @@ from mmpipe.runtime.pipeline import (
 )
 from mmpipe.runtime.quiet import held_prints, quiet_deepspeed
 from mmpipe.runtime.recut import RECUT_REQUEST, last_recut
+from mmpipe.runtime.spread import EncodeStep, SpreadTowers, spread_layer_names
 from mmpipe.runtime.stage_record import add_to_stage_file, parameter_digest, write_stage_file
-from mmpipe.runtime.stages import choose_stages, format_stage_table
+from mmpipe.runtime.stages import ChosenStages, choose_stages, format_stage_table
 from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage, resident_bytes
 
 log = logging.getLogger("mmpipe")
@@ -152,6 +154,8 @@ class _Pipeline:
     dp_group: object
     load: dict | None = None
     """A Hugging Face model: what loading this rank's layers cost (runtime/hf_run.load_report)."""
+    spec: PipelineSpec | None = None
+    """What the stages were built from (a spread tower's replica is built from it too)."""
 
 
 def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
@@ -193,7 +197,7 @@ def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
     describe = describe_training(t, rc.parallel.dp, engine, optimizer, mmpipe_clips=clip is not None)
     return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, describe=describe, first=engine.is_first_stage(),
                      last=engine.is_last_stage(), dp_rank=engine.grid.data_parallel_id,
-                     dp_group=engine.grid.get_data_parallel_group(), load=load)
+                     dp_group=engine.grid.get_data_parallel_group(), load=load, spec=pspec)
 
 
 def train(rc: RunConfig, *, stop=None) -> RunResult:
@@ -213,19 +217,21 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     pipe = build_pipeline(rc, tok, stages.plan)
     if before_model is not None:  # on CPU the measured peak includes this; the prediction does not
         add_to_stage_file(run_dir, rank, rss_before_model_gb=before_model / 1e9)
-    ckpt = _checkpointer(rc, pipe, stages.plan)
+    ckpt = _checkpointer(rc, pipe, stages.plan, reads=bool(stages.spread))
     start, reader_state = ckpt.resume(found) if found else (0, None)
     calibration = calibration_for(rc, found)
+    spread = _spread(rc, pipe, stages)
 
     feeder = None
-    if pipe.first or pipe.last:
+    if pipe.first or pipe.last or spread is not None:
         record = run_dir / f"samples_rank{rank}.jsonl" if rc.train.record_samples else None
         if record:
             truncate_records(record, start)  # steps after the checkpoint are fed again
         feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
                             over_memory=bool(stages.warnings), media=pipe.first,
                             reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start,
-                            fit=calibration.coef if calibration.fitted else None)
+                            fit=calibration.coef if calibration.fitted else None,
+                            encoders=stages.encoders, encode_stage=pipe.engine.stage_id if spread is not None else None)
     if rank == 0 and rc.train.resume:
         truncate_records(run_dir / "metrics.jsonl", start)
     writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
@@ -251,11 +257,14 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     # the ranks agree on it after a step and save, and the block's end raises StopRequested.
     with stop.deferred() if stop is not None and rc.train.save_on_signal else contextlib.nullcontext():
         try:
-            result = _run_steps(_Loop(rc=rc, pipe=pipe, feeder=feeder, writer=writer, bar=bar, ckpt=ckpt, stop=stop,
-                                      evaluator=evaluator, start=start, calibration=calibration,
-                                      result=RunResult(calibration=calibration if rank == 0 else None),
-                                      stage_plan=stages.plan,
-                                      recut_from=last_recut(run_dir, start) if rank == 0 and start else None))
+            loop = _Loop(rc=rc, pipe=pipe, feeder=feeder, writer=writer, bar=bar, ckpt=ckpt, stop=stop,
+                         evaluator=evaluator, start=start, calibration=calibration,
+                         result=RunResult(calibration=calibration if rank == 0 else None),
+                         stage_plan=stages.plan, spread=spread, encoders=stages.encoders,
+                         recut_from=last_recut(run_dir, start) if rank == 0 and start else None)
+            if spread is not None:
+                spread.install_post_pass()  # after the StageTimer's patch of the same instruction map
+            result = _run_steps(loop)
         finally:
             if feeder is not None:
                 feeder.close()
@@ -266,7 +275,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
         result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
                                                              shared=rc.plan.across_replicas)
         if rc.train.record_samples:  # what each replica ended with: every replica of a stage must agree
-            add_to_stage_file(run_dir, rank, param_sha256=parameter_digest(pipe.engine.module))
+            add_to_stage_file(run_dir, rank, param_sha256=parameter_digest(pipe.engine.module),
+                              **({"encoded_samples": spread.encoded} if spread is not None else {}))
         if rank == 0:
             _summary(rc, result, run_dir)
             print(write_calibrated(rc, result.calibration), flush=True)
@@ -331,6 +341,10 @@ class _Loop:
     """The run's stage cut (what plan.recut=auto compares other cuts with)."""
     recent: list = field(default_factory=list)
     """Rank 0: the features of each step planned since the last re-cut check."""
+    spread: SpreadTowers | None = None
+    """This rank's part of the spread encoder towers (plan.encoders), or None."""
+    encoders: dict = field(default_factory=dict)
+    """plan.encoders as resolved for this run (a re-cut keeps the placement)."""
     recut_from: dict | None = None
     """Rank 0 of a run relaunched by a re-cut: that re-cut's record, until its measured gain is logged."""
     launch_times: list = field(default_factory=list)
@@ -352,6 +366,8 @@ class _Fed:
 
     planned: PlannedStep | None
     micro_batches: list[MicroBatch]
+    encode: EncodeStep | None
+    """The step's spread-tower shares (plan.encoders), on every rank; None without."""
     label_tokens: int
     samples: int
     tokens: int
@@ -411,6 +427,9 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     t0 = time.perf_counter()
     pipe, dev = loop.pipe, loop.pipe.engine.device  # collectives run on the backend's device (CUDA under NCCL)
     planned = loop.feeder.next_step() if loop.feeder else None
+    encode = planned.encode if planned else None
+    if not (pipe.first or pipe.last):  # a middle stage reads the data only for its spread towers' share
+        planned = None
     mbs: list[MicroBatch] = planned.micro_batches if planned else []
     agree_on_micro_batches(pipe.engine, len(mbs), loop.rc.parallel.dp)
     work = planned.work if planned else None
@@ -424,7 +443,7 @@ def _feed(loop: _Loop, step: int) -> _Fed:
         planned_fig = _slowest_replica(planned_fig, pipe.dp_group)
     if planned is not None and loop.rc.plan.recut == "auto" and dist.get_rank() == 0:
         loop.recent.append(planned.features)
-    fed = _Fed(planned=planned, micro_batches=mbs, label_tokens=int(counts[0]), samples=int(counts[1]),
+    fed = _Fed(planned=planned, micro_batches=mbs, encode=encode, label_tokens=int(counts[0]), samples=int(counts[1]),
                tokens=int(counts[2]), ideal_s=float(counts[3]), flops=float(counts[4]),
                predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
                slow_micro_batches=int(planned_fig[2]), started=t0)
@@ -439,12 +458,19 @@ def _train_step(loop: _Loop, fed: _Fed) -> _Trained:
     """One optimizer step through DeepSpeed's 1F1B schedule, and its telemetry."""
     rc, pipe, engine = loop.rc, loop.pipe, loop.pipe.engine
     scale = engine.micro_batches * rc.parallel.dp / max(1.0, float(fed.label_tokens))
-    it: Iterator | None = iter([m.for_engine(scale) for m in fed.micro_batches]) if fed.micro_batches else None
+    batches = [m.for_engine(scale) for m in fed.micro_batches]
+    if loop.spread is not None and pipe.first:  # the towers' slots carry the micro-batch's index
+        batches = [(loop.spread.tag(carrier, j), labels) for j, (carrier, labels) in enumerate(batches)]
+    it: Iterator | None = iter(batches) if batches else None
     lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
     fp16_scale = loss_scale(engine)  # the scale this step's backward runs with (fp16)
     loop.memory.start()
     t1 = time.perf_counter()
+    if loop.spread is not None:
+        loop.spread.forward(fed.encode)
     loss = float(engine.train_batch(data_iter=it))
+    if loop.spread is not None:
+        loop.spread.sync_weights()
     engine_s = time.perf_counter() - t1
     loop.last_state = fed.planned.reader_state if fed.planned else None
     grad_norm = pipe.clip.last_norm if pipe.clip else deepspeed_grad_norm(engine)
@@ -488,7 +514,8 @@ def _consider_recut(loop: _Loop, step: int) -> dict | None:
                                 policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
                                 replicas=rc.parallel.dp if rc.plan.across_replicas else 1,
                                 threshold=rc.plan.recut_gain, precision=training_precision(rc),
-                                memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora)
+                                memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora,
+                                encoders=loop.encoders or None)
         loop.recent.clear()
         record[0] = {**choice.record(), "priced_with": "the run's step-time fit" if loop.calibration.fitted
                      else f"hardware {hw.name}"}
@@ -709,6 +736,30 @@ def agree_on_micro_batches(engine, mine: int, dp: int) -> None:
         engine.set_train_batch_size(count * dp)
 
 
+def _spread(rc: RunConfig, pipe: _Pipeline, stages: ChosenStages) -> SpreadTowers | None:
+    """This rank's part of the spread towers (plan.encoders resolved to spread), or None. Stage 0
+    runs the PipelineModule's own tower layers (their first stage must hold them whole: the
+    config check and the planner keep them there), the other stages a replica."""
+    towers, stage_plan = stages.spread, stages.plan
+    if not towers:
+        return None
+    names = spread_layer_names(rc.model, towers)
+    every = layer_names(rc.model)
+    index = [every.index(n) for n in names]
+    if max(index) >= stage_plan.stages[0][1]:
+        raise ValueError(f"plan.encoders spreads {', '.join(towers)}, whose layers must all lie on stage 0, "
+                         f"but stage 0 ends before {every[stage_plan.stages[0][1]]}")
+    engine = pipe.engine
+    if pipe.first:
+        layers = [engine.module.forward_funcs[i] for i in index]
+    else:
+        layers = build_layers(pipe.spec, names, engine.device)
+        dtype = next(engine.module.parameters()).dtype  # DeepSpeed casts a bf16/fp16 stage's parameters
+        for p in (p for layer in layers for p in layer.parameters()):  # (not its buffers)
+            p.data = p.data.to(dtype)
+    return SpreadTowers(model=rc.model, towers=towers, engine=engine, layers=layers, dp=rc.parallel.dp)
+
+
 def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
     """What a checkpoint must match to load: the model (its weight-shaping figures), DeepSpeed's
     files are per stage (and, under ZeRO, per replica), their layout depends on the precision;
@@ -737,10 +788,12 @@ def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:
                            topology=_topology(rc, stage_plan), steps=rc.train.steps)
 
 
-def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan) -> Checkpointer:
+def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan, *, reads: bool = False) -> Checkpointer:
+    """`reads`: every stage reads the data (spread towers), so every one resumes a reader."""
     t = rc.train
     return Checkpointer(engine=pipe.engine, run_dir=Path(rc.run_dir), first=pipe.first,
-                        reads_data=pipe.first or pipe.last, dp_rank=pipe.dp_rank, keep_last=t.keep_last,
+                        reads_data=pipe.first or pipe.last or reads, dp_rank=pipe.dp_rank,
+                        keep_last=t.keep_last,
                         resume_unsafe=t.resume_unsafe, topology=_topology(rc, stage_plan),
                         schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps})
 

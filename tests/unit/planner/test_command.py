@@ -131,7 +131,7 @@ def test_plan_from_shards_is_the_plan_of_their_metadata_as_a_trace(tmp_path):
                                          "videos": [video_meta_json(v) for v in m.videos]}) + "\n" for m in metas))
     assert main(["plan", "data=shards", f"plan.out={tmp_path / 'a.json'}", "model=tiny", "hardware=cpu",
                  "parallel.pp=2", "parallel.dp=2", "train.global_batch=16", "train.micro_batches=2",
-                 "plan.steps=2"]) == 0
+                 "plan.steps=2", "plan.encoders=stages"]) == 0
     a = json.loads((tmp_path / "a.json").read_text())
     b = _plan(tmp_path, trace_path=str(trace), steps=2, quiet=True)
     assert a["sample_keys"] == list(keys[:32]) and len(a["steps"]) == 2

@@ -78,3 +78,24 @@ def test_the_feeder_plans_every_step_in_the_runs_precision_and_headroom():
         assert feeder.next_step().micro_batches  # and it plans (its thread is done after the one step)
     finally:
         feeder.close()
+
+
+def test_a_spread_tower_stays_on_stage_0_and_one_stage_cannot_spread():
+    """plan.encoders=spread keeps the towers' weights on stage 0 (runtime/spread.py): the
+    planner's cut holds them there, a user's cut that does not is refused naming both keys, and
+    one stage has no other rank to spread over (refused with the config)."""
+    rc = load(["train.steps=1", "plan.encoders=spread"], job="test")
+    chosen = choose_stages(rc, load_tokenizer(tokenizer_source(rc)[0]))
+    assert chosen.spread == ("vision", "audio")
+    assert chosen.plan.stages[0][1] > rc.layers.index("audio.proj")
+    auto = load(["train.steps=1"], job="test")  # the default: the planner compares the placements
+    said = choose_stages(auto, load_tokenizer(tokenizer_source(auto)[0]))
+    assert set(said.placements) == {"stages", "spread", "vision spread", "audio spread"}
+    assert said.encoders == {"vision": "stages", "audio": "stages"}  # measured faster too (README)
+    bad = load(["train.steps=1", "plan.encoders={vision: stages, audio: spread}",
+                "plan.stages=[[vision.embed,vision.proj],[audio.embed,llm.head]]"], job="test")
+    with pytest.raises(ValueError, match=r"plan\.stages ends stage 0 at vision\.proj, but plan\.encoders spreads "
+                                         r"audio, whose layers stage 0 must hold \(up to audio\.proj\)"):
+        choose_stages(bad, load_tokenizer(tokenizer_source(bad)[0]))
+    with pytest.raises(ValueError, match=r"plan\.encoders=spread needs parallel\.pp >= 2"):
+        load(["parallel.pp=1", "plan.encoders=spread"], job="test")

@@ -1,0 +1,543 @@
+"""The spread placement of encoder towers (plan.encoders): its values, and what it costs.
+
+Under the `stages` placement an encoder tower (`vision.*`, `audio.*`: its embed, blocks and
+projector) runs on the pipeline stages that hold its layers, like any layer. Under `spread`
+every rank holds the whole tower, and a step runs in three phases:
+
+1. pre-pass: each rank of a data-parallel replica encodes a share of *that replica's* samples
+   (a rank reads only its own replica's shards), every spread tower of a sample on the same
+   rank, and sends the features (LLM tokens of the sample's media x LLM width x activation
+   bytes, DeepStack features included) point-to-point to the replica's stage-0 rank;
+2. the pipeline runs the remaining layers under 1F1B, the features entering at stage 0 and
+   riding the stage boundaries up to the stage that holds `llm.embed`;
+3. post-pass (only when something in a spread tower learns): stage 0 sends each rank the
+   gradients of its share's features, every rank runs its tower backward, and the towers'
+   gradients are all-reduced over all pp x dp ranks.
+
+Pricing (docs/spec.md section 6, "Spread encoders"), per replica r:
+
+    pre_r  = when stage 0 holds every feature: each rank s encodes its share (fwd_s, each
+             sample alone through the layer cost model: patches, windows, tiles, frames,
+             audio chunks, quadratic attention, the efficiency curve at that sample's size),
+             then sends its share's features in one transfer; stage 0's incoming link takes
+             the transfers one at a time in order of readiness (ties: lower stage first):
+             t = max(t, fwd_s) + link_latency_s + bytes_s / link_bytes_per_s;
+             pre_r = max(max_s fwd_s, t)
+    pipe_r = the replica's simulated 1F1B makespan without the spread layers, plus the
+             runtime's cost per micro-batch (HardwareSpec.replica_seconds)
+    post_r = stage 0 sends the feature gradients one rank at a time, the rank with the
+             longest post-pass first (ties: lower stage first); rank s then runs its share's
+             backward: post_r = max(post_0, max_s (arrival_s + post_s)); 0 when nothing learns
+    step   = max_r (pre_r + pipe_r + post_r) + all-reduce + broadcast + step_overhead_s
+    all-reduce = 2 (n - 1) / n x gradient bytes / link_bytes_per_s + 2 (n - 1) x link_latency_s
+             over n = pp x dp ranks (a ring), gradient bytes = the spread towers' learning
+             parameters x 4 (the runtime sums them in fp32); 0 when nothing in them learns
+    broadcast = learning weight bytes / link_bytes_per_s + (n - 1) x link_latency_s: rank 0
+             sends the updated weights to every replica after the step (0 when nothing learns)
+
+The share of each rank is a longest-processing-time assignment of the replica's samples
+that have media of a spread tower (largest pre + post time first, ties by index, to the rank
+with the least load so far, ties to the lower stage): deterministic, so every rank that plans
+a step gets the same shares.
+
+Memory per rank, on top of what its pipeline stage holds: on stage 0, the spread towers'
+weights, gradients and optimizer states as a staged tower's (the runtime keeps them in stage
+0's PipelineModule: ZeRO-1 shards the optimizer side over dp); on every other rank, a replica's
+weights and gradients only (rank 0 broadcasts the updated weights); on every rank, the fp32
+buffer the gradients are all-reduced in; the activations of its encode share kept from the pre-pass to
+the post-pass (all of them at once), and on stage 0 the received features of its replica's
+whole step. What a share keeps depends on the step's `encode_recompute` mode, the first of
+KEEP_MODES from the one the pipeline's memory was reserved for (`keep_mode`) whose every rank fits:
+
+    none    keep every activation (the layer rules of docs/spec.md section 6); post-pass =
+            backward
+    blocks  keep each block's input (the recompute rule); post-pass = recompute forward +
+            backward, one block's full activations of the sample in backward on top
+    tower   keep the tower's input only (the embed's kept bytes); post-pass = each sample's
+            forward again (keeping block inputs), then recompute + backward
+
+The pipeline's micro-batches are planned with the usable memory less a reserve for these
+(`reserve_bytes`), so the tower mode fits wherever the pipeline does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmpipe.model.spec import ModelSpec
+from mmpipe.planner.cost import CostModel
+from mmpipe.planner.hardware import GB
+from mmpipe.planner.partition import StagePlan
+from mmpipe.planner.samples import SampleTable
+from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, stage_costs
+from mmpipe.planner.step import Replicas, StepEval
+
+TOWERS = ("vision", "audio")
+"""Encoder towers, in layer order."""
+PLACEMENTS = ("stages", "spread")
+"""Where a tower runs."""
+ENCODER_VALUES = ("auto",) + PLACEMENTS
+"""The single-word plan.encoders values."""
+KEEP_MODES = ("none", "blocks", "tower")
+"""What an encode share keeps from the pre-pass to the post-pass, cheapest first."""
+TOWER_STREAMS = {"vision": (0, 5), "audio": (2,)}
+"""Streams (samples.STREAMS) a tower reads: they never cross a pipeline cut when it is spread."""
+FEATURE_STREAM = {"vision": 1, "audio": 3}
+"""The stream of a tower's features (its LLM tokens)."""
+KEEP_SHARE = 0.25
+"""A step's encode shares keep as much as the cheapest mode whose reserve (`reserve_bytes`)
+takes at most this share of a rank's usable memory; the rest is the pipeline's (memory
+that lets it run fewer, larger micro-batches)."""
+RESERVE_MARGIN = 1.25
+"""The reserve counts a rank's even share of the step's encode memory this many times over
+(the shares are balanced on time, not bytes), plus the largest sample's."""
+FP32 = 4
+"""Bytes of one element of the fp32 buffer the runtime all-reduces the towers' gradients in."""
+
+Encoders = Mapping[str, str]
+"""A resolved placement: tower -> `stages` | `spread`, for every tower of the model."""
+
+
+def model_towers(model: ModelSpec) -> tuple[str, ...]:
+    """The encoder towers the model has, in layer order."""
+    return tuple(t for t, enc in (("vision", model.vision), ("audio", model.audio)) if enc is not None)
+
+
+def show_encoders(value: object) -> str:
+    """A plan.encoders value as it is written on the command line."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def check_encoders_value(value: object) -> None:
+    """The shape of a plan.encoders value, without the model: auto, stages, spread, or a
+    mapping of towers (vision, audio) to stages | spread. ValueError naming the key."""
+    fix = "use auto, stages, spread, or per tower e.g. \"plan.encoders={vision: spread, audio: stages}\""
+    if isinstance(value, str):
+        if value not in ENCODER_VALUES:
+            raise ValueError(f"plan.encoders={value!r} is unknown; {fix}")
+        return
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"plan.encoders={show_encoders(value)} is not a placement; {fix}")
+    for tower, where in value.items():
+        if tower not in TOWERS:
+            raise ValueError(f"plan.encoders={show_encoders(value)} names {tower!r}, which is not an "
+                             f"encoder tower; name vision or audio")
+        if where not in PLACEMENTS:
+            raise ValueError(f"plan.encoders={show_encoders(value)} places {tower} at {where!r}; "
+                             f"use stages or spread")
+
+
+def parse_encoders(value: object, model: ModelSpec) -> str | dict[str, str]:
+    """plan.encoders for `model`: `auto`, or the placement of every tower it has (a mapping
+    leaves the towers it does not name on the stages). ValueError for a bad value or a tower
+    the model lacks."""
+    if value is None:
+        value = "stages"
+    check_encoders_value(value)
+    towers = model_towers(model)
+    if isinstance(value, str):
+        if value == "spread" and not towers:
+            raise ValueError(f"plan.encoders=spread: model {model.name} has no encoder tower; "
+                             f"use auto or stages")
+        return "auto" if value == "auto" else {t: value for t in towers}
+    assert isinstance(value, Mapping)
+    for tower in value:
+        if tower not in towers:
+            have = " or ".join(towers) if towers else "no tower (use auto or stages)"
+            raise ValueError(f"plan.encoders={show_encoders(value)} names {tower}, which model "
+                             f"{model.name} does not have; it has {have}")
+    return {t: str(value.get(t, "stages")) for t in towers}
+
+
+def candidate_placements(model: ModelSpec) -> list[dict[str, str]]:
+    """What `auto` compares: all on the stages, every tower spread, and with two towers the
+    two mixed placements (stages first: it wins ties)."""
+    towers = model_towers(model)
+    out = [{t: "stages" for t in towers}]
+    if towers:
+        out.append({t: "spread" for t in towers})
+    if len(towers) == 2:
+        out += [{towers[0]: "spread", towers[1]: "stages"}, {towers[0]: "stages", towers[1]: "spread"}]
+    return out
+
+
+def placement_name(encoders: Encoders) -> str:
+    """`stages`, `spread`, or the mixed placement's spread towers, e.g. `vision spread`."""
+    spread = [t for t, w in encoders.items() if w == "spread"]
+    if not spread:
+        return "stages"
+    if len(spread) == len(encoders):
+        return "spread"
+    return " + ".join(spread) + " spread"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpreadModel:
+    """A cost model split by a placement: the spread towers' own costs, and the pipeline's."""
+
+    cost: CostModel
+    """Every layer, as `build_cost_model` costs it."""
+    encoders: Mapping[str, str]
+    """The placement of every tower of the model."""
+    spread: tuple[int, ...]
+    """Indices (into cost.layers) of the spread layers."""
+    keep: tuple[int, ...]
+    """Indices of the layers the pipeline stages run."""
+    pipeline: CostModel
+    """The stages' cost model: only the `keep` layers, with the features of spread towers
+    crossing every cut up to `llm.embed` and their inputs crossing none."""
+    ranges: tuple[tuple[int, int], ...]
+    """The spread layers as contiguous [start, end) runs of layer indices."""
+    learns: bool
+    """Something in a spread tower learns (weights or adapters): there is a post-pass, a
+    gradient send back and an all-reduce."""
+    static: float
+    """Bytes stage 0's rank holds for the spread towers (their parameters are stage 0's in the
+    runtime's PipelineModule): weights, and for learning parameters their gradients, optimizer
+    states as the precision shards them over dp, and the fp32 all-reduce buffer, with the
+    hardware's slack."""
+    static_rest: float
+    """Bytes every other rank holds for its replica of the towers: weights, and for learning
+    parameters their gradients and the fp32 all-reduce buffer (no optimizer state: rank 0
+    broadcasts the updated weights), with the hardware's slack."""
+    grad_bytes: float
+    """Bytes of the spread towers' gradient all-reduce (learning parameters x 4: the runtime
+    sums them in fp32)."""
+    weight_bytes: float
+    """Bytes of the learning weights rank 0 broadcasts after every step (element bytes each)."""
+    feature_bytes: np.ndarray
+    """[K] bytes per stream token sent to stage 0 (each spread tower's feature stream)."""
+
+    @property
+    def active(self) -> bool:
+        """Some tower is spread."""
+        return bool(self.spread)
+
+    def to_pipeline(self, plan: StagePlan) -> StagePlan:
+        """A stage plan over every layer (docs/spec.md section 4) as ranges of the pipeline
+        cost model's layers; ValueError when a spread layer lies outside stage 0's range or a
+        stage would hold spread layers only."""
+        pos = {full: j for j, full in enumerate(self.keep)}
+        if self.spread and self.spread[-1] >= plan.stages[0][1]:
+            names = self.cost.names
+            raise ValueError(f"plan.stages ends stage 0 at {names[plan.stages[0][1] - 1]}, but the spread "
+                             f"encoder layers run up to {names[self.spread[-1]]}, which stage 0's range must "
+                             f"hold; end stage 0 after it, or keep that tower on the stages")
+        out = []
+        for s, (a, b) in enumerate(plan.stages):
+            kept = [pos[i] for i in range(a, b) if i in pos]
+            if not kept:
+                raise ValueError(f"plan.stages: stage {s} holds only layers of spread encoder towers "
+                                 f"({placement_name(self.encoders)}), which run on every rank; give it "
+                                 f"a layer of the pipeline too")
+            out.append(kept[0])
+        bounds = [0] + out[1:] + [len(self.keep)]
+        return StagePlan(stages=[(bounds[s], bounds[s + 1]) for s in range(plan.pp)],
+                         recompute=plan.recompute)
+
+    def to_full(self, plan: StagePlan) -> StagePlan:
+        """A stage plan of the pipeline cost model as ranges over every layer: each stage
+        starts at its first pipeline layer (stage 0 at 0), and stage 0 reaches at least past
+        the last spread layer, so every spread layer lies in stage 0's range (with a spread
+        audio tower after a vision tower on the stages, stage 0 then holds that vision tower:
+        later cuts move on as far as needed, one pipeline layer per stage at least)."""
+        n = len(self.cost.layers)
+        cuts = [a for a, _ in plan.stages[1:]]
+        if cuts and self.spread:
+            low = sum(1 for i in self.keep if i < self.spread[-1])  # pipeline layers before the last spread one
+            for c in range(len(cuts)):
+                cuts[c] = max(cuts[c], low + c + (1 if low == 0 else 0))
+            if cuts[-1] >= len(self.keep):
+                raise ValueError(f"{len(plan.stages)} stages do not fit after the spread encoder layers, which "
+                                 f"stage 0 must hold; use fewer stages or keep that tower on the stages")
+        starts = [0] + [self.keep[a] for a in cuts] + [n]
+        return StagePlan(stages=[(starts[s], starts[s + 1]) for s in range(plan.pp)],
+                         recompute=plan.recompute)
+
+    def allreduce_s(self, ranks: int) -> float:
+        """Ring all-reduce of the spread towers' gradients over `ranks` ranks, then rank 0's
+        broadcast of the updated weights (pipelined: the bytes once, a latency per hop), s (0
+        when nothing learns or one rank)."""
+        if ranks <= 1 or self.grad_bytes <= 0:
+            return 0.0
+        hw = self.cost.hardware
+        k = 2.0 * (ranks - 1)
+        reduce = k / ranks * self.grad_bytes / hw.link_bytes_per_s + k * hw.link_latency_s
+        return reduce + self.weight_bytes / hw.link_bytes_per_s + (ranks - 1) * hw.link_latency_s
+
+
+def spread_model(cost: CostModel, encoders: Encoders | None) -> SpreadModel:
+    """Split `cost` by a resolved placement (None or no spread tower: the pipeline is `cost`)."""
+    encoders = dict(encoders or {})
+    towers = [t for t, w in encoders.items() if w == "spread"]
+    L = len(cost.layers)
+    spread = tuple(i for i, l in enumerate(cost.layers) if l.name.split(".")[0] in towers)
+    keep = tuple(i for i in range(L) if i not in set(spread))
+    if not spread:
+        return SpreadModel(cost=cost, encoders=encoders, spread=(), keep=keep, pipeline=cost, ranges=(),
+                           learns=False, static=0.0, static_rest=0.0, grad_bytes=0.0, weight_bytes=0.0,
+                           feature_bytes=np.zeros(cost.cut_fwd_bytes.shape[1]))
+    m, pr = cost.model, cost.precision
+    b = pr.element_bytes
+    layers = [cost.layers[i] for i in spread]
+    learns = any(l.learns for l in layers)
+    feat = np.zeros(cost.cut_fwd_bytes.shape[1])
+    for t in towers:
+        ds = len(m.vision.deepstack) if t == "vision" and m.vision is not None else 0
+        feat[FEATURE_STREAM[t]] = b * m.llm.hidden * (1 + ds)
+    rows = list(keep) + [L]
+    fwd = cost.cut_fwd_bytes[rows].copy()
+    bwd = cost.cut_bwd_bytes[rows].copy()
+    embed = cost.names.index("llm.embed")
+    for t in towers:
+        fwd[:, list(TOWER_STREAMS[t])] = 0.0
+        bwd[:, list(TOWER_STREAMS[t])] = 0.0
+        k = FEATURE_STREAM[t]
+        for j, full in enumerate(rows):
+            if 0 < full <= embed:  # received by stage 0, carried to the stage of llm.embed
+                fwd[j, k] = max(fwd[j, k], feat[k])
+                bwd[j, k] = max(bwd[j, k], feat[k] if any(
+                    l.learns for l in layers if l.name.startswith(t + ".")) else 0.0)
+    pipeline = dataclasses.replace(cost, layers=tuple(cost.layers[i] for i in keep),
+                                   cut_fwd_bytes=fwd, cut_bwd_bytes=bwd)
+    ranges = []
+    for i in spread:
+        if ranges and ranges[-1][1] == i:
+            ranges[-1][1] = i + 1
+        else:
+            ranges.append([i, i + 1])
+    slack = 1.0 + cost.hardware.memory_slack
+    learning = sum((l.params if l.trainable else 0) + l.adapter_params for l in layers)
+    static = slack * (sum(l.params * pr.param_bytes(trainable=l.trainable, dp=cost.dp)
+                          + l.adapter_params * pr.param_bytes(trainable=True, dp=cost.dp) for l in layers)
+                      + FP32 * learning)
+    rest = slack * (b * sum(l.params + l.adapter_params for l in layers) + (b + FP32) * learning)
+    return SpreadModel(cost=cost, encoders=encoders, spread=spread, keep=keep, pipeline=pipeline,
+                       ranges=tuple((a, c) for a, c in ranges), learns=learns, static=static, static_rest=rest,
+                       grad_bytes=float(FP32 * learning), weight_bytes=float(b * learning), feature_bytes=feat)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EncodeCosts:
+    """Per sample (rows of a table): what encoding it alone on one rank costs, per keep mode."""
+
+    pre: np.ndarray
+    """[n] pre-pass forward, s."""
+    post: dict[str, np.ndarray]
+    """Per KEEP_MODES entry, [n] post-pass time (recompute and backward), s."""
+    kept: dict[str, np.ndarray]
+    """Per mode, [n] bytes kept from the pre-pass to the post-pass."""
+    transient: dict[str, np.ndarray]
+    """Per mode, [n] bytes the sample's post-pass needs on top while it runs."""
+    feature: np.ndarray
+    """[n] feature bytes sent to stage 0 (and, when a spread tower learns, their gradients
+    back)."""
+    media: np.ndarray
+    """[n] whether the sample has media of a spread tower (only those are encoded)."""
+
+
+def encode_costs(sm: SpreadModel, table: SampleTable) -> EncodeCosts:
+    """Each sample of `table` alone through the spread towers' layers."""
+    n = len(table)
+    zero = np.zeros(n)
+    if not sm.active:
+        none = {k: zero for k in KEEP_MODES}
+        return EncodeCosts(pre=zero, post=none, kept=none, transient=none, feature=zero,
+                           media=np.zeros(n, dtype=bool))
+    R = len(sm.ranges)
+    off = micro_batch_costs(stage_costs(sm.cost, sm.ranges, [False] * R), table.tokens, table.squares)
+    on = micro_batch_costs(stage_costs(sm.cost, sm.ranges, [True] * R), table.tokens, table.squares)
+    fwd = off.fwd.sum(axis=0)
+    bwd = off.bwd.sum(axis=0)
+    recomp = on.bwd.sum(axis=0) - bwd
+    keep_all = off.act.sum(axis=0)
+    keep_in = on.act.sum(axis=0)
+    block = on.transient.max(axis=0)
+    embeds = [i for i in sm.spread if sm.cost.layers[i].kind.endswith(".embed")]
+    inputs = micro_batch_costs(stage_costs(sm.cost, [(i, i + 1) for i in embeds], [False] * len(embeds)),
+                               table.tokens, table.squares).act.sum(axis=0)
+    if sm.learns:
+        post = {"none": bwd, "blocks": recomp + bwd, "tower": fwd + recomp + bwd}
+        kept = {"none": keep_all, "blocks": keep_in, "tower": np.minimum(inputs, keep_in)}
+        transient = {"none": zero, "blocks": block, "tower": keep_in + block}
+    else:
+        post = kept = transient = {k: zero for k in KEEP_MODES}
+    streams = sorted({k for t, w in sm.encoders.items() if w == "spread"
+                      for k in TOWER_STREAMS[t] + (FEATURE_STREAM[t],)})
+    return EncodeCosts(pre=fwd, post=post, kept=kept, transient=transient,
+                       feature=table.tokens @ sm.feature_bytes,
+                       media=table.tokens[:, streams].sum(axis=1) > 0)
+
+
+def lpt_shares(work: Sequence[float], ranks: int) -> list[list[int]]:
+    """Longest processing time first: items (indices into `work`) by decreasing work, ties by
+    index, each to the rank with the least load so far, ties to the lower rank. Each share
+    is returned in increasing index order."""
+    loads = [0.0] * ranks
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(work)), key=lambda i: (-float(work[i]), i)):
+        s = min(range(ranks), key=lambda s: (loads[s], s))
+        out[s].append(i)
+        loads[s] += float(work[i])
+    return [sorted(o) for o in out]
+
+
+def _share(x: np.ndarray, parts: int) -> float:
+    """RESERVE_MARGIN x an even share of x over `parts` plus its largest entry (at most the
+    whole)."""
+    return float(min(x.sum(), RESERVE_MARGIN * x.sum() / parts + x.max())) if len(x) else 0.0
+
+
+def keep_mode(sm: SpreadModel, ec: EncodeCosts, rows: Sequence[int], *, pp: int, dp: int) -> str:
+    """The cheapest KEEP_MODES entry whose reserve for a step of `rows` takes at most
+    KEEP_SHARE of the usable memory (else `tower`, which keeps the least)."""
+    if not sm.active or not sm.learns or not len(rows):
+        return "none"
+    idx = np.asarray(list(rows), dtype=np.int64)
+    for mode in KEEP_MODES:
+        if sm.static + _share(ec.kept[mode][idx], pp * dp) <= KEEP_SHARE * sm.cost.usable_bytes:
+            return mode
+    return "tower"
+
+
+def reserve_bytes(sm: SpreadModel, ec: EncodeCosts, rows: Sequence[int], *, pp: int, dp: int) -> np.ndarray:
+    """[pp] bytes each stage's rank leaves to the spread towers while the pipeline runs, when
+    a step of `rows` (rows of the table `ec` was made from) is planned: their static bytes,
+    a rank's share of kept bytes under `keep_mode` and, on stage 0, its replica's features,
+    each share as RESERVE_MARGIN x an even share plus the largest sample's (never more than
+    the whole). The post-pass's transient bytes are not reserved: the pipeline's activations
+    are freed by then (`price_step` checks that phase on its own)."""
+    out = np.full(pp, sm.static_rest)
+    out[0] = sm.static
+    if not sm.active or not len(rows):
+        return out
+    idx = np.asarray(list(rows), dtype=np.int64)
+    out += _share(ec.kept[keep_mode(sm, ec, rows, pp=pp, dp=dp)][idx], pp * dp)
+    out[0] += _share(ec.feature[idx], dp)
+    return out
+
+
+def reserved_pipeline(sm: SpreadModel, reserve: float) -> CostModel:
+    """The pipeline cost model with `reserve` bytes of every rank's usable memory taken (the
+    partition search's uniform form of `reserve_bytes`: its largest entry)."""
+    if not sm.active:
+        return sm.pipeline
+    hw = sm.pipeline.hardware
+    return dataclasses.replace(sm.pipeline, hardware=dataclasses.replace(
+        hw, reserved_gb=hw.reserved_gb + reserve / GB))
+
+
+def pipeline_stage_costs(sm: SpreadModel, plan: StagePlan, reserve: np.ndarray | None = None) -> StageCosts:
+    """Stage costs of the pipeline's layers under a stage plan over every layer, with
+    `reserve` ([pp] bytes, `reserve_bytes`) counted as static bytes of each stage, so the
+    balancer leaves that room; `price_step` takes it out again."""
+    p = sm.to_pipeline(plan) if sm.active else plan
+    sc = stage_costs(sm.pipeline, p.stages, p.recompute)
+    if reserve is None:
+        return sc
+    return dataclasses.replace(sc, static=sc.static + np.asarray(reserve, dtype=float))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpreadStep:
+    """One step priced under a spread placement."""
+
+    step_time: float
+    """max over replicas of pre-pass + pipeline + post-pass, plus the all-reduce and the
+    per-step overhead, s."""
+    encode: tuple[tuple[tuple[int, ...], ...], ...]
+    """Per replica, per stage: the rows its rank encodes."""
+    mode: str
+    """What the shares keep from the pre-pass to the post-pass (KEEP_MODES)."""
+    replica_times: tuple[float, ...]
+    """Per replica: pre-pass + pipeline (with its per-micro-batch cost) + post-pass, s."""
+    compute: tuple[float, ...]
+    """Per replica: pre-pass + 1F1B makespan + post-pass, s (0 without samples)."""
+    pre: tuple[float, ...]
+    """Per replica, its pre-pass (encode and feature transfers), s."""
+    post: tuple[float, ...]
+    """Per replica, its post-pass (gradient transfers and backward), s."""
+    loads: tuple[tuple[float, ...], ...]
+    """Per replica, per stage: its rank's encode time (pre-pass forward + post-pass), s."""
+    allreduce: float
+    """The spread towers' gradient all-reduce, s."""
+    peaks: tuple[tuple[float, ...], ...]
+    """Per replica, per stage: its rank's peak bytes (pipeline stage + spread towers)."""
+    fits: bool
+    """Every rank within the usable memory less the headroom."""
+
+
+def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEval, sc: StageCosts,
+               reserve: np.ndarray, *, ranks: int | None = None) -> SpreadStep:
+    """Price a step whose pipeline part `ev` (`evaluate_step` on `sc`, the pipeline's stage
+    costs with `reserve` counted in their static bytes) ran the micro-batches `replicas`
+    (rows of the table `ec` was made from); `ranks`: the run's pp x dp, over which the
+    gradients are all-reduced (default pp x the replicas planned here).
+
+    A rank's peak is the larger of two phases: while the pipeline runs, its stage's static
+    bytes and in-flight peak + the spread towers' static bytes + its share's kept bytes (+ on
+    stage 0 the replica's features); in the post-pass, its stage's static bytes + the
+    towers' static bytes + its share's kept bytes + the largest transient of its share."""
+    hw = sm.cost.hardware
+    pp = sc.pp
+    dp = len(replicas)
+    usable = sm.cost.usable_bytes
+    static = sc.static - np.asarray(reserve, dtype=float)
+    members = [[i for mb in rep for i in mb if ec.media[i]] for rep in replicas]
+    rows = [i for rep in replicas for mb in rep for i in mb]
+    first = KEEP_MODES.index(keep_mode(sm, ec, rows, pp=pp, dp=len(replicas)))
+    best = None
+    for mode in KEEP_MODES[first:] if sm.learns else ("none",):
+        shares = [[[rows[j] for j in share] for share in lpt_shares(
+            [ec.pre[i] + ec.post[mode][i] for i in rows], pp)] for rows in members]
+        peaks = []
+        for r, rep in enumerate(replicas):
+            feat = float(sum(ec.feature[i] for mb in rep for i in mb))
+            row = []
+            for s in range(pp):
+                kept = (sm.static if s == 0 else sm.static_rest) + float(sum(ec.kept[mode][i] for i in shares[r][s]))
+                during = ev.replica_peaks[r][s] - sc.static[s] + static[s] + kept + (feat if s == 0 else 0.0)
+                after = static[s] + kept + max((float(ec.transient[mode][i]) for i in shares[r][s]), default=0.0)
+                row.append(max(during, after))
+            peaks.append(tuple(row))
+        fits = all(p <= usable * (1 + 1e-9) for rep in peaks for p in rep)
+        best = (mode, shares, peaks, fits)
+        if fits:
+            break
+    assert best is not None
+    mode, shares, peaks, fits = best
+    ar = sm.allreduce_s(ranks if ranks is not None else pp * dp)
+    times, compute, pres, posts, loads = [], [], [], [], []
+    for r, rep in enumerate(replicas):
+        fwd = [float(sum(ec.pre[i] for i in sh)) for sh in shares[r]]
+        post = [float(sum(ec.post[mode][i] for i in sh)) for sh in shares[r]]
+        nbytes = [float(sum(ec.feature[i] for i in sh)) for sh in shares[r]]
+        t = 0.0
+        for s in sorted((s for s in range(1, pp) if shares[r][s]), key=lambda s: (fwd[s], s)):
+            t = max(t, fwd[s]) + hw.link_latency_s + nbytes[s] / hw.link_bytes_per_s
+        pre = max(max(fwd, default=0.0), t)
+        back = post[0]
+        if sm.learns:
+            t = 0.0
+            for s in sorted((s for s in range(1, pp) if shares[r][s]), key=lambda s: (-post[s], s)):
+                t += hw.link_latency_s + nbytes[s] / hw.link_bytes_per_s
+                back = max(back, t + post[s])
+        else:
+            back = 0.0
+        span = float(ev.replicas[r].makespan) if ev.replicas[r] is not None else 0.0
+        times.append(pre + ev.replica_times[r] + back if rep else 0.0)
+        compute.append(pre + span + back if rep else 0.0)
+        pres.append(pre)
+        posts.append(back)
+        loads.append(tuple(f + p for f, p in zip(fwd, post)))
+    step = hw.step_seconds(max(times, default=0.0) + ar) if any(replicas) else 0.0
+    return SpreadStep(step_time=step, encode=tuple(tuple(tuple(sh) for sh in rep) for rep in shares),
+                      mode=mode, replica_times=tuple(times), compute=tuple(compute), pre=tuple(pres),
+                      post=tuple(posts), loads=tuple(loads), allreduce=ar,
+                      peaks=tuple(tuple(p) for p in peaks), fits=bool(fits))

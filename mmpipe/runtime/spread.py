@@ -1,0 +1,399 @@
+"""Spread encoders (plan.encoders=spread): a tower encoded by every rank of a replica, off the pipeline.
+
+A spread tower (its embed, blocks and projector) keeps its place on stage 0 of the DeepSpeed
+PipelineModule: its weights are stage 0's parameters, so DeepSpeed's optimizer (ZeRO-1
+sharding, global-norm clipping, mmpipe's GlobalGradClip), its checkpoints, the resharding resume
+and the export treat them exactly as a staged tower's. What changes is where they run:
+
+1. pre-pass (before `train_batch`): every rank of the replica encodes the share of the step's
+   samples the planner gave its stage (`StepPlan.encode`): stage 0 with the PipelineModule's own
+   tower layers, every other stage with a replica of them (same builder, weights broadcast from
+   rank 0 at start and after every optimizer step). The projected features go point-to-point
+   to the replica's stage-0 rank, which holds them as leaf tensors, one per micro-batch.
+2. pipeline: stage 0's tower layers pass the carrier through; a forward pre-hook of the
+   PipelineModule puts the micro-batch's features (found by the index the data iterator carries
+   in the tower's slot) into the carrier, so llm.embed reads them as a staged projector's output.
+3. post-pass (DeepSpeed's ReduceGrads instruction, after the last backward, before the
+   gradient reduction, clipping and step): stage 0 sends every rank the gradients of the
+   features it encoded; each rank runs its tower backward; one all-reduce over every rank of
+   the job sums the towers' gradients, divided by dp (what DeepSpeed's data-parallel averaging
+   of a staged tower's gradients gives), into stage 0's parameters.
+4. after the step: rank 0 broadcasts the updated tower weights to every rank.
+
+Written by hand: DeepSpeed's PipelineEngine has no hook for work outside its stage chain (its
+schedule is fixed per stage), and no library gives a replicated module whose optimizer lives on
+one pipeline stage; the instruction map is the engine's own dispatch (as runtime/telemetry.py).
+
+Why the feature order is what it is: model/carrier.py (IMAGE holds a micro-batch's image
+embeddings in sample order, then its videos'; AUDIO its clips in sample order; DEEPSTACK
+[k, tokens, D] follows IMAGE's token order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import nn
+
+from mmpipe.model import carrier as C
+from mmpipe.model.geometry import SampleFeatures
+from mmpipe.model.spec import ModelSpec, layer_names
+
+TOWER_SLOTS = {"vision": C.IMAGE, "audio": C.AUDIO}
+"""The carrier slot a tower's projector fills (the index travels there on stage 0)."""
+
+
+def spread_layer_names(model: ModelSpec, towers: Sequence[str]) -> list[str]:
+    """The layers of the spread towers, in the model's order."""
+    return [n for n in layer_names(model) if n.split(".")[0] in towers]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeStep:
+    """One replica's step as the spread towers see it (the same on every rank of the replica)."""
+
+    shares: tuple[tuple[int, ...], ...]
+    """Per pipeline stage, the samples (indices into the step's records) its rank encodes."""
+    groups: tuple[tuple[int, ...], ...]
+    """The replica's micro-batches, in execution order, as the same indices."""
+    rows: dict[int, tuple[int, int, int]]
+    """Per sample of the replica: its image, video and audio feature rows (LLM tokens)."""
+    carriers: tuple[tuple[torch.Tensor, ...], ...]
+    """This rank's share, each sample collated alone with its media (in share order)."""
+    mode: str = "none"
+    """What the pre-pass keeps for the post-pass (the planner's StepPlan.encode_recompute):
+    `none` every activation, `blocks` each layer's input (torch's checkpoint per layer),
+    `tower` only the tower's input (the post-pass encodes each sample again, per layer
+    checkpointed, then runs its backward)."""
+
+
+def feature_rows(f: SampleFeatures) -> tuple[int, int, int]:
+    """Image, video and audio feature rows of a sample: the LLM tokens its media become."""
+    return sum(f.image_tokens), sum(f.video_tokens), sum(f.audio_tokens)
+
+
+def _pieces(x: torch.Tensor, order: Sequence[int], rows: dict[int, tuple[int, int, int]], tower: str,
+            axis: int) -> dict[tuple[int, str], torch.Tensor]:
+    """Split a tower's output over `order` (samples in share order) into per-sample parts:
+    vision's images of every sample, then their videos; audio's clips."""
+    kinds = (("image", 0), ("video", 1)) if tower == "vision" else (("audio", 2),)
+    out, start = {}, 0
+    for kind, k in kinds:
+        for i in order:
+            n = rows[i][k]
+            out[(i, kind)] = x.narrow(axis, start, n)
+            start += n
+    if start != x.shape[axis]:
+        raise RuntimeError(f"the spread {tower} tower made {x.shape[axis]} feature rows for samples {list(order)}, "
+                           f"the planner counted {start}")
+    return out
+
+
+def _pieces_of(per: list[list[torch.Tensor]], j: int, order: Sequence[int], rows: dict[int, tuple[int, int, int]],
+               tower: str, axis: int) -> dict[tuple[int, str], torch.Tensor]:
+    """The per-sample outputs of slot j (`per[n][j]`: sample order[n] encoded alone) as parts."""
+    out = {}
+    for n, i in enumerate(order):
+        out.update(_pieces(per[n][j], (i,), rows, tower, axis))
+    return out
+
+
+def _leaf(x: torch.Tensor, trains: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A micro-batch's features as stage 0's pipeline takes them: a leaf that collects their
+    gradient when the tower learns (a layer hands features without a gradient on as bits, as
+    the `tower` mode's pre-pass makes them: floats of `dtype` again), frozen ones as they came."""
+    if not trains:
+        return x.detach()
+    return C.from_wire(x.detach(), dtype).requires_grad_(True)
+
+
+def _rng_state(device) -> tuple:
+    """The random state a tower pass starts from (CPU, and the device's where it has one)."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None
+
+
+@contextlib.contextmanager
+def _rng_restored(state: tuple, device):
+    """Run with `state` (from _rng_state), then go on from the random state before."""
+    cuda = torch.device(device).type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.set_rng_state(state[0])
+        if cuda:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def _join(pieces: dict[tuple[int, str], torch.Tensor], order: Sequence[int], tower: str, axis: int) -> torch.Tensor:
+    kinds = ("image", "video") if tower == "vision" else ("audio",)
+    return torch.cat([pieces[(i, kind)] for kind in kinds for i in order], dim=axis)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int16, torch.int64, torch.uint8]
+
+
+def _bf16_master_grads(engine):
+    """Under DeepSpeed's BF16_Optimizer, a function adding an fp32 gradient to a parameter's
+    fp32 accumulation buffer (what its `_update_hp_grad` does with a bf16 `.grad` after each
+    backward pass of a stage that is not the last); None under any other optimizer."""
+    if not getattr(engine, "using_bf16_optimizer", False):
+        return None
+    from mmpipe.runtime.dsconfig import require_tested_deepspeed
+
+    require_tested_deepspeed()
+    opt = engine.optimizer
+    where = {id(lp): (i, j) for i, group in enumerate(opt.bf16_groups) for j, lp in enumerate(group)}
+
+    def add(lp: torch.Tensor, g: torch.Tensor) -> None:
+        i, j = where[id(lp)]
+        hp = opt.fp32_groups_gradients[i][j]
+        hp.add_(g.to(hp.dtype).view(hp.shape))
+        lp._hp_grad = hp
+        opt.fp32_groups_has_gradients[i][j] = True
+
+    return add
+
+
+_TAG = 73
+"""The point-to-point tag of feature traffic (DeepSpeed's pipeline sends with tag 0)."""
+
+
+def _send(x: torch.Tensor, dst: int) -> None:
+    """A tensor of any dtype and up to 4 dimensions, with a header saying which."""
+    head = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
+    dist.send(head.to(x.device), dst, tag=_TAG)
+    if x.numel():
+        dist.send(x.contiguous(), dst, tag=_TAG)
+
+
+def _recv(src: int, device) -> torch.Tensor:
+    head = torch.zeros(6, dtype=torch.long, device=device)
+    dist.recv(head, src, tag=_TAG)
+    dtype, dim = _DTYPES[int(head[0])], int(head[1])
+    x = torch.empty([int(n) for n in head[2:2 + dim]], dtype=dtype, device=device)
+    if x.numel():
+        dist.recv(x, src, tag=_TAG)
+    return x
+
+
+class SpreadTowers:
+    """One rank's part of the spread towers (module docstring)."""
+
+    def __init__(self, *, model: ModelSpec, towers: tuple[str, ...], engine, layers: list[nn.Module],
+                 dp: int) -> None:
+        """`layers`: the spread layers in order; on stage 0 the PipelineModule's own modules,
+        elsewhere this rank's replica (built like them, on the engine's device)."""
+        self.model = model
+        self.towers = towers
+        self.engine = engine
+        self.layers = layers
+        self.dp = dp
+        self.stage = engine.stage_id
+        grid = engine.grid
+        self.stage_ranks = [grid.stage_to_global(stage_id=s) for s in range(engine.num_stages)]  # this replica's
+        self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        deepstack = model.vision is not None and bool(model.vision.deepstack)
+        self.keys = [(tower, slot, axis) for tower in towers
+                     for slot, axis in (((C.IMAGE, 0), (C.DEEPSTACK, 1)) if tower == "vision" and deepstack
+                                        else ((TOWER_SLOTS[tower], 0),))]
+        """What each rank sends stage 0, in this order: (tower, carrier slot, row axis)."""
+        self._bank: list[dict[int, torch.Tensor]] = []
+        self._per: list = []
+        self._rng: list = []
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._step: EncodeStep | None = None
+        self._active = False
+        self.encoded = 0
+        """Samples this rank encoded so far (recorded in its stage file)."""
+        if self.stage == 0:
+            self._install(engine)
+        self.sync_weights(everything=True)
+
+    # -- set-up ----------------------------------------------------------------------
+
+    def _install(self, engine) -> None:
+        """Stage 0: the tower layers pass through while a step trains, and the features enter
+        the carrier before the stage's first layer."""
+        for layer in self.layers:
+            real = layer.forward
+            layer.forward = lambda carrier, _real=real: carrier if self._active else _real(carrier)
+
+        def put_features(_module, args):
+            if not self._active:
+                return None
+            slots = list(args[0])
+            mb = int(slots[TOWER_SLOTS[self.towers[0]]].reshape(-1)[0])
+            for slot, x in self._bank[mb].items():
+                slots[slot] = x
+            return (tuple(slots),)
+
+        engine.module.register_forward_pre_hook(put_features)
+
+    def install_post_pass(self) -> None:
+        """Run the post-pass at DeepSpeed's ReduceGrads instruction, before its own reduction;
+        call after any other patch of the engine's instruction map (StageTimer's)."""
+        from deepspeed.runtime.pipe import schedule
+
+        patched = dict(self.engine._INSTRUCTION_MAP)  # an instance-level copy: this engine only
+        reduce = patched[schedule.ReduceGrads]
+
+        def reduce_after_towers(eng, *args, **kwargs):
+            self.backward()
+            return reduce(eng, *args, **kwargs)
+
+        patched[schedule.ReduceGrads] = reduce_after_towers
+        self.engine._INSTRUCTION_MAP = patched
+
+    # -- per step ----------------------------------------------------------------------
+
+    def tag(self, carrier: tuple[torch.Tensor, ...], mb: int) -> tuple[torch.Tensor, ...]:
+        """Stage 0's carrier of micro-batch `mb` with the spread towers' slots holding its index."""
+        slots = list(carrier)
+        for tower in self.towers:
+            slots[TOWER_SLOTS[tower]] = torch.tensor([mb], dtype=torch.long)
+        return tuple(slots)
+
+    def _encode(self, carrier: tuple[torch.Tensor, ...], *, checkpointed: bool) -> list[torch.Tensor]:
+        """One sample through the tower layers (each layer under torch's non-reentrant
+        checkpoint when `checkpointed`: only its input kept, recomputed in backward)."""
+        slots = tuple(t.to(self.engine.device) for t in carrier)
+        for layer in self.layers:
+            slots = (torch.utils.checkpoint.checkpoint(layer, slots, use_reentrant=False) if checkpointed
+                     else layer(slots))
+        return [slots[slot] for _, slot, _ in self.keys]
+
+    def forward(self, step: EncodeStep) -> None:
+        """The pre-pass: encode this rank's share sample by sample, send the features to stage 0
+        (stage 0: receive every stage's and make each micro-batch's leaves)."""
+        self._step, self._outputs = step, {}
+        device = self.engine.device
+        if self.stage != 0:  # a replica's gradients are scratch (stage 0's: the engine zeroes them)
+            for p in self.params:
+                p.grad = None
+        mine = step.shares[self.stage]
+        if len(step.carriers) != len(mine):
+            raise RuntimeError(f"stage {self.stage} has {len(mine)} samples to encode but {len(step.carriers)} "
+                               f"collated")
+        self._rng, per = [], []
+        for carrier in step.carriers:
+            self._rng.append(_rng_state(device))
+            if step.mode == "tower" and self.params:
+                with torch.no_grad():
+                    per.append(self._encode(carrier, checkpointed=False))
+            else:
+                per.append(self._encode(carrier, checkpointed=step.mode == "blocks" and bool(self.params)))
+        self.encoded += len(mine)
+        self._per = per
+        if mine:  # the share's features in the carrier's order, one tensor per slot
+            self._outputs = {slot: _join(_pieces_of(per, j, mine, step.rows, tower, axis), mine, tower, axis)
+                             for j, (tower, slot, axis) in enumerate(self.keys)}
+        if self.stage != 0:
+            for _, slot, _ in self.keys if mine else ():
+                _send(self._outputs[slot].detach(), self.stage_ranks[0])
+            return
+        pieces: dict[int, dict] = {slot: {} for _, slot, _ in self.keys}
+        for s, share in enumerate(step.shares):
+            for tower, slot, axis in self.keys if share else ():
+                x = self._outputs[slot].detach() if s == 0 else _recv(self.stage_ranks[s], device)
+                pieces[slot].update(_pieces(x, share, step.rows, tower, axis))
+        trains = bool(self.params)
+        for tower, slot, axis in self.keys:  # a sample without this tower's media is in no share
+            like = next(iter(pieces[slot].values()), None)
+            empty = self._empty(slot) if like is None else like.narrow(axis, 0, 0)
+            for i in (i for group in step.groups for i in group):
+                for kind, k in (("image", 0), ("video", 1)) if tower == "vision" else (("audio", 2),):
+                    if (i, kind) not in pieces[slot]:
+                        if step.rows[i][k]:
+                            raise RuntimeError(f"sample {i} has {step.rows[i][k]} {kind} feature rows but no rank "
+                                               f"encoded it")
+                        pieces[slot][(i, kind)] = empty
+        dtype = self.params[0].dtype if trains else torch.float32
+        self._bank = [{slot: _leaf(_join(pieces[slot], group, tower, axis), trains, dtype)
+                       for tower, slot, axis in self.keys} for group in step.groups]
+        self._active = True
+
+    def _empty(self, slot: int) -> torch.Tensor:
+        """No features: [0, D] (DEEPSTACK: [k, 0, D]) in the towers' dtype."""
+        d = self.model.llm.hidden
+        shape = (len(self.model.vision.deepstack), 0, d) if slot == C.DEEPSTACK else (0, d)
+        dtype = next((p.dtype for layer in self.layers for p in layer.parameters()), torch.float32)
+        return torch.zeros(shape, dtype=dtype, device=self.engine.device)
+
+    def backward(self) -> None:
+        """The post-pass (every rank, at ReduceGrads): feature gradients back to the ranks that
+        encoded them, the towers' backward, their gradients summed over every rank into this
+        rank's tower parameters (divided by dp)."""
+        step, device = self._step, self.engine.device
+        self._active = False
+        if step is None or not self.params:
+            self._step, self._outputs, self._bank = None, {}, []
+            return
+        mine = step.shares[self.stage]
+        received: dict[int, torch.Tensor] = {}
+        if self.stage == 0:
+            grads: dict[int, dict] = {slot: {} for _, slot, _ in self.keys}
+            for group, entry in zip(step.groups, self._bank):
+                for tower, slot, axis in self.keys:
+                    leaf = entry[slot]
+                    g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    grads[slot].update(_pieces(g, group, step.rows, tower, axis))
+            for s, share in enumerate(step.shares):
+                for tower, slot, axis in self.keys if share else ():
+                    g = _join(grads[slot], share, tower, axis).contiguous()
+                    if s == 0:
+                        received[slot] = g
+                    else:
+                        _send(g, self.stage_ranks[s])
+        elif mine:
+            received = {slot: _recv(self.stage_ranks[0], device) for _, slot, _ in self.keys}
+        if mine:
+            self._tower_backward(step, mine, received)
+        self._step, self._outputs, self._bank, self._per = None, {}, [], []
+        self._reduce()
+
+    def _tower_backward(self, step: EncodeStep, mine: tuple[int, ...], received: dict[int, torch.Tensor]) -> None:
+        """Each sample's share of the feature gradients through its tower pass; in `tower` mode
+        its forward runs again first (per layer checkpointed, with the pre-pass's random state)."""
+        grads = [_pieces(received[slot], mine, step.rows, tower, axis) for tower, slot, axis in self.keys]
+        for n, i in enumerate(mine):
+            g = [_join(grads[j], (i,), tower, axis) for j, (tower, _, axis) in enumerate(self.keys)]
+            if step.mode == "tower":
+                with _rng_restored(self._rng[n], self.engine.device), torch.enable_grad():
+                    out = self._encode(step.carriers[n], checkpointed=True)
+            else:
+                out = self._per[n]
+            pairs = [(o, x) for o, x in zip(out, g) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [x.to(o.dtype) for o, x in pairs])
+            self._per[n] = None  # this sample's activations go now
+
+    def _reduce(self) -> None:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in self.params])
+        dist.all_reduce(flat)  # every rank of the job: each sample was encoded once, somewhere
+        flat /= self.dp
+        hp = _bf16_master_grads(self.engine) if self.stage == 0 else None
+        start = 0
+        for p in self.params:
+            n = p.numel()
+            g = flat[start:start + n].view_as(p)
+            start += n
+            if hp is None:
+                p.grad = g.to(p.dtype).clone()
+            else:  # bf16: into the fp32 gradient the step reads, not through a bf16 copy
+                hp(p, g)
+
+    def sync_weights(self, *, everything: bool = False) -> None:
+        """Rank 0's tower weights to every rank: after each optimizer step the trained ones; at
+        start every tensor, so that a resumed or loaded stage 0 is what every replica runs."""
+        with torch.no_grad():
+            for layer in self.layers:
+                tensors = list(layer.parameters()) + [b for b in layer.buffers() if b.is_floating_point()] \
+                    if everything else [p for p in layer.parameters() if p.requires_grad]
+                for t in tensors:
+                    dist.broadcast(t.data, src=0)
