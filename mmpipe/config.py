@@ -23,6 +23,7 @@ from mmpipe.planner.api import (  # planner-owned
     check_headroom,
     hardware_from_dict,
     parse_encoders,
+    show_encoders,
 )
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -608,9 +609,9 @@ def check_run(rc: RunConfig) -> None:
     pp, dp, t = rc.parallel.pp, rc.parallel.dp, rc.train
     spreads = parse_encoders(rc.plan.encoders, rc.model)
     if pp == 1 and isinstance(spreads, dict) and "spread" in spreads.values():
-        raise ValueError(f"plan.encoders={rc.plan.encoders} needs parallel.pp >= 2 (a spread tower is encoded by "
-                         f"the stages of a replica; with one stage it is staged); set parallel.pp=2 or more, or "
-                         f"plan.encoders=stages")
+        raise ValueError(f"plan.encoders={show_encoders(rc.plan.encoders)} needs parallel.pp >= 2 (a spread tower "
+                         f"is encoded by the stages of a replica; with one stage it is staged); set parallel.pp=2 "
+                         f"or more, or plan.encoders=stages")
     n_layers = len(rc.layers)
     if pp > n_layers:
         raise ValueError(

@@ -109,7 +109,7 @@ __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM
            "calibrated_hardware", "check_headroom", "check_policy", "choose_encoders", "choose_layout",
            "consider_recut", "describe_gain", "resolve_encoders", "check_encoders_value", "parse_encoders",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "plan_stages", "plan_step",
-           "stage_memory_warnings", "step_work", "validate_trainable"]
+           "stage_memory_warnings", "step_work", "validate_trainable", "show_encoders"]
 
 
 def packed_streams(features: Sequence[SampleFeatures]) -> tuple[np.ndarray, np.ndarray]:

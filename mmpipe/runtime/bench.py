@@ -97,7 +97,8 @@ def _figures(policy: str, rounds: list[list[dict]], chose: str = "") -> PolicyFi
         overhead=statistics.median(m["overhead_s"] / m["step_time"] for m in steps),
         feeder=statistics.median((m["plan_s"] + m["feed_s"]) / m["step_time"] for m in steps),
         loss=statistics.mean(m["loss"] for r in rounds for m in r[-5:]),
-        bound_fraction=statistics.median(m["bound_fraction"] for m in steps),
+        bound_fraction=statistics.median([m["bound_fraction"] for m in steps if m.get("bound_fraction") is not None]
+                                         or [float("nan")]),
         chose=chose,
     )
 

@@ -137,6 +137,20 @@ def _join(pieces: dict[tuple[int, str], torch.Tensor], order: Sequence[int], tow
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int16, torch.int64, torch.uint8]
 
 
+def _refuse_gradient_hooks(engine) -> None:
+    """DeepSpeed options that move gradients out of `.grad` as backward makes them would take
+    stage 0's own tower gradients before the spread towers' all-reduce: refused, naming the key."""
+    cfg = engine._config
+    if getattr(getattr(cfg, "bfloat16_config", None), "immediate_grad_update", False) and engine.bfloat16_enabled():
+        raise ValueError("deepspeed.config sets bf16.immediate_grad_update=true, which plan.encoders' spread towers "
+                         "cannot train with (their gradients are summed over every rank after the pipeline); "
+                         "remove it or set plan.encoders=stages")
+    if engine.zero_optimization_stage() and getattr(cfg.zero_config, "overlap_comm", False):
+        raise ValueError("deepspeed.config sets zero_optimization.overlap_comm=true, which plan.encoders' spread "
+                         "towers cannot train with (their gradients are summed over every rank after the "
+                         "pipeline); remove it or set plan.encoders=stages")
+
+
 def _bf16_master_grads(engine):
     """Under DeepSpeed's BF16_Optimizer, a function adding an fp32 gradient to a parameter's
     fp32 accumulation buffer (what its `_update_hp_grad` does with a bf16 `.grad` after each
@@ -210,6 +224,7 @@ class SpreadTowers:
         self._active = False
         self.encoded = 0
         """Samples this rank encoded so far (recorded in its stage file)."""
+        _refuse_gradient_hooks(engine)
         if self.stage == 0:
             self._install(engine)
         self.sync_weights(everything=True)
@@ -272,6 +287,8 @@ class SpreadTowers:
         (stage 0: receive every stage's and make each micro-batch's leaves)."""
         self._step, self._outputs = step, {}
         device = self.engine.device
+        for layer in self.layers:  # stage 0's after an evaluation are in eval mode until train_batch
+            layer.train()
         if self.stage != 0:  # a replica's gradients are scratch (stage 0's: the engine zeroes them)
             for p in self.params:
                 p.grad = None
@@ -331,7 +348,7 @@ class SpreadTowers:
         step, device = self._step, self.engine.device
         self._active = False
         if step is None or not self.params:
-            self._step, self._outputs, self._bank = None, {}, []
+            self._step, self._outputs, self._bank, self._per = None, {}, [], []
             return
         mine = step.shares[self.stage]
         received: dict[int, torch.Tensor] = {}
@@ -392,8 +409,16 @@ class SpreadTowers:
         """Rank 0's tower weights to every rank: after each optimizer step the trained ones; at
         start every tensor, so that a resumed or loaded stage 0 is what every replica runs."""
         with torch.no_grad():
-            for layer in self.layers:
-                tensors = list(layer.parameters()) + [b for b in layer.buffers() if b.is_floating_point()] \
-                    if everything else [p for p in layer.parameters() if p.requires_grad]
-                for t in tensors:
-                    dist.broadcast(t.data, src=0)
+            tensors = [t for layer in self.layers
+                       for t in (list(layer.parameters()) + [b for b in layer.buffers() if b.is_floating_point()]
+                                 if everything else [p for p in layer.parameters() if p.requires_grad])]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for group in by_dtype.values():  # one broadcast per dtype, not one per tensor
+                flat = torch.cat([t.data.reshape(-1) for t in group])
+                dist.broadcast(flat, src=0)
+                start = 0
+                for t in group:
+                    t.data.copy_(flat[start:start + t.numel()].view_as(t))
+                    start += t.numel()

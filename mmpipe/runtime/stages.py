@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -10,7 +11,14 @@ from mmpipe.config import RunConfig, hardware_spec, training_precision
 from mmpipe.data.skips import SkipCounter
 from mmpipe.model.geometry import SampleFeatures, features
 from mmpipe.model.spec import ModelSpec, layer_names
-from mmpipe.planner.api import StagePlan, choose_encoders, plan_stages, resolve_encoders, stage_memory_warnings
+from mmpipe.planner.api import (
+    StagePlan,
+    choose_encoders,
+    plan_stages,
+    resolve_encoders,
+    show_encoders,
+    stage_memory_warnings,
+)
 from mmpipe.runtime.stream import make_stream
 
 
@@ -106,9 +114,15 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
             plan_stages(pp=rc.parallel.pp, sample=sample, **common)
         raise
     _check_stage0(rc.model, choice.encoders, choice.stage_plan)
-    warnings = ()
-    if given is not None and not any(w == "spread" for w in choice.encoders.values()):
+    warnings: tuple[str, ...] = ()
+    spread = any(w == "spread" for w in choice.encoders.values())
+    if given is not None and not spread:
         warnings = stage_memory_warnings(stage_plan=given, sample=workload_sample(rc, tokenizer, steps=1), **common)
+    elif spread and math.isinf(next(t for e, t, _ in choice.candidates if e == choice.encoders)):
+        warnings = (f"plan.encoders={show_encoders(value)}: the planner finds no plan of the first steps that fits "
+                    f"in memory with {', '.join(t for t, w in choice.encoders.items() if w == 'spread')} spread; the "
+                    f"run plans its micro-batches without the memory limit (raise parallel.pp, lower "
+                    f"train.global_batch, or set plan.encoders=stages)",)
     return ChosenStages(plan=choice.stage_plan, source="override" if given else f"planner ({rc.plan.policy})",
                         encoders=choice.encoders, warnings=warnings,
                         placements=choice.times() if value == "auto" else {})

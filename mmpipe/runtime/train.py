@@ -646,7 +646,8 @@ def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = 
                                f"train.resume={Path(rc.run_dir)}")
     elif recut is not None and recut["recut"]:
         if dist.get_rank() == 0:
-            write_atomic(Path(rc.run_dir) / RECUT_REQUEST, json.dumps({"step": step, **recut}).encode())
+            request = {"step": step, **recut, "encoders": loop.encoders}  # the relaunch keeps the placement
+            write_atomic(Path(rc.run_dir) / RECUT_REQUEST, json.dumps(request).encode())
         loop.result.stopped = (f"re-cut after step {step}: stages {recut['old']} -> {recut['new']}, "
                                f"{describe_gain(recut)} ({recut['priced_with']}); checkpoint {folder} committed; the "
                                f"launcher relaunches the ranks on the new cut from it")
