@@ -86,7 +86,7 @@ from mmpipe.planner.spread import (
     parse_encoders,
     pipeline_stage_costs,
     placement_name,
-    price_step,
+    plan_spread_step,
     reserve_bytes,
     reserved_pipeline,
     show_encoders,
@@ -304,13 +304,10 @@ class StepPlanner:
                             compute=tuple(float(r.makespan) if r is not None else 0.0 for r in ev.replicas),
                             encode=tuple(((),) * pp for _ in reps))
         sm = self.spread
-        ec = encode_costs(sm, table)
-        rows = range(len(table))
-        reserve = reserve_bytes(sm, ec, rows, pp=pp, dp=self.replicas)
-        sc = pipeline_stage_costs(sm, self.stage_plan, reserve)
-        reps = _replicas(self.policy, table, sc, self.replicas, self.micro_batches)
-        ev = evaluate_step(sc, table, reps, packing=self.packing)
-        sp = price_step(sm, ec, reps, ev, sc, reserve, ranks=pp * self.dp)
+        _, reps, ev, sp = plan_spread_step(
+            sm, encode_costs(sm, table), table, range(len(table)), self.stage_plan,
+            lambda sc: _replicas(self.policy, table, sc, self.replicas, self.micro_batches),
+            pp=pp, dp=self.replicas, packing=self.packing, ranks=pp * self.dp)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=sp.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
                         peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in sp.peaks),

@@ -42,7 +42,7 @@ from mmpipe.planner.spread import (
     parse_encoders,
     pipeline_stage_costs,
     placement_name,
-    price_step,
+    plan_spread_step,
     reserve_bytes,
     reserved_pipeline,
     show_encoders,
@@ -357,13 +357,13 @@ def _plan_spread(cost, encoders: dict[str, str], table: SampleTable, step_rows: 
     plans, evals, priced = [], [], []
     sc = pipeline_stage_costs(sm, stage_plan)
     for rows in step_rows:
-        reserve = reserve_bytes(sm, ec, rows, pp=pp, dp=dp)
-        sc = pipeline_stage_costs(sm, stage_plan, reserve)
-        rep = balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches, labels=labels)
-        ev = evaluate_step(sc, table, rep, packing=True)
+        sc, rep, ev, sp = plan_spread_step(
+            sm, ec, table, rows, stage_plan,
+            lambda costs, rows=rows: balance_step(costs, table, rows, dp=dp, micro_batches=micro_batches,
+                                                  labels=labels), pp=pp, dp=dp)
         plans.append(rep)
         evals.append(ev)
-        priced.append(price_step(sm, ec, rep, ev, sc, reserve))
+        priced.append(sp)
     return stage_plan, sc, plans, evals, priced
 
 

@@ -63,7 +63,7 @@ The pipeline's micro-batches are planned with the usable memory less a reserve f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +74,7 @@ from mmpipe.planner.hardware import GB
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, stage_costs
-from mmpipe.planner.step import Replicas, StepEval
+from mmpipe.planner.step import Replicas, StepEval, evaluate_step
 
 TOWERS = ("vision", "audio")
 """Encoder towers, in layer order."""
@@ -541,3 +541,17 @@ def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEva
                       mode=mode, replica_times=tuple(times), compute=tuple(compute), pre=tuple(pres),
                       post=tuple(posts), loads=tuple(loads), allreduce=ar,
                       peaks=tuple(tuple(p) for p in peaks), fits=bool(fits))
+
+
+def plan_spread_step(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rows: Sequence[int], plan: StagePlan,
+                     balance: Callable[[StageCosts], Replicas], *, pp: int, dp: int, packing: bool = True,
+                     ranks: int | None = None) -> tuple[StageCosts, Replicas, StepEval, SpreadStep]:
+    """One step of `rows` (rows of `table`, which `ec` was made from) under a spread placement:
+    the pipeline's stage costs with the spread towers' memory reserved (`reserve_bytes`), the
+    micro-batches `balance` deals on them, their 1F1B evaluation and the step's price
+    (`price_step`; `ranks`: the run's pp x dp)."""
+    reserve = reserve_bytes(sm, ec, rows, pp=pp, dp=dp)
+    sc = pipeline_stage_costs(sm, plan, reserve)
+    reps = balance(sc)
+    ev = evaluate_step(sc, table, reps, packing=packing)
+    return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, ranks=ranks)
