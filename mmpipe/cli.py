@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -32,7 +34,7 @@ from mmpipe.commands import (
 )
 from mmpipe.config import RunConfig, run_config_from_dict
 from mmpipe.overrides import check_overrides, explain
-from mmpipe.paths import shell_word
+from mmpipe.paths import CONF_DIR, shell_word
 
 _active: Command | None = None
 """The command of the Hydra app now running (read by its help text and CheckBeforeRun)."""
@@ -53,6 +55,10 @@ class CommandFailed(Exception):
     def __init__(self, code: int):
         super().__init__(f"exit status {code}")
         self.code = code
+
+
+MACHINE_COMMANDS = ("train", "plan", "bench", "profile")
+"""The commands whose start-up says what was fitted to the machine (layout, hardware=auto)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,16 +132,35 @@ def load(overrides: list[str], *, job: str = "mmpipe") -> RunConfig:
     GlobalHydra.instance().clear()
     with initialize(config_path=None, version_base="1.3", job_name=job):
         cfg = compose(config_name=PRIMARY, overrides=[_packaged_last(o) for o in overrides], return_hydra_config=True)
-    return run_config(cfg, run_dir=str(cfg.hydra.run.dir))
+    return run_config(cfg, run_dir=str(cfg.hydra.run.dir), overrides=overrides,
+                      sources=cfg.hydra.runtime.config_sources)
 
 
-def run_config(cfg: Any, *, run_dir: str) -> RunConfig:
-    """A composed config (with or without its `hydra` node) as a validated RunConfig."""
+def run_config(cfg: Any, *, run_dir: str, overrides: Sequence[str] = (), sources: Sequence[Any] = ()) -> RunConfig:
+    """A composed config (with or without its `hydra` node) as a validated RunConfig, what it
+    leaves to the machine fitted to the one torch sees (config.fit_machine). `overrides`: the
+    command line's, for the hardware keys set on top of hardware=auto; `sources`: Hydra's config
+    sources, so that hardware=auto finds a preset in the user's --config-dir first, as
+    `hardware=NAME` would."""
     from omegaconf import OmegaConf
+
+    from mmpipe.config import AUTO_HARDWARE
 
     task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
     plain = OmegaConf.to_container(task, resolve=True, throw_on_missing=False)
-    return run_config_from_dict(plain, run_dir=run_dir)  # type: ignore[arg-type]
+    parallel = plain.get("parallel") or {}
+    asks = (plain.get("hardware") or {}).get("name") == AUTO_HARDWARE or None in (parallel.get("pp"),
+                                                                                  parallel.get("dp"))
+    machine = None
+    if asks:  # torch is imported only when a default is left to the machine
+        from mmpipe.machine import detect
+
+        machine = detect()
+    keys = [o.lstrip("+~").partition("=")[0] for o in overrides]
+    hardware_set = [k.removeprefix("hardware.") for k in keys if k.startswith("hardware.")]
+    folders = [Path(src.path) / "hardware" for src in sources if src.schema == "file"]
+    return run_config_from_dict(plain, run_dir=run_dir, machine=machine,  # type: ignore[arg-type]
+                                hardware_set=hardware_set, presets=(*folders, CONF_DIR / "hardware"))
 
 
 class CheckBeforeRun(Callback):
@@ -180,7 +205,9 @@ class CheckBeforeRun(Callback):
 
 
 def _check(config: Any, *, run_dir: str) -> None:
-    rc = run_config(config, run_dir=run_dir)
+    hc = config.hydra if "hydra" in config else None
+    rc = run_config(config, run_dir=run_dir, overrides=list(hc.overrides.task) if hc else (),
+                    sources=hc.runtime.config_sources if hc else ())
     if _active is not None and _active.check is not None:
         _active.check(rc)
 
@@ -219,7 +246,11 @@ def _run(command: Command | None, args: list[str]) -> int:
         if command is None:  # only `--help` runs without a command, and it runs no job
             return
         hc = HydraConfig.get()
-        rc = run_config(cfg, run_dir=hc.runtime.output_dir)
+        rc = run_config(cfg, run_dir=hc.runtime.output_dir, overrides=hc.overrides.task,
+                        sources=hc.runtime.config_sources)
+        if command.name in MACHINE_COMMANDS and os.environ.get("RANK", "0") == "0":
+            for note in rc.machine_notes:  # what was fitted to this machine (config.fit_machine)
+                print(f"mmpipe {command.name}: {note}", flush=True)
         inv = Invocation(overrides=tuple(hc.overrides.task), search_path=tuple(
             f"{s.schema}://{s.path}" for s in hc.runtime.config_sources
             if s.provider not in ("hydra", "schema") and f"{s.schema}://{s.path}" != PACKAGED))

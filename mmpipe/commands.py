@@ -113,15 +113,17 @@ def _check_model(rc: RunConfig) -> None:
 def _check_pipeline(rc: RunConfig) -> None:
     """What the ranks' DeepSpeed pipeline needs: the tested release, the user's DeepSpeed JSON,
     the backend's devices, the attention kernel."""
+    from mmpipe.machine import detect
     from mmpipe.model.kernels import check as check_kernel
     from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
     from mmpipe.runtime.host import precision_problem
-    from mmpipe.runtime.preflight import check_backend
+    from mmpipe.runtime.preflight import check_backend, check_gpus
 
     require_tested_deepspeed()
     if rc.deepspeed.config is not None:
         load_user_config(rc.deepspeed.config)  # missing file, bad JSON, a key mmpipe owns: one line now
     check_backend(rc.launcher.backend)
+    check_gpus(rc, detect())
     problem = precision_problem(rc.train.precision, rc.launcher.backend)  # DeepSpeed's refusal, before launch
     if problem:
         raise ValueError(problem)

@@ -7,11 +7,13 @@ is launched, and every message names the key as the user types it, the bad value
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mmpipe.data.options import CAPTION_PROMPT, check_options
+from mmpipe.machine import Machine
 from mmpipe.model.group import model_from_group
 from mmpipe.model.kernel_choice import KERNELS
 from mmpipe.model.spec import NO_LORA, TRAINABLE_PREFIXES, LoraSpec, ModelSpec, layer_names
@@ -27,19 +29,28 @@ from mmpipe.planner.api import (  # planner-owned
 )
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+CPU_STAGES = 2
+"""Pipeline stages of a run that sets no layout on a machine without a GPU: a real two-stage
+pipeline, which is what the CPU demo is for."""
 """Values of train.precision."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
-    pp: int | str = 2
-    """Pipeline stages, or `auto` (chosen among the splits of parallel.devices)."""
-    dp: int | str = 1
-    """Data-parallel replicas, or `auto`."""
+    pp: int | str | None = None
+    """Pipeline stages, `auto` (chosen among the splits of parallel.devices), or null (unset):
+    fitted to the machine (`fit_machine`: one GPU -> 1; N GPUs -> the planner's choice over N;
+    no GPU -> 2, a real two-stage pipeline on the CPU)."""
+    dp: int | str | None = None
+    """Data-parallel replicas, `auto`, or null (unset): fitted to the machine (no GPU -> 1)."""
     devices: int | None = None
-    """Devices to split into pp x dp (needed when pp or dp is auto)."""
+    """Devices to split into pp x dp (needed when pp or dp is auto; unset on a GPU machine: the
+    GPUs torch sees, or WORLD_SIZE under an external launcher)."""
 
     def __post_init__(self) -> None:
+        for key, cpu in (("pp", CPU_STAGES), ("dp", 1)):  # built without a machine: the CPU layout
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, cpu)
         for key in ("pp", "dp"):
             v = getattr(self, key)
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -471,6 +482,10 @@ class HardwareOrigin:
 
     measured_for: str | None = None
     """The model `mmpipe profile` measured this description with (null: a preset, for any model)."""
+    device: str | None = None
+    """The device these figures describe: a preset name (cpu, h100, h200, a100) or `gpu` for one
+    without a preset (mmpipe/machine.py). A run prints efficiency and MFU only on that device
+    (null: a file that does not say; taken as this machine's)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -497,6 +512,8 @@ class RunConfig:
     mmpipe.model.group.ModelChoice); empty for mmpipe's own figures."""
     planner_only: str | None = None
     """Why the model preset can be planned but not trained (omni-7b), else None."""
+    machine_notes: tuple[str, ...] = ()
+    """What `fit_machine` decided for this machine (the layout, hardware=auto), for the start-up lines."""
 
     @property
     def layers(self) -> list[str]:
@@ -559,12 +576,18 @@ def _tuple_of(section: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
     return out
 
 
-def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunConfig:
-    """Validate a resolved config mapping (what Hydra composed) into a RunConfig."""
+def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".", machine: Machine | None = None,
+                         hardware_set: Collection[str] = (), presets: Sequence[Path] = ()) -> RunConfig:
+    """Validate a resolved config mapping (what Hydra composed) into a RunConfig; what it leaves
+    to the machine (the layout, hardware=auto) is fitted to `machine` (None: a machine without a
+    GPU, so nothing is asked of torch). `hardware_set`: the hardware keys the user set on top of
+    hardware=auto; `presets`: the folders its preset is looked up in, first match wins (default:
+    the shipped conf/hardware)."""
     cfg = dict(cfg)
     for key in cfg:
         if key not in GROUPS:
             raise ValueError(f"{key} is not a config group; known: {', '.join(GROUPS)}")
+    cfg, notes = fit_machine(cfg, machine or Machine(), hardware_set=hardware_set, presets=presets)
     train = dict(cfg.get("train") or {})
     for key in ("trainable", "loggers"):
         if train.get(key) is not None:
@@ -593,9 +616,67 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".") -> RunCo
         run_dir=run_dir,
         model_settings=model.settings,
         planner_only=model.planner_only,
+        machine_notes=tuple(notes),
     )
     check_run(rc)
     return rc
+
+
+AUTO_HARDWARE = "auto"
+"""hardware=auto (conf/hardware/auto.yaml): the preset of the device torch sees."""
+
+
+def fit_machine(cfg: Mapping[str, Any], machine: Machine, *, hardware_set: Collection[str] = (),
+                presets: Sequence[Path] = ()) -> tuple[dict[str, Any], list[str]]:
+    """What the user left to the machine, decided: hardware=auto becomes the preset of the device
+    torch sees (the user's own hardware.KEY settings kept on top), and an unset parallel.pp /
+    parallel.dp a layout for its devices: no GPU (or launcher.backend=gloo) -> pp=2 x dp=1 on
+    the CPU; one GPU -> pp=1 x dp=1; N GPUs (or WORLD_SIZE ranks under an external launcher) ->
+    parallel.devices=N with pp / dp auto, chosen by the planner before launch. A parallel.devices
+    the user gives is split by the planner on any machine. Returns the config and one line per
+    decision."""
+    import yaml
+
+    from mmpipe.paths import CONF_DIR
+
+    out, notes = dict(cfg), []
+    hw = dict(out.get("hardware") or {})
+    if hw.get("name") == AUTO_HARDWARE:
+        preset = machine.preset
+        found = [f / f"{preset}.yaml" for f in (*presets, CONF_DIR / "hardware") if (f / f"{preset}.yaml").is_file()]
+        chosen = yaml.safe_load(found[0].read_text())
+        chosen.update({k: hw[k] for k in hardware_set if k in hw and k != "name"})
+        out["hardware"] = chosen
+        if not machine.gpus:
+            notes.append(f"hardware=auto: no GPU, the {preset} preset")
+        elif machine.device == "gpu":
+            chosen["device"] = "gpu"
+            notes.append(f"hardware=auto: {machine.gpu_name} has no preset; planned with the {preset} preset's "
+                         f"figures, no efficiency or MFU printed (`mmpipe profile` measures this GPU)")
+        else:
+            notes.append(f"hardware=auto: {machine.gpu_name}, the {preset} preset")
+    par = dict(out.get("parallel") or {})
+    pp, dp, devices = par.get("pp"), par.get("dp"), par.get("devices")
+    stages = (out.get("plan") or {}).get("stages")
+    if pp is None and stages:
+        pp = len(parse_stages(stages))
+    backend = (out.get("launcher") or {}).get("backend", "auto")
+    gpu = machine.gpus > 0 and backend != "gloo"
+    if pp is None or dp is None:
+        n = devices or ((machine.world or machine.gpus) if gpu else None)
+        if n is None:  # no GPU, no device count: the CPU demo layout
+            pp, dp = CPU_STAGES if pp is None else pp, 1 if dp is None else dp
+            where = "no GPU" if not machine.gpus else f"launcher.backend={backend}"
+            notes.append(f"layout: parallel.pp / parallel.dp unset ({where}): pp={pp} x dp={dp} on the CPU")
+        elif n == 1:
+            pp, dp = 1 if pp is None else pp, 1 if dp is None else dp
+            notes.append(f"layout: parallel.pp / parallel.dp unset, 1 device ({machine.describe()}): pp={pp} x dp={dp}")
+        else:
+            pp, dp, devices = "auto" if pp is None else pp, "auto" if dp is None else dp, n
+            notes.append(f"layout: parallel.pp / parallel.dp unset, {n} devices ({machine.describe()}): the planner "
+                         f"chooses pp x dp before launch")
+    out["parallel"] = {**par, "pp": pp, "dp": dp, "devices": devices}
+    return out, notes
 
 
 def check_run(rc: RunConfig) -> None:
@@ -737,6 +818,7 @@ def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
     hw = dict(rc.hardware)
     measured_for = hw.pop("measured_for", HardwareOrigin().measured_for)
+    hw.pop("device", None)
     if measured_for is not None and measured_for != rc.model.name:
         raise ValueError(
             f"hardware={hw.get('name', '?')} was measured for model {measured_for}, not model {rc.model.name}; "

@@ -36,10 +36,12 @@ def use_line(path: Path) -> str:
     return f"mmpipe train {shell_word(f'--config-dir={path.parent.parent}')} hardware={path.stem}"
 
 
-def write_hardware_file(path: Path, hw: HardwareSpec, *, model: str, header: str) -> None:
-    """Write `hw` as a hardware config for `model` under the comment lines `header`."""
+def write_hardware_file(path: Path, hw: HardwareSpec, *, model: str, header: str, device: str | None) -> None:
+    """Write `hw` as a hardware config for `model`, measured on `device` (host.training_device),
+    under the comment lines `header`."""
     doc = hardware_to_dict(hw)
     doc["measured_for"] = model
+    doc["device"] = device
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(comment + yaml.safe_dump(_plain(doc), sort_keys=False))
@@ -62,7 +64,7 @@ def write_calibrated(rc: RunConfig, calibration: StepCalibration | None) -> str:
     path = hardware_file(rc.run_dir, name)
     fit = calibration.describe()
     use = use_line(path)
-    write_hardware_file(path, hw, model=rc.model.name, header=(
+    write_hardware_file(path, hw, model=rc.model.name, device=rc.hardware.get("device"), header=(
         f"Calibrated by `mmpipe train` in {rc.run_dir}: hardware {base.name} re-fitted on the last "
         f"{len(calibration.history)} of {seen} steps\n"
         f"(model {rc.model.name}, pp={rc.parallel.pp} x dp={rc.parallel.dp}, plan.policy={rc.plan.policy}).\n"

@@ -6,6 +6,8 @@ and `mmpipe profile` measures with the threads a training rank gets."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 # oneDNN (bf16/fp16 matmuls, convolutions on CPU) keeps a compiled kernel per input shape in
 # two caches (its primitive cache and torch's ideep LRU cache) of 1024 entries each, ~1 MB an
@@ -75,3 +77,26 @@ def precision_problem(precision: str, backend: str) -> str | None:
     fix = f"use train.precision={other} (supported here) or fp32" if other else "use train.precision=fp32"
     return (f"train.precision={precision}: DeepSpeed does not train {precision} on {device} (its "
             f"{type(accelerator).__name__}.is_{precision}_supported() is False: {why}); {fix}")
+
+
+def training_device(device) -> str:
+    """The device kind ranks on torch device `device` train on: cpu, or the GPU's preset name
+    (`gpu` for one without a preset; mmpipe/machine.py)."""
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        from mmpipe.machine import detect
+
+        return detect().device
+    return "cpu"
+
+
+def figures_mismatch(hardware: Mapping[str, Any], device: str) -> str | None:
+    """Why a run training on `device` prints no efficiency or MFU against the hardware config's
+    peak rates (None: it does). A config that does not say which device it describes (a measured
+    file of an older mmpipe) is taken as this machine's."""
+    described, name = hardware.get("device"), hardware.get("name")
+    if described is None or (described == device and device != "gpu"):
+        return None
+    if described == "gpu":
+        return f"hardware={name} has no peak rates of this GPU (`mmpipe profile` measures them)"
+    return (f"hardware={name} describes {described} and the ranks train on {device}; "
+            f"hardware=auto or a measured file of this machine gives the figures")

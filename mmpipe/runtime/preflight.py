@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from mmpipe.config import RunConfig
+from mmpipe.machine import Machine
 from mmpipe.paths import PACKAGE_ROOT, resolve_path
 
 
@@ -92,6 +93,23 @@ def check_backend(backend: str) -> None:
     if not torch.cuda.is_available():
         raise ValueError("launcher.backend=nccl needs a CUDA GPU, and torch sees none here "
                          "(torch.cuda.is_available() is False); use launcher.backend=auto or gloo")
+
+
+def check_gpus(rc: RunConfig, machine: Machine) -> None:
+    """The local ranks mmpipe would launch over NCCL each get a GPU of their own: NCCL refuses two
+    ranks on one device, and a rank given a device ordinal torch does not have dies with
+    `CUDA error: invalid device ordinal`. Under an external launcher each node's launcher
+    places its ranks; nothing to check here."""
+    if machine.world is not None or rc.launcher.backend == "gloo" or not machine.gpus:
+        return  # auto and nccl run NCCL where torch sees a GPU (host.resolve_backend)
+    pp, dp = rc.parallel.pp, rc.parallel.dp
+    ranks = rc.launcher.nproc or pp * dp
+    if ranks <= machine.gpus:
+        return
+    one = "parallel.pp=1 parallel.dp=1" if machine.gpus == 1 else f"a layout of at most {machine.gpus} ranks"
+    raise ValueError(f"parallel.pp={pp} x parallel.dp={dp} = {ranks} ranks need {ranks} GPUs over NCCL, and torch "
+                     f"sees {machine.gpus} here ({machine.describe()}); use {one} (or leave parallel.pp and "
+                     f"parallel.dp unset: they fit this machine), or launcher.backend=gloo to train on the CPU")
 
 
 def to_plain(rc: RunConfig) -> dict:

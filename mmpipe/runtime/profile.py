@@ -57,7 +57,7 @@ from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.engine_probe import ProbeResult, probe_engine
 from mmpipe.runtime.hardware_file import hardware_file, use_line, write_hardware_file
 from mmpipe.runtime.hf_run import load_templater
-from mmpipe.runtime.host import resolve_backend, threads_per_rank
+from mmpipe.runtime.host import resolve_backend, threads_per_rank, training_device
 from mmpipe.runtime.pipeline import media_tokens
 from mmpipe.runtime.stages import choose_stages
 from mmpipe.runtime.stream import make_stream
@@ -349,7 +349,7 @@ def run_profile(rc: RunConfig, *, out: str | None, repeats: int, engine_steps: i
                  memory_slack=engine.slack)
     path = Path(out) if out else hardware_file(rc.run_dir, name)
     use = use_line(path)
-    write_hardware_file(path, hw, model=rc.model.name, header=(
+    write_hardware_file(path, hw, model=rc.model.name, device=training_device(device), header=(
         f"Measured by `mmpipe profile model={rc.model.name}` on {platform.node() or 'this machine'} "
         f"({os.cpu_count()} cores, {threads} thread(s) per rank), {time.strftime('%Y-%m-%d')}.\n"
         f"Use: {use}   (valid for model {rc.model.name} only)\n"

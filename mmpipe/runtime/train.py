@@ -47,7 +47,7 @@ from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user
 from mmpipe.runtime.evaluate import EvalResult, Evaluator, result_path
 from mmpipe.runtime.feed import PlannedStep, StepFeeder
 from mmpipe.runtime.hardware_file import write_calibrated
-from mmpipe.runtime.host import resolve_backend, threads_per_rank
+from mmpipe.runtime.host import figures_mismatch, resolve_backend, threads_per_rank, training_device
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (
     GlobalGradClip,
@@ -105,6 +105,8 @@ class RunResult:
     """Rank 0: per stage, the largest peak memory the planner predicted for any step, bytes."""
     memory_measure: str = ""
     """What the measured peaks are (telemetry.PeakMemory.kind)."""
+    figures_off: str | None = None
+    """Why no step's efficiency or MFU was figured (host.figures_mismatch), else None."""
     efficiency: list[tuple[float, float]] = field(default_factory=list)
     """Rank 0: (fraction of the lower bound, model-FLOPs utilisation) of every step."""
 
@@ -355,6 +357,7 @@ class _Loop:
     def __post_init__(self) -> None:
         self.hardware = hardware_spec(self.rc)
         engine = self.pipe.engine
+        self.result.figures_off = figures_mismatch(self.rc.hardware, training_device(engine.device))
         self.timer = StageTimer(engine)
         self.memory = PeakMemory(engine.device)
         self.stage_of_rank = _stage_of_every_rank(engine.stage_id, dist.get_world_size(), engine.device)
@@ -546,15 +549,17 @@ def _recut_measured(loop: _Loop, step: int, rec: dict) -> dict | None:
             "steps_measured": [len(before), len(after)]}
 
 
-def _efficiency(rc: RunConfig, hw: HardwareSpec, fed: _Fed, step_s: float) -> dict:
+def _efficiency(rc: RunConfig, hw: HardwareSpec, fed: _Fed, step_s: float, *, figured: bool) -> dict:
     """The step against its lower bound (its samples' forward and backward at the hardware
     config's peak rates, spread evenly over every rank: docs/planner.md), and the model-FLOPs
-    utilisation with the encoders' FLOPs counted, both over the measured step time."""
+    utilisation with the encoders' FLOPs counted, both over the measured step time; the two
+    fractions are None where the config's peak rates are not this device's (`figured` False)."""
     world = rc.parallel.pp * rc.parallel.dp
     bound = fed.ideal_s / world
-    return {"lower_bound_s": bound, "bound_fraction": bound / step_s if step_s > 0 else None,
+    timed = step_s > 0 and figured
+    return {"lower_bound_s": bound, "bound_fraction": bound / step_s if timed else None,
             "model_flops": fed.flops,
-            "mfu": fed.flops / (step_s * world * hw.peak_flops) if step_s > 0 else None}
+            "mfu": fed.flops / (step_s * world * hw.peak_flops) if timed else None}
 
 
 def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalResult | None,
@@ -616,7 +621,7 @@ def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dic
            "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": loop.memory.kind,
            "predicted_peak_mem_gb": [b / 1e9 for b in fed.planned.predicted_peak_bytes],
            "nonfinite": trained.nonfinite}
-    rec.update(_efficiency(loop.rc, loop.hardware, fed, dt))
+    rec.update(_efficiency(loop.rc, loop.hardware, fed, dt, figured=loop.result.figures_off is None))
     if rec["bound_fraction"] is not None:
         loop.result.efficiency.append((rec["bound_fraction"], rec["mfu"]))
     if loop.rc.train.precision == "fp16":
@@ -849,6 +854,8 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         print(f"efficiency (median over the steps; hardware {hardware_spec(rc).name}'s peak rates): {bound:.1%} of "
               f"the step's lower bound (its samples' compute at peak, spread over the {ranks} ranks), model-FLOPs "
               f"utilisation {mfu:.2%} with the encoders' FLOPs", flush=True)
+    if r.figures_off:
+        print(f"efficiency: not figured: {r.figures_off}", flush=True)
     if r.peak_memory and r.predicted_memory:
         print("memory per stage, peak of the run (" + r.memory_measure + "): "
               + ", ".join(f"stage {s} {m / 1e9:.3g} GB measured, {p / 1e9:.3g} GB predicted ({m / p - 1:+.0%})"

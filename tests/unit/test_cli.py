@@ -129,8 +129,10 @@ def test_a_user_config_dir_adds_options_and_wins_over_the_shipped_ones(in_tmp, c
     shipped = yaml.safe_load((CONF_DIR / "hardware/cpu.yaml").read_text())
     (in_tmp / "mine" / "hardware" / "cpu.yaml").write_text(yaml.safe_dump(dict(shipped, memory_gb=7.0)))
     (in_tmp / "mine" / "hardware" / "box.yaml").write_text(yaml.safe_dump(dict(shipped, name="box")))
-    assert main(["train", "--config-dir", "mine", "--cfg", "job", "--package", "hardware"]) == 0
+    assert main(["train", "--config-dir", "mine", "hardware=cpu", "--cfg", "job", "--package", "hardware"]) == 0
     assert yaml.safe_load(capsys.readouterr().out.split("\n", 1)[1])["memory_gb"] == 7.0
+    # hardware=auto (the default) on this GPU-less machine takes the cpu preset from the user's folder too
+    assert load(["hydra.searchpath=[file://mine]"]).hardware["memory_gb"] == 7.0
     assert main(["train", "--config-dir=mine", "hardware=box", "--cfg", "job", "--package", "hardware"]) == 0
     assert "name: box" in capsys.readouterr().out
 

@@ -20,6 +20,7 @@ QUICK = ["profile.repeats=1", "profile.engine_steps=1"]
 
 def _written(path):
     doc = yaml.safe_load(path.read_text())
+    assert doc.pop("device") == "cpu"  # measured here: efficiency and MFU are figured with it on this machine only
     return doc.pop("measured_for"), hardware_from_dict(doc)
 
 
