@@ -138,6 +138,14 @@ def quiet_env(rc: RunConfig) -> dict[str, str]:
     return {"MMPIPE_DEBUG": "0", "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
+def rank_env(rc: RunConfig) -> dict[str, str]:
+    """What the ranks mmpipe launches get beyond the launcher's own variables: the quiet console
+    and the compile and JIT-op caches of launcher.cache_dir (host.cache_env)."""
+    from mmpipe.runtime.host import cache_env
+
+    return {**cache_env(rc.launcher.cache_dir), **quiet_env(rc)}
+
+
 def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
     """parallel.pp / parallel.dp = auto decided before launch: the planner ranks the layouts of
     parallel.devices on the run's first two steps of data.path (metadata only, no media read)."""
@@ -172,10 +180,10 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
                          "does; under torchrun or deepspeed use plan.recut=off (re-cut by resuming with new "
                          "plan.stages)")
     if under_external_launcher():
-        from mmpipe.runtime.host import accelerator_env
+        from mmpipe.runtime.host import accelerator_env, cache_env
         from mmpipe.runtime.worker import run_rank
 
-        for key, value in accelerator_env(rc.launcher.backend).items():
+        for key, value in {**accelerator_env(rc.launcher.backend), **cache_env(rc.launcher.cache_dir)}.items():
             os.environ.setdefault(key, value)  # e.g. the CPU kernel-cache limits the local launcher sets
         return run_rank(rc)
     path = write_run_config(rc)
@@ -191,7 +199,7 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
     while True:
         code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
                       master_port=rc.launcher.master_port, log_dir=logs, grace_s=rc.launcher.grace_s,
-                      extra_env=quiet_env(rc))
+                      extra_env=rank_env(rc))
         request = take_request(Path(rc.run_dir)) if code == 0 else None  # plan.recut=auto
         if request is None:
             return code
@@ -547,7 +555,7 @@ def _launch_eval(job) -> tuple[int, dict | None]:
     path = write_run_config(rc)
     code = launch(worker_command(str(path), str(job.checkpoint)), nproc=nproc, backend=rc.launcher.backend,
                   master_port=rc.launcher.master_port, log_dir=Path(rc.run_dir) / "logs", grace_s=rc.launcher.grace_s,
-                  name="mmpipe eval", extra_env=quiet_env(rc))
+                  name="mmpipe eval", extra_env=rank_env(rc))
     out = result_path(rc.run_dir)
     return code, json.loads(out.read_text()) if code == 0 and out.is_file() else None
 

@@ -383,6 +383,11 @@ class LauncherConfig:
     verbose: bool = False
     """Show the libraries' start-up output (DeepSpeed's info lines, transformers warnings); the
     environment variable MMPIPE_DEBUG=1 does the same."""
+    cache_dir: str | None = None
+    """Where compiled kernels are kept across launches (torch.compile's Inductor and Triton caches)
+    and DeepSpeed's JIT-built ops live (null: ~/.cache/mmpipe/<this Python environment>, one
+    folder per environment so two installs never rebuild each other's ops). A variable the user
+    set (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, TORCH_EXTENSIONS_DIR) wins."""
 
     def __post_init__(self) -> None:
         if not self.grace_s >= 0:

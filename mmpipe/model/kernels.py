@@ -218,35 +218,90 @@ def _flash(query, key, value, stream: Stream, *, causal, window, scale, dropout)
     return out[None]
 
 
-def _flex(query, key, value, stream: Stream, *, causal, window, scale) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_BLOCK = 128
+"""FlexAttention's tile (its default sparse block size): the block mask says, per 128 x 128 tile,
+whether it is skipped, computed whole, or computed under the mask; packed lengths that are
+multiples of it (the planner's length ladder) leave no ragged tail tile."""
 
+
+def _flex(query, key, value, stream: Stream, *, causal, window, scale) -> torch.Tensor:
     key_ = ("flex_block_mask", causal, window, str(query.device))
     block_mask = stream.derived.get(key_)
     if block_mask is None:
-        doc = stream.document_ids()
-
-        def same_segment(_b, _h, q_idx, kv_idx):
-            ok = doc[q_idx] == doc[kv_idx]
-            if causal:
-                ok = ok & (kv_idx <= q_idx)
-                if window is not None:
-                    ok = ok & (q_idx - kv_idx < window)
-            return ok
-
-        n = stream.total
-        block_mask = create_block_mask(same_segment, None, None, n, n, device=query.device, _compile=query.is_cuda)
+        block_mask = segment_block_mask(stream, causal=causal, window=window, device=query.device)
         stream.derived[key_] = block_mask
     out = _flex_attention(query.is_cuda)(query, key, value, block_mask=block_mask, scale=scale,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2)
 
 
+def _segment_mask_mod(doc: torch.Tensor, *, causal: bool, window: int | None):
+    def same_segment(_b, _h, q_idx, kv_idx):
+        ok = doc[q_idx] == doc[kv_idx]
+        if causal:
+            ok = ok & (kv_idx <= q_idx)
+            if window is not None:
+                ok = ok & (q_idx - kv_idx < window)
+        return ok
+
+    return same_segment
+
+
+def segment_block_mask(stream: Stream, *, causal: bool, window: int | None, device: torch.device):
+    """FlexAttention's BlockMask of the stream's segments (document mask, causal or not).
+
+    torch's create_block_mask finds the tiles by evaluating the mask over the whole [T, T] grid:
+    compiled, that is a torch.compile of the mask per sequence length; uncompiled, a dense
+    T x T tensor. The tiles of a document mask follow from the segment lengths alone, so they are
+    computed here on the host from `stream.lengths` (no compile, no device sync, O(tiles)) and
+    handed over with BlockMask.from_kv_blocks; the mask function only decides inside the tiles
+    the segments cut. A sliding window takes create_block_mask's path."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    doc = stream.document_ids()
+    mask_mod = _segment_mask_mod(doc, causal=causal, window=window)
+    n = stream.total
+    if window is not None and causal:
+        return create_block_mask(mask_mod, None, None, n, n, device=device, _compile=device.type == "cuda")
+    tiles = -(-n // FLEX_BLOCK)
+    starts = torch.arange(tiles) * FLEX_BLOCK
+    ends = torch.clamp(starts + FLEX_BLOCK, max=n) - 1
+    bounds = torch.tensor(stream.lengths, dtype=torch.long).cumsum(0)
+    first = torch.searchsorted(bounds, starts, right=True)  # the segment of each tile's first position
+    last = torch.searchsorted(bounds, ends, right=True)
+    q_first, q_last = first[:, None], last[:, None]
+    k_first, k_last = first[None, :], last[None, :]
+    touching = (q_first <= k_last) & (k_first <= q_last)  # some query and key of the tiles share a segment
+    whole = (ends - starts + 1) == FLEX_BLOCK
+    one = (first == last) & whole  # a full tile inside one segment
+    full = one[:, None] & one[None, :] & (q_first == k_first)
+    rows = torch.arange(tiles)
+    if causal:  # a tile left of the diagonal: every key precedes every query; the diagonal: partly
+        below = rows[None, :] < rows[:, None]
+        touching = (touching & below) | (rows[None, :] == rows[:, None])
+        full = full & below
+    partial = touching & ~full
+
+    def blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = m.sum(dim=1, dtype=torch.int32)
+        order = torch.argsort((~m).to(torch.int8), dim=1, stable=True).to(torch.int32)  # chosen tiles first
+        return (count[None, None].to(device, non_blocking=True),
+                order[None, None].contiguous().to(device, non_blocking=True))
+
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(n, n))
+
+
 @functools.cache
 def _flex_attention(compiled: bool):
-    """FlexAttention compiled (CUDA: its fused Triton kernel; a second sequence length makes
-    torch.compile mark the length dynamic instead of recompiling for every micro-batch), or
-    as is (CPU: torch's unfused reference, forward only, keeping the score matrix; tests)."""
+    """FlexAttention compiled (CUDA: its fused Triton kernel), or as is (CPU: torch's unfused
+    reference, forward only, keeping the score matrix; tests). Compiled with the sequence length
+    dynamic from the first call: one compile (forward and backward) serves every micro-batch
+    length, where a static first compile was followed by a dynamic recompile at the second length
+    (5-25 s into step 2 on an H200); `warm_up` makes it before step 1 and the on-disk cache
+    (launcher.cache_dir) keeps it for the next launch."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if compiled else flex_attention
+    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention

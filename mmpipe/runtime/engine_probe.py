@@ -100,7 +100,7 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
     """
     import torch.multiprocessing as mp
 
-    from mmpipe.runtime.host import accelerator_env
+    from mmpipe.runtime.host import accelerator_env, cache_env
     from mmpipe.runtime.launch import free_port
 
     pp = rc.parallel.pp
@@ -115,7 +115,8 @@ def probe_engine(rc: RunConfig, stage_plan: StagePlan, hardware: dict, *, thread
             plan=dataclasses.replace(rc.plan, policy="ds-default", refit=False, stages=None))
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        env = {**accelerator_env(rc.launcher.backend), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        env = {**accelerator_env(rc.launcher.backend), **cache_env(rc.launcher.cache_dir),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "WORLD_SIZE": str(pp), "LOCAL_WORLD_SIZE": str(pp), "OMP_NUM_THREADS": str(threads),
                "MMPIPE_THREADS": str(threads)}
         with _environment(env):  # DS_ACCELERATOR must be there before DeepSpeed is imported

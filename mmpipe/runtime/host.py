@@ -5,8 +5,11 @@ and `mmpipe profile` measures with the threads a training rank gets."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 # oneDNN (bf16/fp16 matmuls, convolutions on CPU) keeps a compiled kernel per input shape in
@@ -17,6 +20,32 @@ from typing import Any
 # and the resident size levelled off, where with no cache at all each call recompiled (2.6x
 # slower). The user's own settings of these variables win.
 CPU_KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+
+
+def cache_dir(configured: str | None) -> Path:
+    """launcher.cache_dir, or ~/.cache/mmpipe/<environment>: one folder per Python environment
+    (its interpreter's version and prefix), so that two installs side by side keep their own
+    compiled kernels and JIT-built ops instead of rebuilding each other's."""
+    if configured:
+        return Path(configured).expanduser().resolve()
+    digest = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    name = f"py{sys.version_info.major}{sys.version_info.minor}-{digest}"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mmpipe" / name
+
+
+def cache_env(configured: str | None) -> dict[str, str]:
+    """The variables that put torch.compile's caches (Inductor's FX-graph and AOTAutograd caches,
+    Triton's kernels) and DeepSpeed's JIT-built ops (torch's cpp_extension folder) under
+    cache_dir: a resumed, re-cut or benchmarked run, and the next run, compile nothing they
+    compiled before. Torch's default for the op folder, ~/.cache/torch_extensions/<py><cuda>,
+    is shared by every environment with the same Python and CUDA, so two installs of different
+    DeepSpeed releases rebuilt each other's op and a rank waited out the rendezvous. The user's
+    own settings of these variables win."""
+    root = cache_dir(configured)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton"),
+           "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions"),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    return {k: v for k, v in env.items() if k not in os.environ}
 
 
 def threads_per_rank(local_ranks: int) -> int:

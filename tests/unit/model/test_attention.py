@@ -98,6 +98,30 @@ def test_flex_attention_with_a_document_mask_agrees_on_cpu_forward(causal, windo
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
 
 
+@UNFUSED_FLEX
+@pytest.mark.parametrize("lengths", [(300, 1, 127, 129, 211), (128, 256, 128), (5, 900, 3, 116), (64,)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_block_mask_from_segment_lengths_is_torchs_own(lengths, causal):
+    """The tiles come from the segment lengths on the host (no compile of the mask per length):
+    the same skipped, full and partial tiles as create_block_mask's evaluation of the mask over
+    the whole grid, and the same attention, over packed rows of several 128-position tiles."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    stream = _stream(lengths)
+    n = stream.total
+    doc = stream.document_ids()
+    ok = (doc[:, None] == doc[None, :]) & (torch.ones(n, n, dtype=torch.bool).tril() if causal else True)
+    mine = kernels.segment_block_mask(stream, causal=causal, window=None, device=torch.device("cpu"))
+    ref = create_block_mask(lambda b, h, q, k: ok[q, k], None, None, n, n, device="cpu", _compile=False)
+    assert torch.equal(mine.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(mine.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(mine.to_dense(), ref.to_dense())
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for _ in range(3))
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=mine), flex_attention(q, k, v, block_mask=ref),
+                               rtol=0, atol=1e-6)
+
+
 def test_grouped_query_attention_keeps_its_few_key_value_heads_for_backward():
     """What SDPA saves for backward on the packed path: K and V with their 2 heads, never
     repeated to the query's 8 (which would keep 4x their memory per layer)."""
