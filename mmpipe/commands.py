@@ -192,6 +192,10 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
     print(f"mmpipe train: config checked: model {rc.model.name}, pp={rc.parallel.pp} x dp={rc.parallel.dp}, "
           f"{rc.train.steps} steps of {rc.train.global_batch} samples, policy {rc.plan.policy}", flush=True)
     print(f"mmpipe train: run dir {rc.run_dir}; {checkpoint_policy(rc)}", flush=True)
+    from mmpipe.runtime.host import describe_cache, resolve_backend
+
+    if resolve_backend(rc.launcher.backend) == "nccl":  # only GPU runs compile kernels
+        print(f"mmpipe train: {describe_cache(rc.launcher.cache_dir)}", flush=True)
     print(f"mmpipe train: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), each rank's "
           f"output in {logs}/rank<R>.log; each builds its pipeline stage with DeepSpeed, which takes a while on CPU",
           flush=True)

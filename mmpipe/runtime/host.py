@@ -129,3 +129,13 @@ def figures_mismatch(hardware: Mapping[str, Any], device: str) -> str | None:
         return f"hardware={name} has no peak rates of this GPU (`mmpipe profile` measures them)"
     return (f"hardware={name} describes {described} and the ranks train on {device}; "
             f"hardware=auto or a measured file of this machine gives the figures")
+
+
+def describe_cache(configured: str | None) -> str:
+    """The start-up line of a GPU run's kernel cache: where, and whether earlier launches filled it."""
+    root = cache_dir(configured)
+    inductor = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or root / "inductor")
+    graphs = sum(1 for _ in (inductor / "fxgraph").rglob("*") if _.is_file()) if (inductor / "fxgraph").is_dir() else 0
+    state = (f"warm: {graphs} compiled graph(s) from earlier launches" if graphs else
+             "cold: the first step compiles the attention kernels, once for every length")
+    return f"compile cache {inductor} ({state}; launcher.cache_dir sets the folder)"
