@@ -822,8 +822,7 @@ def training_precision(rc: RunConfig):
 def hardware_spec(rc: RunConfig):
     """The typed hardware description; a measured one must belong to the configured model."""
     hw = dict(rc.hardware)
-    measured_for = hw.pop("measured_for", HardwareOrigin().measured_for)
-    hw.pop("device", None)
+    measured_for = hw.get("measured_for", HardwareOrigin().measured_for)
     if measured_for is not None and measured_for != rc.model.name:
         raise ValueError(
             f"hardware={hw.get('name', '?')} was measured for model {measured_for}, not model {rc.model.name}; "

@@ -33,6 +33,9 @@ GB = 1e9
 RUN_STATE_KEYS = ("trainable_param_bytes", "sharded_param_bytes", "frozen_param_bytes",
                   "boundary_bytes_per_hidden")
 """Keys older hardware files carried for what is now the run's precision (planner.precision)."""
+ORIGIN_KEYS = ("measured_for", "device")
+"""Keys a hardware file carries about where its figures come from, not figures: the run's config
+reads them (mmpipe/config.py, HardwareOrigin); the planner passes over them."""
 KIND_FALLBACK = {"vision.window": "vision.block"}
 """A layer kind without measured figures of its own takes those of this kind (the same module)."""
 
@@ -156,6 +159,8 @@ def hardware_from_dict(d: Mapping[str, Any]) -> HardwareSpec:
     known = {f.name: f for f in fields(HardwareSpec)}
     kwargs: dict[str, Any] = {}
     for key, value in dict(d).items():
+        if key in ORIGIN_KEYS:
+            continue
         if key in RUN_STATE_KEYS:
             raise ValueError(f"hardware.{key} is no longer a hardware setting: the bytes of weights, "
                              f"gradients, optimizer states and stage boundaries follow "

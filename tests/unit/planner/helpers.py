@@ -22,5 +22,4 @@ def model(name: str) -> ModelSpec:
 
 def hardware(name: str) -> HardwareSpec:
     doc = yaml.safe_load((CONF / "hardware" / f"{name}.yaml").read_text())
-    doc.pop("device", None)  # what the preset says about itself (config.HardwareOrigin), not a planner figure
     return hardware_from_dict(doc)

@@ -40,11 +40,22 @@ def test_preset_figures_match_the_spec_table():
     assert o.audio.proj == (3584,) and o.vision.proj == (5120, 3584)
 
 
-@pytest.mark.parametrize("name,peak,link", [("h100", 989e12, 25.0), ("a100", 312e12, 12.5), ("cpu", 5e10, 2.0)])
+@pytest.mark.parametrize("name,peak,link", [("h100", 989e12, 25.0), ("h200", 989e12, 25.0), ("a100", 312e12, 12.5),
+                                            ("cpu", 5e10, 2.0)])
 def test_hardware_presets(name, peak, link):
+    """Each shipped file loads as written, with the keys that say where its figures come from."""
     hw = hardware(name)
     assert hw.name == name and hw.peak_flops == pytest.approx(peak) and hw.link_gbps == link
     assert hardware_from_dict(hardware_to_dict(hw)) == hw
+
+
+def test_the_planner_passes_over_exactly_the_keys_the_run_config_reads_as_origin():
+    from dataclasses import fields
+
+    from mmpipe.config import HardwareOrigin
+    from mmpipe.planner.hardware import ORIGIN_KEYS
+
+    assert set(ORIGIN_KEYS) == {f.name for f in fields(HardwareOrigin)}
 
 
 def test_hardware_unknown_key_names_it():
