@@ -440,7 +440,8 @@ def export_command(args: list[str]) -> int:
         print(f"{EXPORT_USAGE}\n\n{EXPORT_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN;\n"
               f"tokenizer and processor files are copied from the source checkpoint.\n"
               f"out is never a source folder of the model; it may be new, empty or an earlier export\n"
-              f"(replaced whole once the new one is complete); overwrite=true replaces a folder of other files.\n"
+              f"(replaced once the new one is complete); files it did not write are refused, never deleted;\n"
+              f"overwrite=true also replaces an earlier export's files changed since it wrote them.\n"
               f"A train.lora run exports PEFT's adapter folder (PeftModel.from_pretrained(<source model>, out)\n"
               f"loads it); merge=true writes the whole model with the adapters merged instead.")
         return 0

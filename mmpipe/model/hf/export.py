@@ -16,8 +16,8 @@ tensors under `thinker.`, the talker's and token2wav's copied unchanged from the
 config.json and speaker file, so `Qwen2_5OmniForConditionalGeneration` (and the thinker class
 alone) load it.
 The output folder is guarded by mmpipe.model.hf.export_folder: never a source folder of the
-model, never a folder of files the export did not write (unless `overwrite`), and written into a
-temporary sibling that replaces it only when complete.
+model, never a folder of files the export did not write, and written into a temporary sibling
+that replaces it only when complete.
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
         seed: the run seed, for the rare tensor neither the run nor a source holds.
         tokenizer: a folder to take the tokenizer files from (default: the source's).
         shard_bytes: largest safetensors shard.
-        overwrite: replace an `out` that holds files the export did not write.
+        overwrite: replace an earlier export's files that changed since it wrote them (files
+            it did not write are refused with or without it).
         about: extra fields for the manifest (the run, the checkpoint).
 
     Raises:
@@ -213,7 +214,7 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
             raise ValueError(f"model {spec.name} is composed from several folders (or given inline): an adapter "
                              f"folder needs one base checkpoint to load onto; export the whole model with "
                              f"merge=true")
-    with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}) as tmp:
+    with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}, overwrite=overwrite) as tmp:
         if adapters_only:
             report = _write_adapters(spec, checkpoint, tmp, lora=lora, trainable=trainable, base=base, seed=seed)
         else:

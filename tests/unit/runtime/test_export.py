@@ -1,6 +1,6 @@
 """`mmpipe export` never destroys what a user owns: it refuses an `out` that is, is inside or
 contains a folder the export reads (the model's source, a composition's part, the checkpoint),
-refuses a folder of files it did not write (unless overwrite=true), writes again into its own
+refuses a folder of files it did not write (overwrite=true too), writes again into its own
 earlier output (the README exports twice to one folder), and a failed export (a missing layer
 file, a full disk) leaves the folder it would have replaced byte for byte as it was."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mmpipe.cli import load, main
-from mmpipe.model.hf import build_layers, save_layer_states
+from mmpipe.model.hf import build_layers, export_folder, save_layer_states
 from mmpipe.model.hf.demo import model_overrides
 from mmpipe.model.hf.export_folder import MANIFEST, check_out
 from mmpipe.runtime.checkpoint import commit
@@ -88,7 +88,9 @@ def test_every_source_of_a_composition_is_protected(tmp_path):
     assert check_out(tmp_path / "new", sources) == (tmp_path / "new").resolve()
 
 
-def test_a_folder_of_other_files_is_refused_unless_overwrite(capsys, llava_run, tmp_path):
+def test_files_mmpipe_did_not_write_are_refused_even_with_overwrite(capsys, llava_run, tmp_path):
+    """Issue 34: `overwrite=true` deleted a user's precious.txt beside an earlier export. It
+    replaces only what an export wrote (its manifest); anything else is named and kept."""
     from transformers import LlavaForConditionalGeneration
 
     out = tmp_path / "mine"
@@ -97,17 +99,64 @@ def test_a_folder_of_other_files_is_refused_unless_overwrite(capsys, llava_run, 
     (out / "config.json").write_text("{}")
     (out / "notes.txt").write_text("keep me")
     before = _tree(out)
-    assert main(["export", str(llava_run), f"out={out}"]) == 2
-    assert _error(capsys) == (f"mmpipe export: error: out={out} holds files mmpipe export did not write (config.json, "
-                              f"model.safetensors, notes.txt); give a new or empty folder, or add overwrite=true to "
-                              f"replace the whole folder (nothing was written)")
-    assert _tree(out) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary folder left beside it
-    assert main(["export", str(llava_run), f"out={out}", "export.overwrite=true"]) == 0
+    for extra in ([], ["export.overwrite=true"]):
+        assert main(["export", str(llava_run), f"out={out}", *extra]) == 2
+        assert _error(capsys) == (f"mmpipe export: error: out={out} holds files mmpipe export did not write "
+                                  f"(config.json, model.safetensors, notes.txt); overwrite=true replaces only an "
+                                  f"earlier export's files: move them out or give a new or empty folder "
+                                  f"(nothing was written)")
+        assert _tree(out) == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary folder left beside it
+
+    export = tmp_path / "export"  # an earlier export, a user's file put beside it
+    assert main(["export", str(llava_run), f"out={export}"]) == 0
+    (export / "precious.txt").write_text("mine")
+    kept = _tree(export)
+    assert main(["export", str(llava_run), f"out={export}", "overwrite=true"]) == 2
+    assert "holds files mmpipe export did not write (precious.txt)" in _error(capsys)
+    assert _tree(export) == kept
+    (export / "precious.txt").unlink()
+    with (export / "config.json").open("a") as f:  # the export's own file, changed: overwrite replaces it
+        f.write(" ")
+    assert main(["export", str(llava_run), f"out={export}"]) == 2
+    assert _error(capsys).endswith("changed since (config.json); add overwrite=true to replace them, or give a new "
+                                   "or empty folder (nothing was written)")
+    assert main(["export", str(llava_run), f"out={export}", "overwrite=true"]) == 0
     capsys.readouterr()
-    assert not (out / "notes.txt").exists()  # replaced whole, as the flag says
-    LlavaForConditionalGeneration.from_pretrained(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    LlavaForConditionalGeneration.from_pretrained(export)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "mine"]
+
+
+def test_a_file_added_while_the_export_runs_is_refused_not_deleted(llava_run, tmp_path, monkeypatch):
+    """The folder is checked again just before the swap: a file put there meanwhile survives."""
+    out = tmp_path / "trained"
+    assert main(["export", str(llava_run), f"out={out}"]) == 0
+    real_finish = export_folder._finish
+
+    def user_writes_meanwhile(folder, about):
+        (out / "late.txt").write_text("written during the export")
+        real_finish(folder, about)
+
+    monkeypatch.setattr(export_folder, "_finish", user_writes_meanwhile)
+    assert main(["export", str(llava_run), f"out={out}", "overwrite=true"]) == 2
+    assert (out / "late.txt").read_text() == "written during the export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trained"]
+
+
+def test_an_export_is_readable_as_the_umask_says(capsys, llava_run, tmp_path):
+    """Issue 34: the folder was 0700 and its safetensors 0600, so a serving account could not
+    read them; under umask 022 the folder is 0755 and every file 0644."""
+    out = tmp_path / "served" / "model"
+    mask = os.umask(0o022)
+    try:
+        assert main(["export", str(llava_run), f"out={out}"]) == 0
+    finally:
+        os.umask(mask)
+    capsys.readouterr()
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    assert oct(out.parent.stat().st_mode & 0o777) == "0o755"
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
 
 
 def test_exporting_twice_to_one_folder_works_and_a_users_change_stops_the_third(capsys, llava_run, tmp_path):
@@ -129,7 +178,7 @@ def test_exporting_twice_to_one_folder_works_and_a_users_change_stops_the_third(
     with (out / "config.json").open("a") as f:
         f.write(" ")
     assert main(["export", str(llava_run), f"out={out}"]) == 2
-    assert "(config.json (changed since the export wrote it))" in _error(capsys)
+    assert "changed since (config.json); add overwrite=true" in _error(capsys)
 
 
 def _broken_checkpoint(run: Path, tmp_path: Path) -> Path:
