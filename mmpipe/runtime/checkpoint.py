@@ -245,6 +245,30 @@ def continue_schedule(scheduler, step: int, *, peak: float) -> float:
     return scheduler.get_last_lr()[0]
 
 
+def apply_optimizer_settings(optimizer, settings: dict[str, float]) -> dict[str, float]:
+    """Put the configured optimizer settings (`weight_decay`) into every parameter group of
+    `optimizer` and of each optimizer it wraps (DeepSpeed's bf16 / fp16 / ZeRO wrappers keep the
+    torch optimizer as `.optimizer`); return the values the loaded state held where they differ.
+
+    A checkpoint's optimizer state carries its param_groups: torch's load_state_dict (and the
+    reshard loader after it) puts the saved weight_decay back, so a resume with a changed
+    train.weight_decay trained with the old one, bit for bit, without a word. The setting is
+    the config's; only the moments and the step count are the checkpoint's.
+    """
+    was: dict[str, float] = {}
+    seen: set[int] = set()
+    opt = optimizer
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        for group in getattr(opt, "param_groups", None) or []:
+            for key, value in settings.items():
+                if key in group and group[key] != value:
+                    was.setdefault(key, group[key])
+                    group[key] = value
+        opt = getattr(opt, "optimizer", None)
+    return was
+
+
 # -- stopping ---------------------------------------------------------------------------
 
 
@@ -535,6 +559,8 @@ class Checkpointer:
     """pp, dp and stage bounds: a checkpoint loads only into the same."""
     schedule: dict
     """lr, warmup_steps, steps: the learning-rate schedule."""
+    optimizer_settings: dict = field(default_factory=dict)
+    """weight_decay: the optimizer's settings, applied over a resumed checkpoint's (apply_optimizer_settings)."""
     resume_unsafe: bool = False
     """Load files that need torch.load(weights_only=False) from outside the run directory."""
     newest: Path | None = field(default=None, init=False)
@@ -689,8 +715,9 @@ class Checkpointer:
         safe.trusted = False
         _agree(problem)
         lr = continue_schedule(self.engine.lr_scheduler, step, peak=self.schedule["lr"])
+        was = apply_optimizer_settings(self.engine.optimizer, self.optimizer_settings)
         if rank == 0:
-            self._announce(found, lr)
+            self._announce(found, lr, was)
         self.newest = folder
         if folder.parent.resolve() == self.root.resolve():
             self._resumed_from = folder
@@ -769,13 +796,14 @@ class Checkpointer:
                                       f"layer {getattr(layer, 'name', idx)} (differs in {odd}); it is not a "
                                       f"checkpoint of this LoRA run")
 
-    def _announce(self, found: Found, lr: float) -> None:
+    def _announce(self, found: Found, lr: float, was: dict[str, float]) -> None:
         positions = []
         for d in range(found.record["topology"]["dp"]):
             state = json.loads((found.folder / f"data_state_dp{d}.json").read_text()) or {}
             positions.append(f"replica {d} after {state.get('consumed', '?')} samples")
-        print(f"resumed from step {found.step} (checkpoint {found.folder}), sample position: {', '.join(positions)}",
-              flush=True)
+        applied = "".join(f"; train.{k}={self.optimizer_settings[k]} applied (checkpoint: {v})" for k, v in was.items())
+        print(f"resumed from step {found.step} (checkpoint {found.folder}), sample position: {', '.join(positions)}"
+              f"{applied}", flush=True)
         saved = found.record.get("schedule", {})
         changed = [f"train.{k}={v} (checkpoint: {saved.get(k)})" for k, v in self.schedule.items()
                    if saved.get(k) != v]

@@ -793,7 +793,8 @@ def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan, *, read
                         reads_data=pipe.first or pipe.last or reads, dp_rank=pipe.dp_rank,
                         keep_last=t.keep_last,
                         resume_unsafe=t.resume_unsafe, topology=_topology(rc, stage_plan),
-                        schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps})
+                        schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps},
+                        optimizer_settings={"weight_decay": t.weight_decay})
 
 
 def _evaluator(rc: RunConfig, pipe: _Pipeline, tok, stages, *, journal: bool = True) -> Evaluator:

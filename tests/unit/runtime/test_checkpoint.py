@@ -286,3 +286,34 @@ def test_checkpoint_info_says_what_a_checkpoint_resumes_on(tmp_path, capsys):
     assert main(["checkpoint", "info", str(tmp_path / "none")]) == 2
     assert "no such folder; give a run directory" in capsys.readouterr().err
     assert main(["checkpoint", "show", str(tmp_path)]) == 2
+
+
+def test_a_changed_weight_decay_is_applied_over_the_loaded_optimizer_state():
+    """The step a resumed AdamW takes with train.weight_decay=0.5 over a checkpoint saved with 0.0
+    is the plain step minus lr * 0.5 * w (AdamW's decoupled decay), not the saved setting's step;
+    through a wrapper as DeepSpeed's (`.optimizer`) too."""
+    import copy
+    from types import SimpleNamespace
+
+    from mmpipe.runtime.checkpoint import apply_optimizer_settings
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8))
+
+    def step(opt):
+        opt.zero_grad()
+        (w ** 2 * torch.arange(8.0)).sum().backward()
+        opt.step()
+        return w.detach().clone()
+
+    saved_with = torch.optim.AdamW([w], lr=0.1, weight_decay=0.0)
+    step(saved_with)
+    saved, w0 = copy.deepcopy(saved_with.state_dict()), w.detach().clone()
+    plain = step(saved_with)  # the next step with the checkpoint's setting
+    w.data.copy_(w0)
+    resumed = torch.optim.AdamW([w], lr=0.1, weight_decay=0.5)
+    resumed.load_state_dict(saved)  # what DeepSpeed does: the saved weight_decay comes back
+    wrapper = SimpleNamespace(optimizer=resumed, param_groups=[])
+    assert apply_optimizer_settings(wrapper, {"weight_decay": 0.5}) == {"weight_decay": 0.0}
+    assert apply_optimizer_settings(wrapper, {"weight_decay": 0.5}) == {}  # nothing left to change
+    torch.testing.assert_close(step(resumed), plain - 0.1 * 0.5 * w0)
