@@ -3,7 +3,8 @@ process): committed.json is written only after every file of the step, and the f
 entries, are flushed to disk; a write the disk refuses (full, not permitted), whether in
 DeepSpeed's files, mmpipe's own, their flush or the marker itself, stops the save with one line
 naming the file, and leaves no committed.json (a SIGKILL keeps the page cache, so only the
-order of the flushes shows the first property; the fault-injection trials cannot)."""
+order of the flushes shows the first property; the fault-injection trials cannot). A resume
+through it trains with the configured weight decay, not the one the checkpoint saved."""
 
 from __future__ import annotations
 
