@@ -73,6 +73,8 @@ def check_train(rc: RunConfig) -> None:
     from mmpipe.runtime.preflight import check_data, checkpoint_dir
 
     rc = train_layout(rc, say=False)  # parallel.pp / dp = auto: the layout every check below needs
+    if rc.train.resume:  # first: it reads one small file and imports no torch, so it answers in a second
+        checkpoint_dir(rc)
     _check_model(rc)
     check_loggers(rc.train.loggers)
     check_data(rc)
@@ -81,8 +83,6 @@ def check_train(rc: RunConfig) -> None:
 
         check_eval_data(rc)
     _check_pipeline(rc)
-    if rc.train.resume:
-        checkpoint_dir(rc.train.resume, rc.model)  # also: a checkpoint of another model, named now
     _check_stages(rc)
 
 
