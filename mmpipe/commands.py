@@ -488,7 +488,7 @@ def eval_command(args: list[str]) -> int:
     import sys
     import tempfile
 
-    from mmpipe.runtime.evaluate import check_eval_data, eval_job
+    from mmpipe.runtime.eval_job import eval_job
 
     if any(a in ("-h", "--help") for a in args):
         print(f"{EVAL_USAGE}\n\n{EVAL_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN; the first\n"
@@ -510,6 +510,8 @@ def eval_command(args: list[str]) -> int:
                 raise ValueError(f"train.eval_samples={samples} must be a positive integer")
             job = eval_job(runs[0], checkpoint=keys.get("checkpoint"), data_path=keys.get("data.path"),
                            samples=int(samples) if samples else None, job_dir=tmp)
+            from mmpipe.runtime.evaluate import check_eval_data  # torch: after the arguments are checked
+
             _check_model(job.rc)
             check_eval_data(job.rc)
             _check_pipeline(job.rc)

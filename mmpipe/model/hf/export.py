@@ -15,7 +15,7 @@ A thinker trained from a full Qwen2.5-Omni folder exports as that full folder ag
 tensors under `thinker.`, the talker's and token2wav's copied unchanged from the source with its
 config.json and speaker file, so `Qwen2_5OmniForConditionalGeneration` (and the thinker class
 alone) load it.
-The output folder is guarded by mmpipe.model.hf.export_folder: never a source folder of the
+The output folder is guarded by mmpipe.export_folder: never a source folder of the
 model, never a folder of files the export did not write, and written into a temporary sibling
 that replaces it only when complete.
 """
@@ -33,9 +33,9 @@ import torch
 from safetensors.torch import save_file
 from transformers.core_model_loading import revert_weight_conversion
 
+from mmpipe.export_folder import check_out, staged
 from mmpipe.model.hf.build import build_layer, tied_embedding
 from mmpipe.model.hf.configs import hf_config
-from mmpipe.model.hf.export_folder import check_out, staged
 from mmpipe.model.hf.integrity import PART_KEYS, check_weights
 from mmpipe.model.hf.omni import SPEAKER_FILES, full_omni_folder
 from mmpipe.model.hf.skeleton import layer_parts, materialise, owned_keys, skeleton, unowned_keys

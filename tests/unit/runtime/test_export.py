@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from mmpipe import export_folder
 from mmpipe.cli import load, main
-from mmpipe.model.hf import build_layers, export_folder, save_layer_states
+from mmpipe.export_folder import MANIFEST, check_out
+from mmpipe.model.hf import build_layers, save_layer_states
 from mmpipe.model.hf.demo import model_overrides
-from mmpipe.model.hf.export_folder import MANIFEST, check_out
 from mmpipe.runtime.checkpoint import commit
 from mmpipe.runtime.preflight import write_run_config
 
@@ -255,3 +256,38 @@ def test_merge_needs_adapters_and_a_composition_exports_merged_only(capsys, llav
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert main(["export", str(run), f"out={tmp_path / 'c'}", "merge=true"]) == 0
     assert (tmp_path / "c" / "model.safetensors").is_file()
+
+
+def test_export_and_eval_argument_errors_come_before_any_heavy_import(llava_run, hf_checkpoints, tmp_path):
+    """Issue 34: `mmpipe export` / `mmpipe eval` said a wrong argument only after 10-40 s of
+    imports (torch, transformers, the model's classes). Every argument check now runs on the run
+    directory's files first: the errors come with neither torch nor transformers imported."""
+    import subprocess
+    import sys
+
+    source = hf_checkpoints["llava"]
+    cases = [
+        ["export", str(tmp_path / "nowhere"), f"out={tmp_path / 'x'}"],
+        ["export", str(llava_run), "checkpoint=step9", f"out={tmp_path / 'x'}"],
+        ["export", str(llava_run), f"out={source}"],
+        ["eval", str(llava_run), "checkpoint=step7"],
+        ["eval", str(llava_run)],
+    ]
+    script = ("import sys, json; from mmpipe.cli import main\n"
+              "codes = [main(args) for args in json.loads(sys.argv[1])]\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules), codes)")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[] [2, 2, 2, 2, 2]", done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"mmpipe export: error: {tmp_path / 'nowhere'} is not a run directory (no run.yaml); give the hydra.run.dir "
+        f"of a `mmpipe train` run",
+        f"mmpipe export: error: checkpoint=step9: {llava_run / 'checkpoints' / 'step9'} is not a committed checkpoint "
+        f"of {llava_run} (committed: step0); save with train.save_every=N or train.save_final=true",
+        f"mmpipe export: error: out={source} is model.path={source}, a folder the export reads: writing there would "
+        f"replace the files it copies from; give another folder, e.g. out={source.parent / 'llava-trained'} "
+        f"(nothing was written)",
+        f"mmpipe eval: error: checkpoint=step7: {llava_run / 'checkpoints' / 'step7'} is not a committed checkpoint "
+        f"of {llava_run} (committed: step0)",
+        f"mmpipe eval: error: give data.path=SHARDS, the held-out shards to score ({llava_run} set no "
+        f"data.eval_path)"]
