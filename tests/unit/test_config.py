@@ -162,6 +162,8 @@ def test_readme_stage_override_lines_compose():
     ("data.epochs=0", "data.epochs=0 must be >= 1, or null to repeat the data forever"),
     ("model.llm.hiden=64", "model.llm.hiden=64: no such config key; did you mean model.llm.hidden?"),
     ("data.pth=x", "data.pth=x: no such config key; did you mean data.path?"),
+    # a misspelt section (issue 34: it said `"trian=?": no such config key`): as typed, the nearest key
+    ("trian.steps=3", "mmpipe train: error: trian.steps=3: no such config key; did you mean train.steps?\n"),
     ("model=qwen3", "model=qwen3: no such model config; available: compose, hf, llava-1.5-7b"),
 ])
 def test_bad_values_and_typos_are_one_line_errors(override, message, capsys):
