@@ -9,6 +9,7 @@ honoured) and every command prints where they went.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,14 @@ def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
     return out
 
 
+def oversubscribed(nproc: int, cores: int) -> str | None:
+    """The warning for more ranks than CPU cores (they run, slowly), None when they fit."""
+    if nproc <= cores:
+        return None
+    return (f"warning: {nproc} ranks share {cores} CPU cores; every step will be slow (each rank waits for a "
+            f"core); fewer ranks (parallel.pp x parallel.dp) train faster here")
+
+
 def run_train(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.planner.api import describe_gain
     from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
@@ -185,6 +194,8 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
     print(f"mmpipe train: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), each rank's "
           f"output in {logs}/rank<R>.log; each builds its pipeline stage with DeepSpeed, which takes a while on CPU",
           flush=True)
+    if warning := oversubscribed(nproc, os.cpu_count() or 1):
+        print(f"mmpipe train: {warning}", file=sys.stderr, flush=True)
     clear_request(Path(rc.run_dir))
     while True:
         code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
