@@ -9,6 +9,7 @@ honoured) and every command prints where they went.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,8 @@ def check_train(rc: RunConfig) -> None:
     from mmpipe.runtime.preflight import check_data, checkpoint_dir
 
     rc = train_layout(rc, say=False)  # parallel.pp / dp = auto: the layout every check below needs
+    if rc.train.resume:  # first: it reads one small file and imports no torch, so it answers in a second
+        checkpoint_dir(rc)
     _check_model(rc)
     check_loggers(rc.train.loggers)
     check_data(rc)
@@ -81,8 +84,6 @@ def check_train(rc: RunConfig) -> None:
 
         check_eval_data(rc)
     _check_pipeline(rc)
-    if rc.train.resume:
-        checkpoint_dir(rc.train.resume, rc.model)  # also: a checkpoint of another model, named now
     _check_stages(rc)
 
 
@@ -168,6 +169,14 @@ def train_layout(rc: RunConfig, *, say: bool = True) -> RunConfig:
     return out
 
 
+def oversubscribed(nproc: int, cores: int) -> str | None:
+    """The warning for more ranks than CPU cores (they run, slowly), None when they fit."""
+    if nproc <= cores:
+        return None
+    return (f"warning: {nproc} ranks share {cores} CPU cores; every step will be slow (each rank waits for a "
+            f"core); fewer ranks (parallel.pp x parallel.dp) train faster here")
+
+
 def run_train(rc: RunConfig, _inv: Invocation) -> int:
     from mmpipe.planner.api import describe_gain
     from mmpipe.runtime.launch import launch, under_external_launcher, worker_command
@@ -199,6 +208,8 @@ def run_train(rc: RunConfig, _inv: Invocation) -> int:
     print(f"mmpipe train: launching {nproc} processes (pp={rc.parallel.pp} x dp={rc.parallel.dp}), each rank's "
           f"output in {logs}/rank<R>.log; each builds its pipeline stage with DeepSpeed, which takes a while on CPU",
           flush=True)
+    if warning := oversubscribed(nproc, os.cpu_count() or 1):
+        print(f"mmpipe train: {warning}", file=sys.stderr, flush=True)
     clear_request(Path(rc.run_dir))
     while True:
         code = launch(worker_command(str(path)), nproc=nproc, backend=rc.launcher.backend,
@@ -454,7 +465,8 @@ def export_command(args: list[str]) -> int:
         print(f"{EXPORT_USAGE}\n\n{EXPORT_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN;\n"
               f"tokenizer and processor files are copied from the source checkpoint.\n"
               f"out is never a source folder of the model; it may be new, empty or an earlier export\n"
-              f"(replaced whole once the new one is complete); overwrite=true replaces a folder of other files.\n"
+              f"(replaced once the new one is complete); files it did not write are refused, never deleted;\n"
+              f"overwrite=true also replaces an earlier export's files changed since it wrote them.\n"
               f"A train.lora run exports PEFT's adapter folder (PeftModel.from_pretrained(<source model>, out)\n"
               f"loads it); merge=true writes the whole model with the adapters merged instead.")
         return 0
@@ -501,7 +513,7 @@ def eval_command(args: list[str]) -> int:
     import sys
     import tempfile
 
-    from mmpipe.runtime.evaluate import check_eval_data, eval_job
+    from mmpipe.runtime.eval_job import eval_job
 
     if any(a in ("-h", "--help") for a in args):
         print(f"{EVAL_USAGE}\n\n{EVAL_SUMMARY}: the run's newest committed checkpoint, or checkpoint=stepN; the first\n"
@@ -523,6 +535,8 @@ def eval_command(args: list[str]) -> int:
                 raise ValueError(f"train.eval_samples={samples} must be a positive integer")
             job = eval_job(runs[0], checkpoint=keys.get("checkpoint"), data_path=keys.get("data.path"),
                            samples=int(samples) if samples else None, job_dir=tmp)
+            from mmpipe.runtime.evaluate import check_eval_data  # torch: after the arguments are checked
+
             _check_model(job.rc)
             check_eval_data(job.rc)
             _check_pipeline(job.rc)

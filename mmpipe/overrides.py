@@ -91,6 +91,12 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
     def as_typed(key: str, value: object = "?") -> str:
         return shell_word(typed.get(key, f"{key}={value}").lstrip("+"))
 
+    def unknown(key: str) -> str:
+        # OmegaConf names the first node that does not exist (`trian` of trian.steps=3): the
+        # override as typed, and the nearest key to all of it
+        key = next((k for k in typed if k.startswith(key + ".")), key) if key not in typed else key
+        return f"{as_typed(key)}: no such config key{_near(key, overrides)}"
+
     m = re.search(r"Could not find '([\w-]+)/([^']+)'\s*Available options in '[\w-]+':\s*(.*?)\s*Config search path",
                   text)
     if m:
@@ -119,7 +125,7 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
             return (f"~{key}: a typed setting cannot be removed; set it instead "
                     f"(its default: {_default_text(key)}, e.g. {key}={_default_text(key)})")
         if isinstance(e, (ConfigKeyError, ConfigTypeError)) or "not in struct" in str(e) or "not in '" in str(e):
-            return f"{as_typed(key)}: no such config key{_near(key, overrides)}"
+            return unknown(key)
         if isinstance(e, ValidationError):
             key = re.sub(r"(\[\d+\])+$", "", key)  # an element of a list: the list as typed
             value = typed.get(key, "=?").partition("=")[2]
@@ -127,8 +133,7 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
             return f"{key}={value!r} must be {wanted}"
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
-        key = m.group(1)
-        return f"{as_typed(key)}: no such config key{_near(key, overrides)}"
+        return unknown(m.group(1))
     if any(isinstance(e, yaml.YAMLError) for e in chain):
         return f"a config file is not valid YAML: {text}"
     first = str(err).strip().splitlines()
@@ -136,10 +141,17 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
 
 
 def _near(key: str, overrides: list[str] = ()) -> str:
-    near = difflib.get_close_matches(key, known_keys() + _model_keys(overrides), n=1, cutoff=0.75)
+    keys = known_keys() + _model_keys(overrides)
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
     if near:
         return f"; did you mean {near[0]}?"
-    section = key.split(".")[0]
+    section, _, rest = key.partition(".")
+    sections = sorted({k.split(".")[0] for k in keys})
+    close = difflib.get_close_matches(section, sections, n=1, cutoff=0.6)
+    if close and close[0] != section:  # a misspelt section: its key if that exists, else the section
+        guess = f"{close[0]}.{rest}" if rest else close[0]
+        return f"; did you mean {guess}?" if guess in keys or not rest else \
+            f"; did you mean {close[0]} (mmpipe train --help lists its keys)?"
     return f"; see mmpipe train --help for the {section} keys" if section in {k.split('.')[0] for k in known_keys()} \
         else "; see mmpipe train --help for the keys and groups"
 

@@ -36,24 +36,22 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from mmpipe.model.spec import identity_differences
-from mmpipe.runtime.reshard import ReshardError, layout_changes, load_states, order_file, read_states, reshard_problem
+from mmpipe.runtime.committed import (
+    FORMAT,
+    MARKER,
+    CheckpointError,
+    RunStopped,
+    choose,
+    layout_changes,
+    newest_committed,
+    required_files,
+    reshard_problem,
+    step_folders,
+)
+from mmpipe.runtime.reshard import ReshardError, load_states, order_file, read_states
 
-MARKER = "committed.json"
-"""The file whose presence makes a step folder a checkpoint."""
-FORMAT = 1
-"""Version of the marker's layout."""
 STEP_FIT = "step_fit.json"
 """Rank 0's step-time re-fit after the step (planner/calibrate.py StepCalibration.state_dict)."""
-_STEP = re.compile(r"step(\d+)")
-
-
-class RunStopped(ValueError):
-    """A stop every rank agreed on: each rank raises the same one-line message."""
-
-
-class CheckpointError(RunStopped):
-    """A checkpoint that cannot be written or used."""
 
 
 # -- files ------------------------------------------------------------------------------
@@ -126,14 +124,6 @@ def _discard(folder: Path) -> None:
         marker.unlink()
         fsync_path(folder)
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def _step_folders(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every step<N> folder under root, newest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.fullmatch(p.name))]
-    return sorted(found, reverse=True)
 
 
 # -- loading without running code -------------------------------------------------------
@@ -245,6 +235,30 @@ def continue_schedule(scheduler, step: int, *, peak: float) -> float:
     return scheduler.get_last_lr()[0]
 
 
+def apply_optimizer_settings(optimizer, settings: dict[str, float]) -> dict[str, float]:
+    """Put the configured optimizer settings (`weight_decay`) into every parameter group of
+    `optimizer` and of each optimizer it wraps (DeepSpeed's bf16 / fp16 / ZeRO wrappers keep the
+    torch optimizer as `.optimizer`); return the values the loaded state held where they differ.
+
+    A checkpoint's optimizer state carries its param_groups: torch's load_state_dict (and the
+    reshard loader after it) puts the saved weight_decay back, so a resume with a changed
+    train.weight_decay trained with the old one, bit for bit, without a word. The setting is
+    the config's; only the moments and the step count are the checkpoint's.
+    """
+    was: dict[str, float] = {}
+    seen: set[int] = set()
+    opt = optimizer
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        for group in getattr(opt, "param_groups", None) or []:
+            for key, value in settings.items():
+                if key in group and group[key] != value:
+                    was.setdefault(key, group[key])
+                    group[key] = value
+        opt = getattr(opt, "optimizer", None)
+    return was
+
+
 # -- stopping ---------------------------------------------------------------------------
 
 
@@ -308,7 +322,7 @@ def refuse_other_history(run_dir: Path) -> None:
     a later resume would pick their newest and mix two histories; collective."""
     problem = None
     if dist.get_rank() == 0:
-        steps = [p.name for _, p in _step_folders(run_dir / "checkpoints") if (p / MARKER).is_file()]
+        steps = [p.name for _, p in step_folders(run_dir / "checkpoints") if (p / MARKER).is_file()]
         if steps:
             problem = (f"{run_dir} already holds committed checkpoints of another run ({', '.join(steps)}); continue "
                        f"it with train.resume={run_dir}, or train in a new run directory (hydra.run.dir=NEW)")
@@ -367,12 +381,6 @@ def describe(target: Path) -> str:
     return "\n".join(lines + [f"warning: {w}" for w in warnings])
 
 
-def _required(topology: dict) -> list[str]:
-    """Files mmpipe itself adds to every checkpoint of a run with this topology."""
-    return ([f"rng_rank{r}.pt" for r in range(topology["pp"] * topology["dp"])]
-            + [f"data_state_dp{d}.json" for d in range(topology["dp"])])
-
-
 def find_checkpoint(target: Path, *, given: str, run_dir: Path, topology: dict, steps: int,
                     key: str | None = None) -> Found:
     """The newest committed checkpoint at `target` (a step folder, a checkpoints folder or a
@@ -384,7 +392,7 @@ def find_checkpoint(target: Path, *, given: str, run_dir: Path, topology: dict, 
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     key = key or f"train.resume={given}"
-    choice: list = [_choose(target, key, run_dir, topology, steps) if rank == 0 else None]
+    choice: list = [choose(target, key, run_dir, topology, steps) if rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], str):
         raise CheckpointError(choice[0])
@@ -412,106 +420,6 @@ def find_checkpoint(target: Path, *, given: str, run_dir: Path, topology: dict, 
     return Found(folder=folder, record=record)
 
 
-def newest_committed(target: Path, key: str) -> tuple[Path, list[str]]:
-    """The committed checkpoint `target` names (a step folder, or the newest in a checkpoints
-    folder or a run directory) and a warning for each newer unfinished save. Raises
-    CheckpointError starting with `key`. Pure path logic: the CLI checks train.resume with it
-    before launching."""
-    if (target / MARKER).is_file():
-        return target, []
-    if not target.is_dir():
-        raise CheckpointError(f"{key}: no such folder; give a run directory or its checkpoints/step<N> folder")
-    if _STEP.fullmatch(target.name):
-        raise CheckpointError(f"{key}: {target} is not a committed checkpoint (no {MARKER}: its save did not finish, "
-                              f"or an older mmpipe wrote it); resume from the run directory to use its newest "
-                              f"committed checkpoint")
-    root = target / "checkpoints" if (target / "checkpoints").is_dir() else target
-    folders = _step_folders(root)
-    if not folders:
-        raise CheckpointError(f"{key}: no checkpoint there (give a run directory, its checkpoints folder or a "
-                              f"step<N> folder)")
-    committed = [p for _, p in folders if (p / MARKER).is_file()]
-    if not committed:
-        raise CheckpointError(f"{key}: no committed checkpoint in {root} (unfinished saves: "
-                              f"{', '.join(p.name for _, p in folders)}); start without train.resume")
-    newest = int(_STEP.fullmatch(committed[0].name).group(1))
-    return committed[0], [f"skipping {p}: not committed (its save did not finish)" for s, p in folders if s > newest]
-
-
-def other_model(key: str, folder: Path, saved: dict, identity: dict | None) -> str | None:
-    """The error for a checkpoint of another model than this run's (None: the same, or a
-    checkpoint that predates the record), naming what differs."""
-    recorded = saved.get("model") if isinstance(saved, dict) else None
-    if not isinstance(recorded, dict) or not identity:
-        return None
-    diffs = identity_differences(recorded, identity)
-    if not diffs:
-        return None
-    return (f"{key}: {folder} holds model {recorded.get('name')}, not this run's model {identity.get('name')} "
-            f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}); resume with the model it was trained "
-            f"with (its model=... and model.* settings), or train this one without train.resume")
-
-
-def _choose(target: Path, key: str, run_dir: Path, topology: dict, steps: int):
-    """Rank 0: (folder, marker record, warnings, an earlier committed folder), or an error."""
-    try:
-        folder, warnings = newest_committed(target, key)
-    except CheckpointError as err:
-        return str(err)
-    root = folder.parent
-    try:
-        record = json.loads((folder / MARKER).read_text())
-        step, files = int(record["step"]), record["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{key}: the commit record {folder / MARKER} is unreadable ({err}); the checkpoint is damaged"
-    saved = record.get("topology")
-    missing = [n for n in _required(saved) if n not in files] if isinstance(saved, dict) else ["its topology"]
-    if record.get("format") != FORMAT or missing:
-        return (f"{key}: {folder} is not an mmpipe checkpoint of this version (format {record.get('format')}, "
-                f"lacks {', '.join(missing) or 'nothing'})")
-    other = other_model(key, folder, saved, topology.get("model"))
-    if other:
-        return other
-    if saved.get("lora") != topology.get("lora"):
-        def said(lora) -> str:
-            return "no adapters" if not lora else f"adapters {lora}"
-        return (f"{key}: the checkpoint holds {said(saved.get('lora'))}; this run asks for "
-                f"{said(topology.get('lora'))}; resume with the same train.lora")
-    for what, fix in (("trainable", "train.trainable"), ("base", "model.path (the folders) and train.seed")):
-        if what in saved and saved[what] != topology.get(what):
-            return (f"{key}: the checkpoint was written with {what} {saved[what]}; this run has "
-                    f"{topology.get(what)}; resume with the same {fix}")
-    if saved.get("precision", "fp32") != topology["precision"]:
-        return (f"{key}: the checkpoint was written with train.precision={saved.get('precision', 'fp32')}; this run "
-                f"has train.precision={topology['precision']}; resume with the same (the weights and the optimizer's "
-                f"master copy differ between them)")
-    changes = layout_changes(saved, topology)
-    if changes:
-        why = reshard_problem(saved, files)
-        if why:
-            return f"{key}: the checkpoint's layout differs from this run's ({'; '.join(changes)}); {why}"
-        warnings.append(f"resharded: {'; '.join(changes)}: the weights (layer files), the optimizer state of every "
-                        f"parameter (by name), the learning-rate schedule and the step counters carry over; random "
-                        f"states start afresh")
-    if saved["dp"] != topology["dp"]:
-        warnings.append(f"parallel.dp={topology['dp']} differs from the checkpoint's {saved['dp']}: the reader "
-                        f"positions carry over exactly when every replica reads the one stream "
-                        f"(plan.across_replicas=true), else each reader skips the samples the old replicas had "
-                        f"taken (a mixture restarts its epoch, with a warning; docs/data.md); random states start "
-                        f"afresh")
-    if step >= steps:
-        return (f"{key}: the checkpoint is at step {step}, not below train.steps={steps}; raise train.steps to "
-                f"train further")
-    if root.resolve() == (run_dir / "checkpoints").resolve():
-        newer = [p.name for s, p in _step_folders(root) if s > step and (p / MARKER).is_file()]
-        if newer:
-            return (f"{key}: this run directory has newer checkpoints ({', '.join(newer)}); resuming step {step} "
-                    f"here would mix two histories in one run directory; resume into a new one "
-                    f"(hydra.run.dir=NEW) or resume the newest (train.resume={run_dir})")
-    earlier = next((p for s, p in _step_folders(root) if s < step and (p / MARKER).is_file()), None)
-    return folder, record, warnings, earlier
-
-
 # -- save and resume --------------------------------------------------------------------
 
 
@@ -535,6 +443,8 @@ class Checkpointer:
     """pp, dp and stage bounds: a checkpoint loads only into the same."""
     schedule: dict
     """lr, warmup_steps, steps: the learning-rate schedule."""
+    optimizer_settings: dict = field(default_factory=dict)
+    """weight_decay: the optimizer's settings, applied over a resumed checkpoint's (apply_optimizer_settings)."""
     resume_unsafe: bool = False
     """Load files that need torch.load(weights_only=False) from outside the run directory."""
     newest: Path | None = field(default=None, init=False)
@@ -614,7 +524,7 @@ class Checkpointer:
         problem = next((p for _, p in parts if p), None)
         if rank == 0 and problem is None:
             files = dict(sorted((k, v) for part, _ in parts for k, v in part.items()))
-            missing = sorted(set(_required(self.topology)) - set(files))
+            missing = sorted(set(required_files(self.topology)) - set(files))
             if missing:
                 problem = f"checkpoint {folder} lacks {', '.join(missing)} after the save; not committed"
             else:
@@ -644,10 +554,10 @@ class Checkpointer:
         unfinished saves older than the newest commit. Runs only after a new commit."""
         if not self.keep_last:
             return
-        folders = _step_folders(self.root)
+        folders = step_folders(self.root)
         committed = [p for _, p in folders if (p / MARKER).is_file()]
         keep = set(committed[:self.keep_last]) | {self._resumed_from}
-        newest_step = int(_STEP.fullmatch(committed[0].name).group(1))
+        newest_step = int(committed[0].name.removeprefix("step"))
         for step, p in folders:
             if p not in keep and ((p / MARKER).is_file() or step < newest_step):
                 _discard(p)
@@ -689,8 +599,9 @@ class Checkpointer:
         safe.trusted = False
         _agree(problem)
         lr = continue_schedule(self.engine.lr_scheduler, step, peak=self.schedule["lr"])
+        was = apply_optimizer_settings(self.engine.optimizer, self.optimizer_settings)
         if rank == 0:
-            self._announce(found, lr)
+            self._announce(found, lr, was)
         self.newest = folder
         if folder.parent.resolve() == self.root.resolve():
             self._resumed_from = folder
@@ -769,13 +680,14 @@ class Checkpointer:
                                       f"layer {getattr(layer, 'name', idx)} (differs in {odd}); it is not a "
                                       f"checkpoint of this LoRA run")
 
-    def _announce(self, found: Found, lr: float) -> None:
+    def _announce(self, found: Found, lr: float, was: dict[str, float]) -> None:
         positions = []
         for d in range(found.record["topology"]["dp"]):
             state = json.loads((found.folder / f"data_state_dp{d}.json").read_text()) or {}
             positions.append(f"replica {d} after {state.get('consumed', '?')} samples")
-        print(f"resumed from step {found.step} (checkpoint {found.folder}), sample position: {', '.join(positions)}",
-              flush=True)
+        applied = "".join(f"; train.{k}={self.optimizer_settings[k]} applied (checkpoint: {v})" for k, v in was.items())
+        print(f"resumed from step {found.step} (checkpoint {found.folder}), sample position: {', '.join(positions)}"
+              f"{applied}", flush=True)
         saved = found.record.get("schedule", {})
         changed = [f"train.{k}={v} (checkpoint: {saved.get(k)})" for k, v in self.schedule.items()
                    if saved.get(k) != v]

@@ -39,7 +39,7 @@ def check_launch(rc: RunConfig) -> None:
     and the backend. Raises ValueError naming the key."""
     check_backend(rc.launcher.backend)
     if rc.train.resume:
-        checkpoint_dir(rc.train.resume, rc.model)
+        checkpoint_dir(rc)
     check_run_dir(rc.run_dir)  # last: it creates the folder
 
 
@@ -62,26 +62,22 @@ def check_run_dir(run_dir: str) -> None:
         raise ValueError(f"{key} cannot be created or written ({err.strerror or err}); {fix}") from None
 
 
-def checkpoint_dir(resume: str, model=None) -> Path:
-    """The committed checkpoint folder train.resume names (see runtime/checkpoint.py; the ranks
-    check its files), and, given the run's model (a ModelSpec), a checkpoint of that model.
-    Raises ValueError naming the key."""
-    import json
+def checkpoint_dir(rc: RunConfig) -> Path:
+    """The committed checkpoint folder train.resume names, once the rules the ranks apply at
+    resume (runtime/committed.py `choose`: the same model, adapters, trained set, precision, a
+    layout its optimizer state can be remapped to, a step below train.steps) pass on its
+    record; the ranks then hash its files. Imports neither torch nor DeepSpeed.
 
-    from mmpipe.model.spec import model_identity
-    from mmpipe.runtime.checkpoint import MARKER, CheckpointError, newest_committed, other_model
+    Raises:
+        CheckpointError: one line naming train.resume, what differs and the fix.
+    """
+    from mmpipe.runtime.committed import CheckpointError, choose, run_topology
 
-    key = f"train.resume={resume}"
-    folder = newest_committed(Path(resolve_path(resume)), key)[0]
-    if model is not None:
-        try:
-            saved = json.loads((folder / MARKER).read_text()).get("topology") or {}
-        except (OSError, ValueError, AttributeError):
-            saved = {}  # an unreadable record: the ranks say so, naming the file
-        other = other_model(key, folder, saved, model_identity(model))
-        if other:
-            raise CheckpointError(other)
-    return folder
+    key = f"train.resume={rc.train.resume}"
+    choice = choose(Path(resolve_path(rc.train.resume)), key, Path(rc.run_dir), run_topology(rc), rc.train.steps)
+    if isinstance(choice, str):
+        raise CheckpointError(choice)
+    return choice[0]
 
 
 def check_backend(backend: str) -> None:

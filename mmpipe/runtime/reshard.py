@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from mmpipe.runtime.committed import layout_changes, order_file, reshard_problem, zero_file
+
 __all__ = ["ReshardError", "SavedOptimizer", "layout_changes", "load_states", "order_file", "read_states",
            "reshard_problem", "zero_file"]
 
@@ -58,18 +60,6 @@ def _count_for(optimizer, count) -> object:
 
 class ReshardError(ValueError):
     """A checkpoint whose optimizer state cannot be put into this layout."""
-
-
-def order_file(stage: int) -> str:
-    """The file naming, in the optimizer's order, the parameters a stage trains under ZeRO
-    stage 0 (what lets such a checkpoint resume on another layout)."""
-    return f"optimizer_params_stage{stage}.json"
-
-
-def zero_file(stage: int, dp_rank: int, precision: str) -> str:
-    """DeepSpeed's ZeRO optimizer file of one stage and replica (the pipeline engine's naming;
-    `bf16_` in front when bf16 is on)."""
-    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{dp_rank}_mp_rank_{stage:02d}_optim_states.pt"
 
 
 def model_file(stage: int) -> str:
@@ -231,34 +221,3 @@ def load_states(engine, names: dict, saved: SavedOptimizer) -> None:
         opt.dynamic_loss_scale = saved.scaler["dynamic_loss_scale"]
         opt.overflow = saved.scaler["overflow"]
     opt._link_all_hp_params()  # the fragments' views into the newly loaded state (DeepSpeed's loaders do this)
-
-
-def layout_changes(saved: dict, now: dict) -> list[str]:
-    """What differs between a checkpoint's layout (its topology record) and this run's, as
-    `key old -> new` phrases; empty when DeepSpeed's own loader reads the checkpoint as it is
-    (same stages and ZeRO stage, and the same replicas under ZeRO-1, whose files are per
-    replica)."""
-    changes = []
-    if (saved["pp"], saved["stages"]) != (now["pp"], now["stages"]):
-        changes.append(f"pipeline pp={saved['pp']} stages {saved['stages']} -> pp={now['pp']} stages {now['stages']}")
-    zero_saved, zero_now = saved.get("zero", 0), now.get("zero", 0)
-    if zero_saved != zero_now:
-        changes.append(f"ZeRO stage {zero_saved} -> {zero_now}")
-    if saved["dp"] != now["dp"] and (changes or zero_saved or zero_now):
-        changes.append(f"replicas dp={saved['dp']} -> dp={now['dp']}")
-    return changes
-
-
-def reshard_problem(saved: dict, files: dict) -> str | None:
-    """Why a checkpoint (its topology and committed files) cannot resume on another layout, or
-    None when it can."""
-    if saved.get("zero", 0):
-        precision = saved.get("precision", "fp32")
-        names = [zero_file(s, d, precision) for s in range(saved["pp"]) for d in range(saved["dp"])]
-        lacking = [n for n in names if n not in files]
-    else:
-        lacking = [order_file(s) for s in range(saved["pp"]) if order_file(s) not in files]
-    if lacking:
-        return (f"the checkpoint lacks {lacking[0]} (written by an earlier mmpipe), so its optimizer state cannot "
-                f"be remapped: resume with its layout")
-    return None

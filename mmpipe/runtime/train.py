@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.config import RunConfig, eval_interval, hardware_spec, training_precision
-from mmpipe.model.spec import layer_names, lora_identity, model_identity
+from mmpipe.model.spec import layer_names
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import (
     HardwareSpec,
@@ -43,6 +43,7 @@ from mmpipe.runtime.checkpoint import (
     truncate_records,
     write_atomic,
 )
+from mmpipe.runtime.committed import run_topology
 from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
 from mmpipe.runtime.evaluate import EvalResult, Evaluator, result_path
 from mmpipe.runtime.feed import PlannedStep, StepFeeder
@@ -299,8 +300,9 @@ def score_checkpoint(rc: RunConfig, folder: Path) -> EvalResult:
 
     tok = load_templater(rc)
     stages = choose_stages(rc, tok)
-    found = find_checkpoint(folder, given=str(folder), run_dir=Path(rc.run_dir), topology=_topology(rc, stages.plan),
-                            steps=sys.maxsize, key=f"mmpipe eval {folder}")
+    found = find_checkpoint(folder, given=str(folder), run_dir=Path(rc.run_dir),
+                            topology=run_topology(rc, stages.plan.stages), steps=sys.maxsize,
+                            key=f"mmpipe eval {folder}")
     pipe = build_pipeline(rc, tok, stages.plan)
     _checkpointer(rc, pipe, stages.plan).load_weights(found)
     result = _evaluator(rc, pipe, tok, stages, journal=False).run()
@@ -763,24 +765,6 @@ def _spread(rc: RunConfig, pipe: _Pipeline, stages: ChosenStages) -> SpreadTower
     return SpreadTowers(model=rc.model, towers=towers, engine=engine, layers=layers, dp=rc.parallel.dp)
 
 
-def _topology(rc: RunConfig, stage_plan: StagePlan) -> dict:
-    """What a checkpoint must match to load: the model (its weight-shaping figures), DeepSpeed's
-    files are per stage (and, under ZeRO, per replica), their layout depends on the precision;
-    reader positions are per replica."""
-    return {"pp": rc.parallel.pp, "dp": rc.parallel.dp, "stages": [list(s) for s in stage_plan.stages],
-            "precision": rc.train.precision, "zero": rc.train.zero, "model": model_identity(rc.model),
-            "lora": lora_identity(rc.train.lora), "trainable": list(rc.train.trainable), "base": _base(rc)}
-
-
-def _base(rc: RunConfig) -> dict | None:
-    """Where a LoRA run's frozen base weights come from (its checkpoints leave them out: every
-    start rebuilds them): the model's source folders and the seed; None for full training."""
-    if not rc.train.lora.active:
-        return None
-    folders = [[part, str(Path(folder).resolve())] for part, folder in (rc.model.hf.weights if rc.model.hf else ())]
-    return {"folders": folders, "seed": rc.train.seed}
-
-
 def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:
     """The checked checkpoint named by train.resume; without it None, once the run directory
     is known to hold no other run's checkpoints."""
@@ -788,7 +772,7 @@ def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:
         refuse_other_history(Path(rc.run_dir))
         return None
     return find_checkpoint(Path(resolve_path(rc.train.resume)), given=rc.train.resume, run_dir=Path(rc.run_dir),
-                           topology=_topology(rc, stage_plan), steps=rc.train.steps)
+                           topology=run_topology(rc, stage_plan.stages), steps=rc.train.steps)
 
 
 def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan, *, reads: bool = False) -> Checkpointer:
@@ -797,8 +781,9 @@ def _checkpointer(rc: RunConfig, pipe: _Pipeline, stage_plan: StagePlan, *, read
     return Checkpointer(engine=pipe.engine, run_dir=Path(rc.run_dir), first=pipe.first,
                         reads_data=pipe.first or pipe.last or reads, dp_rank=pipe.dp_rank,
                         keep_last=t.keep_last,
-                        resume_unsafe=t.resume_unsafe, topology=_topology(rc, stage_plan),
-                        schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps})
+                        resume_unsafe=t.resume_unsafe, topology=run_topology(rc, stage_plan.stages),
+                        schedule={"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps},
+                        optimizer_settings={"weight_decay": t.weight_decay})
 
 
 def _evaluator(rc: RunConfig, pipe: _Pipeline, tok, stages, *, journal: bool = True) -> Evaluator:

@@ -231,3 +231,12 @@ def test_auto_layout_with_a_mixture_is_a_one_line_error(in_tmp, capsys):
     err = capsys.readouterr().err
     assert "parallel.pp / parallel.dp = auto plans on data.path's first steps; with a mixture (data.sources)" in err
     assert not Path("run").exists()
+
+
+def test_more_ranks_than_cores_is_a_one_line_warning():
+    """Issue 34: parallel.pp=5 on 2 cores started 5 processes without a word."""
+    from mmpipe.commands import oversubscribed
+
+    assert oversubscribed(2, 2) is None
+    assert oversubscribed(5, 2) == ("warning: 5 ranks share 2 CPU cores; every step will be slow (each rank waits "
+                                    "for a core); fewer ranks (parallel.pp x parallel.dp) train faster here")

@@ -162,6 +162,8 @@ def test_readme_stage_override_lines_compose():
     ("data.epochs=0", "data.epochs=0 must be >= 1, or null to repeat the data forever"),
     ("model.llm.hiden=64", "model.llm.hiden=64: no such config key; did you mean model.llm.hidden?"),
     ("data.pth=x", "data.pth=x: no such config key; did you mean data.path?"),
+    # a misspelt section (issue 34: it said `"trian=?": no such config key`): as typed, the nearest key
+    ("trian.steps=3", "mmpipe train: error: trian.steps=3: no such config key; did you mean train.steps?\n"),
     ("model=qwen3", "model=qwen3: no such model config; available: compose, hf, llava-1.5-7b"),
 ])
 def test_bad_values_and_typos_are_one_line_errors(override, message, capsys):
@@ -235,3 +237,18 @@ def test_lora_settings_resolve_what_trains(capsys):
     assert load([], job="test").train.trainable == ("all",)
     rc = load(["train.lora.r=8", "train.trainable=[all]", "train.lora.target_modules=[q_proj,v_proj]"], job="test")
     assert rc.train.trainable == ("all",) and rc.train.lora.target_modules == ("q_proj", "v_proj")
+
+
+def test_a_missing_model_folder_says_so_and_the_family_list_is_the_registry(tmp_path, capsys):
+    """Issue 34: a model.path that does not exist was "not a checkpoint folder", and model=hf
+    without a path listed four families of the nine mmpipe trains."""
+    from mmpipe.model.hf.configs import ARCHITECTURES
+
+    missing = tmp_path / "nowhere"
+    assert main(["train", "model=hf", f"model.path={missing}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"mmpipe train: error: model.path={str(missing)!r} does not exist; give a local checkpoint folder written "
+        f"by save_pretrained")
+    assert main(["train", "model=hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert all(name in err for name in ARCHITECTURES.values()) and "model=compose" in err, err

@@ -44,7 +44,7 @@ VISION_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 """Vision towers a LLaVA or composed model may use (a full CLIP/SigLIP model gives its vision part)."""
 
 
-def _supported() -> str:
+def supported_models() -> str:
     return (f"{', '.join(ARCHITECTURES.values())}, or model=compose of a CLIP/SigLIP vision model or a "
             f"Whisper encoder with a {'/'.join(LLM_TYPES)} causal LM")
 
@@ -55,6 +55,9 @@ def _supported() -> str:
 def read_config(folder: str | Path, *, what: str = "model.path") -> PretrainedConfig:
     """A checkpoint folder's transformers config (local files only)."""
     folder = Path(folder)
+    if not folder.exists():
+        raise ValueError(f"{what}={str(folder)!r} does not exist; give a local checkpoint folder written by "
+                         f"save_pretrained")
     if not (folder / "config.json").is_file():
         raise ValueError(f"{what}={str(folder)!r} is not a checkpoint folder (no config.json there); "
                          f"give a local folder written by save_pretrained")
@@ -72,7 +75,7 @@ def read_config(folder: str | Path, *, what: str = "model.path") -> PretrainedCo
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (ValueError, KeyError) as err:
         raise ValueError(f"{what}={str(folder)!r}: transformers cannot read its config.json ({err}); "
-                         f"supported: {_supported()}") from None
+                         f"supported: {supported_models()}") from None
 
 
 def read_processor_config(folder: str | Path, kind: str) -> dict[str, Any] | None:
@@ -135,7 +138,7 @@ def check_supported(config: PretrainedConfig, *, what: str = "model") -> str:
     """The model_type of a supported architecture, or a ValueError naming what is not."""
     kind = config.model_type
     if kind not in ARCHITECTURES:
-        raise ValueError(f"{what}: model_type {kind!r} is not supported; supported: {_supported()}")
+        raise ValueError(f"{what}: model_type {kind!r} is not supported; supported: {supported_models()}")
     _text(config, what)
     if kind in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
         check_qwen25(config, what)

@@ -15,9 +15,9 @@ A thinker trained from a full Qwen2.5-Omni folder exports as that full folder ag
 tensors under `thinker.`, the talker's and token2wav's copied unchanged from the source with its
 config.json and speaker file, so `Qwen2_5OmniForConditionalGeneration` (and the thinker class
 alone) load it.
-The output folder is guarded by mmpipe.model.hf.export_folder: never a source folder of the
-model, never a folder of files the export did not write (unless `overwrite`), and written into a
-temporary sibling that replaces it only when complete.
+The output folder is guarded by mmpipe.export_folder: never a source folder of the
+model, never a folder of files the export did not write, and written into a temporary sibling
+that replaces it only when complete.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 from safetensors.torch import save_file
 from transformers.core_model_loading import revert_weight_conversion
 
+from mmpipe.export_folder import check_out, staged
 from mmpipe.model.hf.build import build_layer, tied_embedding
 from mmpipe.model.hf.configs import hf_config
-from mmpipe.model.hf.export_folder import check_out, staged
 from mmpipe.model.hf.integrity import PART_KEYS, check_weights
 from mmpipe.model.hf.omni import SPEAKER_FILES, full_omni_folder
 from mmpipe.model.hf.skeleton import layer_parts, materialise, owned_keys, skeleton, unowned_keys
@@ -185,7 +185,8 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
         seed: the run seed, for the rare tensor neither the run nor a source holds.
         tokenizer: a folder to take the tokenizer files from (default: the source's).
         shard_bytes: largest safetensors shard.
-        overwrite: replace an `out` that holds files the export did not write.
+        overwrite: replace an earlier export's files that changed since it wrote them (files
+            it did not write are refused with or without it).
         about: extra fields for the manifest (the run, the checkpoint).
 
     Raises:
@@ -213,7 +214,7 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
             raise ValueError(f"model {spec.name} is composed from several folders (or given inline): an adapter "
                              f"folder needs one base checkpoint to load onto; export the whole model with "
                              f"merge=true")
-    with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}) as tmp:
+    with staged(real, {"checkpoint": str(checkpoint.resolve()), **(about or {})}, overwrite=overwrite) as tmp:
         if adapters_only:
             report = _write_adapters(spec, checkpoint, tmp, lora=lora, trainable=trainable, base=base, seed=seed)
         else:

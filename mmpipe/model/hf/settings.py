@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
+from mmpipe.model.hf.arch import spec_from_config, spec_from_folder, supported_models
 from mmpipe.model.hf.compose import spec_from_compose
 from mmpipe.model.spec import ModelSpec
 
@@ -56,8 +56,8 @@ def spec_from_settings(group: Mapping[str, Any]) -> ModelSpec:
         raise ValueError(f"model.use_audio_in_video={audio_in_video!r} must be true or false")
     if form == "path":
         if group["path"] in UNSET:
-            raise ValueError("model.path is not set; give model.path=DIR, a local checkpoint folder written by "
-                             "save_pretrained (LLaVA, Qwen2-VL, Qwen2-Audio or Qwen3-VL)")
+            raise ValueError(f"model.path is not set; give model.path=DIR, a local checkpoint folder written by "
+                             f"save_pretrained of {supported_models()}")
         return spec_from_folder(str(group["path"]), name=name, max_seq_len=max_len,
                                 use_audio_in_video=audio_in_video)
     if not isinstance(group.get("config"), Mapping):

@@ -128,7 +128,8 @@ def one_rank():
 def _checkpoint(run_dir, step, *, committed=True, topology=TOPOLOGY):
     folder = run_dir / "checkpoints" / f"step{step}"
     folder.mkdir(parents=True)
-    for name in ("rng_rank0.pt", "data_state_dp0.json", "mp_rank_00_model_states.pt"):
+    ranks = [f"rng_rank{r}.pt" for r in range(topology["pp"] * topology["dp"])]
+    for name in (*ranks, "data_state_dp0.json", "mp_rank_00_model_states.pt"):
         (folder / name).write_bytes(os.urandom(100))
     if committed:
         files = {p.name: dict(zip(("size", "sha256"), sha256_of(p))) for p in sorted(folder.iterdir())}
@@ -286,3 +287,62 @@ def test_checkpoint_info_says_what_a_checkpoint_resumes_on(tmp_path, capsys):
     assert main(["checkpoint", "info", str(tmp_path / "none")]) == 2
     assert "no such folder; give a run directory" in capsys.readouterr().err
     assert main(["checkpoint", "show", str(tmp_path)]) == 2
+
+
+def test_a_changed_weight_decay_is_applied_over_the_loaded_optimizer_state():
+    """The step a resumed AdamW takes with train.weight_decay=0.5 over a checkpoint saved with 0.0
+    is the plain step minus lr * 0.5 * w (AdamW's decoupled decay), not the saved setting's step;
+    through a wrapper as DeepSpeed's (`.optimizer`) too."""
+    import copy
+    from types import SimpleNamespace
+
+    from mmpipe.runtime.checkpoint import apply_optimizer_settings
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8))
+
+    def step(opt):
+        opt.zero_grad()
+        (w ** 2 * torch.arange(8.0)).sum().backward()
+        opt.step()
+        return w.detach().clone()
+
+    saved_with = torch.optim.AdamW([w], lr=0.1, weight_decay=0.0)
+    step(saved_with)
+    saved, w0 = copy.deepcopy(saved_with.state_dict()), w.detach().clone()
+    plain = step(saved_with)  # the next step with the checkpoint's setting
+    w.data.copy_(w0)
+    resumed = torch.optim.AdamW([w], lr=0.1, weight_decay=0.5)
+    resumed.load_state_dict(saved)  # what DeepSpeed does: the saved weight_decay comes back
+    wrapper = SimpleNamespace(optimizer=resumed, param_groups=[])
+    assert apply_optimizer_settings(wrapper, {"weight_decay": 0.5}) == {"weight_decay": 0.0}
+    assert apply_optimizer_settings(wrapper, {"weight_decay": 0.5}) == {}  # nothing left to change
+    torch.testing.assert_close(step(resumed), plain - 0.1 * 0.5 * w0)
+
+
+def test_a_resume_with_other_adapters_or_layers_is_refused_before_launch_without_torch(tmp_path):
+    """Issue 34: a resume with another train.lora was refused only once the ranks had started
+    (73 s), as a Python dict and Hydra's `Error executing job`. The command line applies the
+    ranks' rules to the commit record: one line naming the settings that resume, no rank, and
+    neither torch nor DeepSpeed imported (their import alone takes seconds)."""
+    import subprocess
+    import sys
+
+    from mmpipe.cli import load
+    from mmpipe.runtime.committed import run_topology
+
+    run, new = tmp_path / "run", tmp_path / "new"
+    rc = load([], job="test")
+    _checkpoint(run, 2, topology=run_topology(rc, [[0, 8], [8, 15]]))
+    script = ("import sys; from mmpipe.cli import main\n"
+              f"codes = [main(['train', 'train.resume={run}', 'hydra.run.dir={new}', o]) for o in sys.argv[1:]]\n"
+              "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules), codes)")
+    done = subprocess.run([sys.executable, "-c", script, "train.lora.r=8", "train.trainable=[llm]"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[] [2, 2]", done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"mmpipe train: error: train.resume={run}: this run asks for adapters (train.lora.r=8) but the checkpoint "
+        f"trained none; resume with train.lora.r=0, or train adapters in a new run (no train.resume)",
+        f"mmpipe train: error: train.resume={run}: train.trainable=[llm] differs from the checkpoint's [all]; resume "
+        f"with train.trainable=[all]"]
+    assert not new.exists()

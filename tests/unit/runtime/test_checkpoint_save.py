@@ -3,7 +3,8 @@ process): committed.json is written only after every file of the step, and the f
 entries, are flushed to disk; a write the disk refuses (full, not permitted), whether in
 DeepSpeed's files, mmpipe's own, their flush or the marker itself, stops the save with one line
 naming the file, and leaves no committed.json (a SIGKILL keeps the page cache, so only the
-order of the flushes shows the first property; the fault-injection trials cannot)."""
+order of the flushes shows the first property; the fault-injection trials cannot). A resume
+through it trains with the configured weight decay, not the one the checkpoint saved."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ def engine(make_engine):
     return make_engine({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1})[0]
 
 
-def _checkpointer(engine, run_dir: Path) -> Checkpointer:
+def _checkpointer(engine, run_dir: Path, **settings) -> Checkpointer:
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
     engine.checkpoint_engine = TorchCheckpointEngine(config_params=None)  # DeepSpeed's, which Checkpointer replaces
     return Checkpointer(engine=engine, run_dir=run_dir, first=True, reads_data=True, dp_rank=0, keep_last=0,
-                        topology=TOPOLOGY, schedule={"lr": 0.1, "warmup_steps": 0, "steps": 10})
+                        topology=TOPOLOGY, schedule={"lr": 0.1, "warmup_steps": 0, "steps": 10}, **settings)
 
 
 def test_committed_json_comes_after_every_file_and_the_folder_are_flushed(engine, tmp_path, monkeypatch):
@@ -108,3 +109,25 @@ def test_a_save_the_disk_refuses_is_one_line_and_not_committed(engine, tmp_path,
     assert not [p.name for p in folder.iterdir() if p.name.startswith(f".{MARKER}")]  # no temporary marker
     monkeypatch.undo()
     assert (saver.save(2, {"consumed": 2}) / MARKER).is_file()  # the next save, with room, commits
+
+
+def test_a_resume_trains_with_the_configured_weight_decay_and_says_so(make_engine, tmp_path, capsys):
+    """Issue 34: DeepSpeed restores the optimizer's param_groups from the checkpoint, so a resume
+    with a changed train.weight_decay trained with the saved one, bit for bit, silently. The
+    resumed optimizer holds the configured value and the start-up line names it."""
+    import json
+
+    from mmpipe.runtime.checkpoint import Found
+
+    engine, optimizer = make_engine({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1})
+    engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    folder = _checkpointer(engine, tmp_path).save(3, {"consumed": 3})  # saved with weight_decay 0.0
+    for group in optimizer.param_groups:  # the resumed run's optimizer, built with train.weight_decay=0.1
+        group["weight_decay"] = 0.1
+    resumed = _checkpointer(engine, tmp_path, optimizer_settings={"weight_decay": 0.1})
+    capsys.readouterr()
+    resumed.resume(Found(folder=folder, record=json.loads((folder / MARKER).read_text())))
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1]
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("resumed from step 3") and line.endswith(
+        "; train.weight_decay=0.1 applied (checkpoint: 0.0)"), line

@@ -1,6 +1,6 @@
 """`mmpipe export` never destroys what a user owns: it refuses an `out` that is, is inside or
 contains a folder the export reads (the model's source, a composition's part, the checkpoint),
-refuses a folder of files it did not write (unless overwrite=true), writes again into its own
+refuses a folder of files it did not write (overwrite=true too), writes again into its own
 earlier output (the README exports twice to one folder), and a failed export (a missing layer
 file, a full disk) leaves the folder it would have replaced byte for byte as it was."""
 
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from mmpipe import export_folder
 from mmpipe.cli import load, main
+from mmpipe.export_folder import MANIFEST, check_out
 from mmpipe.model.hf import build_layers, save_layer_states
 from mmpipe.model.hf.demo import model_overrides
-from mmpipe.model.hf.export_folder import MANIFEST, check_out
 from mmpipe.runtime.checkpoint import commit
 from mmpipe.runtime.preflight import write_run_config
 
@@ -88,7 +89,9 @@ def test_every_source_of_a_composition_is_protected(tmp_path):
     assert check_out(tmp_path / "new", sources) == (tmp_path / "new").resolve()
 
 
-def test_a_folder_of_other_files_is_refused_unless_overwrite(capsys, llava_run, tmp_path):
+def test_files_mmpipe_did_not_write_are_refused_even_with_overwrite(capsys, llava_run, tmp_path):
+    """Issue 34: `overwrite=true` deleted a user's precious.txt beside an earlier export. It
+    replaces only what an export wrote (its manifest); anything else is named and kept."""
     from transformers import LlavaForConditionalGeneration
 
     out = tmp_path / "mine"
@@ -97,17 +100,64 @@ def test_a_folder_of_other_files_is_refused_unless_overwrite(capsys, llava_run, 
     (out / "config.json").write_text("{}")
     (out / "notes.txt").write_text("keep me")
     before = _tree(out)
-    assert main(["export", str(llava_run), f"out={out}"]) == 2
-    assert _error(capsys) == (f"mmpipe export: error: out={out} holds files mmpipe export did not write (config.json, "
-                              f"model.safetensors, notes.txt); give a new or empty folder, or add overwrite=true to "
-                              f"replace the whole folder (nothing was written)")
-    assert _tree(out) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary folder left beside it
-    assert main(["export", str(llava_run), f"out={out}", "export.overwrite=true"]) == 0
+    for extra in ([], ["export.overwrite=true"]):
+        assert main(["export", str(llava_run), f"out={out}", *extra]) == 2
+        assert _error(capsys) == (f"mmpipe export: error: out={out} holds files mmpipe export did not write "
+                                  f"(config.json, model.safetensors, notes.txt); overwrite=true replaces only an "
+                                  f"earlier export's files: move them out or give a new or empty folder "
+                                  f"(nothing was written)")
+        assert _tree(out) == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary folder left beside it
+
+    export = tmp_path / "export"  # an earlier export, a user's file put beside it
+    assert main(["export", str(llava_run), f"out={export}"]) == 0
+    (export / "precious.txt").write_text("mine")
+    kept = _tree(export)
+    assert main(["export", str(llava_run), f"out={export}", "overwrite=true"]) == 2
+    assert "holds files mmpipe export did not write (precious.txt)" in _error(capsys)
+    assert _tree(export) == kept
+    (export / "precious.txt").unlink()
+    with (export / "config.json").open("a") as f:  # the export's own file, changed: overwrite replaces it
+        f.write(" ")
+    assert main(["export", str(llava_run), f"out={export}"]) == 2
+    assert _error(capsys).endswith("changed since (config.json); add overwrite=true to replace them, or give a new "
+                                   "or empty folder (nothing was written)")
+    assert main(["export", str(llava_run), f"out={export}", "overwrite=true"]) == 0
     capsys.readouterr()
-    assert not (out / "notes.txt").exists()  # replaced whole, as the flag says
-    LlavaForConditionalGeneration.from_pretrained(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    LlavaForConditionalGeneration.from_pretrained(export)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "mine"]
+
+
+def test_a_file_added_while_the_export_runs_is_refused_not_deleted(llava_run, tmp_path, monkeypatch):
+    """The folder is checked again just before the swap: a file put there meanwhile survives."""
+    out = tmp_path / "trained"
+    assert main(["export", str(llava_run), f"out={out}"]) == 0
+    real_finish = export_folder._finish
+
+    def user_writes_meanwhile(folder, about):
+        (out / "late.txt").write_text("written during the export")
+        real_finish(folder, about)
+
+    monkeypatch.setattr(export_folder, "_finish", user_writes_meanwhile)
+    assert main(["export", str(llava_run), f"out={out}", "overwrite=true"]) == 2
+    assert (out / "late.txt").read_text() == "written during the export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trained"]
+
+
+def test_an_export_is_readable_as_the_umask_says(capsys, llava_run, tmp_path):
+    """Issue 34: the folder was 0700 and its safetensors 0600, so a serving account could not
+    read them; under umask 022 the folder is 0755 and every file 0644."""
+    out = tmp_path / "served" / "model"
+    mask = os.umask(0o022)
+    try:
+        assert main(["export", str(llava_run), f"out={out}"]) == 0
+    finally:
+        os.umask(mask)
+    capsys.readouterr()
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    assert oct(out.parent.stat().st_mode & 0o777) == "0o755"
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
 
 
 def test_exporting_twice_to_one_folder_works_and_a_users_change_stops_the_third(capsys, llava_run, tmp_path):
@@ -129,7 +179,7 @@ def test_exporting_twice_to_one_folder_works_and_a_users_change_stops_the_third(
     with (out / "config.json").open("a") as f:
         f.write(" ")
     assert main(["export", str(llava_run), f"out={out}"]) == 2
-    assert "(config.json (changed since the export wrote it))" in _error(capsys)
+    assert "changed since (config.json); add overwrite=true" in _error(capsys)
 
 
 def _broken_checkpoint(run: Path, tmp_path: Path) -> Path:
@@ -206,3 +256,38 @@ def test_merge_needs_adapters_and_a_composition_exports_merged_only(capsys, llav
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert main(["export", str(run), f"out={tmp_path / 'c'}", "merge=true"]) == 0
     assert (tmp_path / "c" / "model.safetensors").is_file()
+
+
+def test_export_and_eval_argument_errors_come_before_any_heavy_import(llava_run, hf_checkpoints, tmp_path):
+    """Issue 34: `mmpipe export` / `mmpipe eval` said a wrong argument only after 10-40 s of
+    imports (torch, transformers, the model's classes). Every argument check now runs on the run
+    directory's files first: the errors come with neither torch nor transformers imported."""
+    import subprocess
+    import sys
+
+    source = hf_checkpoints["llava"]
+    cases = [
+        ["export", str(tmp_path / "nowhere"), f"out={tmp_path / 'x'}"],
+        ["export", str(llava_run), "checkpoint=step9", f"out={tmp_path / 'x'}"],
+        ["export", str(llava_run), f"out={source}"],
+        ["eval", str(llava_run), "checkpoint=step7"],
+        ["eval", str(llava_run)],
+    ]
+    script = ("import sys, json; from mmpipe.cli import main\n"
+              "codes = [main(args) for args in json.loads(sys.argv[1])]\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules), codes)")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[] [2, 2, 2, 2, 2]", done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"mmpipe export: error: {tmp_path / 'nowhere'} is not a run directory (no run.yaml); give the hydra.run.dir "
+        f"of a `mmpipe train` run",
+        f"mmpipe export: error: checkpoint=step9: {llava_run / 'checkpoints' / 'step9'} is not a committed checkpoint "
+        f"of {llava_run} (committed: step0); save with train.save_every=N or train.save_final=true",
+        f"mmpipe export: error: out={source} is model.path={source}, a folder the export reads: writing there would "
+        f"replace the files it copies from; give another folder, e.g. out={source.parent / 'llava-trained'} "
+        f"(nothing was written)",
+        f"mmpipe eval: error: checkpoint=step7: {llava_run / 'checkpoints' / 'step7'} is not a committed checkpoint "
+        f"of {llava_run} (committed: step0)",
+        f"mmpipe eval: error: give data.path=SHARDS, the held-out shards to score ({llava_run} set no "
+        f"data.eval_path)"]

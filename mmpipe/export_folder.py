@@ -6,13 +6,16 @@ whole or not at all.
   there would replace the very weights the export copies from. Folders are compared by their
   real paths (symlinks resolved) and, for what exists, by device and inode (a bind mount or a
   second spelling of the same folder).
-- It also refuses an `out` that holds files the export did not write, unless `overwrite`. The
+- It refuses an `out` that holds files the export did not write, always, naming them: the
   export's own earlier output is recognised by its manifest (`mmpipe-export.json`: every file
-  and its size), so exporting to the same folder again needs no flag, while a file added or
-  changed since is the user's.
+  and its size), and only those files are ever replaced, so exporting to the same folder again
+  needs no flag. A file of the manifest changed since (its size differs) is refused too unless
+  `overwrite`; a file or folder the manifest does not list is the user's and no flag replaces it.
 - `staged(out)` is where the files are written: a temporary sibling folder, renamed into place
   only once every file is written and fsynced. A failed export (a missing layer file, a full
-  disk) removes the temporary folder and leaves `out` as it was.
+  disk) removes the temporary folder and leaves `out` as it was. Folders and files get the modes
+  the user's umask gives a new file (0755 / 0644 under umask 022), not mkdtemp's private 0700,
+  so a serving account can read the export.
 
 Written here rather than taken from a library: neither transformers' save_pretrained (which
 writes in place and deletes stale shards) nor the standard library offers a folder-level
@@ -81,18 +84,36 @@ def check_out(out: str | Path, sources: Mapping[str, str | Path], *, overwrite: 
             raise ValueError(f"{given} contains {what}, a folder the export reads; {fix}")
     if real.exists() and not real.is_dir():
         raise ValueError(f"{given} is a file, not a folder; give a folder (new, empty, or an earlier export)")
-    if real.is_dir() and not overwrite:
-        foreign = foreign_files(real)
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise ValueError(f"{given} holds files mmpipe export did not write ({shown}); give a new or empty "
-                             f"folder, or add overwrite=true to replace the whole folder (nothing was written)")
+    if real.is_dir():
+        refuse_foreign(real, given, overwrite=overwrite)
     return real
 
 
-def foreign_files(folder: Path) -> list[str]:
-    """Entries of `folder` that its manifest does not account for (every entry when it has
-    none): files added, files whose size changed, folders."""
+def refuse_foreign(folder: Path, given: str, *, overwrite: bool) -> None:
+    """Raise unless every entry of `folder` is an earlier export's own (its manifest lists it);
+    a listed file changed since passes only with `overwrite`.
+
+    Raises:
+        ValueError: one line naming the files and the fix (nothing was written).
+    """
+    unlisted, changed = foreign_files(folder)
+    if unlisted:
+        raise ValueError(f"{given} holds files mmpipe export did not write ({_few(unlisted)}); overwrite=true "
+                         f"replaces only an earlier export's files: move them out or give a new or empty folder "
+                         f"(nothing was written)")
+    if changed and not overwrite:
+        raise ValueError(f"{given} holds files an earlier export wrote that changed since ({_few(changed)}); "
+                         f"add overwrite=true to replace them, or give a new or empty folder (nothing was written)")
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def foreign_files(folder: Path) -> tuple[list[str], list[str]]:
+    """Entries of `folder` that are not an earlier export's, unchanged: (entries its manifest
+    does not list (every entry when it has none): files added, folders, links; files it lists
+    whose size changed)."""
     recorded: dict[str, int] = {}
     manifest = folder / MANIFEST
     if manifest.is_file():
@@ -101,18 +122,25 @@ def foreign_files(folder: Path) -> list[str]:
             recorded = {str(k): int(v) for k, v in data["files"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             recorded = {}
-    out = []
+    unlisted, changed = [], []
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         name = entry.name
         if name == MANIFEST and recorded:
             continue
         if entry.is_symlink() or not entry.is_file():
-            out.append(name + ("/" if entry.is_dir() else ""))
+            unlisted.append(name + ("/" if entry.is_dir() else ""))
         elif name not in recorded:
-            out.append(name)
+            unlisted.append(name)
         elif entry.stat().st_size != recorded[name]:
-            out.append(f"{name} (changed since the export wrote it)")
-    return out
+            changed.append(name)
+    return unlisted, changed
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back: os has no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:
@@ -124,27 +152,35 @@ def _fsync(path: Path) -> None:
 
 
 def _finish(folder: Path, about: Mapping[str, object]) -> None:
-    """Write the manifest and flush every file and the folder's entries to disk."""
+    """Write the manifest, give the folder and its files the modes the umask gives new ones
+    (mkdtemp makes a 0700 folder, and a copied file keeps its source's mode), and flush every
+    file and the folder's entries to disk."""
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     record = {"format": FORMAT, **about, "files": files}
     (folder / MANIFEST).write_text(json.dumps(record, indent=1) + "\n")
+    mask = _umask()
     for p in folder.iterdir():
+        os.chmod(p, 0o666 & ~mask)
         _fsync(p)
+    os.chmod(folder, 0o777 & ~mask)
     _fsync(folder)
 
 
 @contextmanager
-def staged(out: Path, about: Mapping[str, object] | None = None) -> Iterator[Path]:
+def staged(out: Path, about: Mapping[str, object] | None = None, *, overwrite: bool = False) -> Iterator[Path]:
     """A temporary folder beside `out` (a real path from check_out) to write the export into;
     when the block ends normally it gets the manifest and replaces `out` (the old folder, if
-    any, is moved aside first and deleted after). Any error removes it and leaves `out` as it
-    was."""
+    any, is moved aside first and deleted after; it is checked again first, so a file the user
+    put there while the export ran is refused, not deleted). Any error removes it and leaves
+    `out` as it was."""
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
     try:
         yield tmp
         _finish(tmp, about or {})
+        if out.is_dir():
+            refuse_foreign(out, f"out={out}", overwrite=overwrite)
         old = None
         if out.exists() and any(out.iterdir()):
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
