@@ -44,7 +44,8 @@ def test_bf16_zero1_falls_like_fp32_under_nccl_and_memory_is_near_the_prediction
     # pre-clip norm of step 1). Later the run is chaotic at lr 3e-3 (the loss jumps up at step 3
     # in fp32 too): the H200 run ended at 3.784 (fp32) against 4.594 (bf16), the same CPU runs at
     # 3.772 against 4.581 (means of the last 3), and fp32 from bf16-rounded initial weights alone
-    # moves 0.18 (benchmarks/bench_bf16_drift.py; docs/runtime.md "precision"). So the end is held
+    # moves 0.18, bf16 with fp32 masters without DeepSpeed ends at 4.335 (benchmarks/
+    # bench_bf16_drift.py; docs/runtime.md "precision"): rounding, not a defect. So the end is held
     # loosely: both fall, and bf16 within 30% of fp32 (dropped fp32 masters stall far above).
     assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=5e-3)
     assert bf16[1]["loss"] == pytest.approx(fp32[1]["loss"], rel=1e-2)
