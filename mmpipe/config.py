@@ -112,7 +112,7 @@ class TrainConfig:
     """Low-rank adapters (peft's LoRA) on the Linear layers of some components; their base weights
     stay frozen (r=0: none)."""
     optimizer: str = "adamw"
-    """adamw (torch AdamW with foreach; DeepSpeed's FusedAdam on CUDA where its kernel loads) | sgd
+    """adamw (torch AdamW, fused kernel, on every device: no DeepSpeed FusedAdam JIT build) | sgd
     (torch SGD, no momentum)."""
     precision: str = "fp32"
     """fp32 | bf16 (bf16 weights and activations, fp32 master weights and fp32 gradient

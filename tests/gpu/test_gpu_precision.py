@@ -40,8 +40,18 @@ def test_bf16_zero1_falls_like_fp32_under_nccl_and_memory_is_near_the_prediction
     assert "BF16_Optimizer" in out16 and "clipping: global norm 1 (DeepSpeed)" in out16
     _report("fp32 ZeRO-0", fp32)
     _report("bf16 ZeRO-1", bf16)
-    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2e-2)
-    assert bf16[-1]["loss"] < bf16[0]["loss"] and bf16[-1]["loss"] == pytest.approx(fp32[-1]["loss"], rel=0.1)
+    # The first steps agree within bf16 error (CPU, same model: 0.1% on the loss, 1.2% on the
+    # pre-clip norm of step 1). Later the run is chaotic at lr 3e-3 (the loss jumps up at step 3
+    # in fp32 too): the H200 run ended at 3.784 (fp32) against 4.594 (bf16), the same CPU runs at
+    # 3.772 against 4.581 (means of the last 3), and fp32 from bf16-rounded initial weights alone
+    # moves 0.18, bf16 with fp32 masters without DeepSpeed ends at 4.335 (benchmarks/
+    # bench_bf16_drift.py; docs/runtime.md "precision"): rounding, not a defect. So the end is held
+    # loosely: both fall, and bf16 within 30% of fp32 (dropped fp32 masters stall far above).
+    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=5e-3)
+    assert bf16[1]["loss"] == pytest.approx(fp32[1]["loss"], rel=1e-2)
+    assert bf16[0]["grad_norm"] == pytest.approx(fp32[0]["grad_norm"], rel=3e-2)
+    tail16, tail32 = (sum(r["loss"] for r in rows[-3:]) / 3 for rows in (bf16, fp32))
+    assert bf16[-1]["loss"] < bf16[0]["loss"] and tail16 == pytest.approx(tail32, rel=0.3)
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in bf16)
     last = bf16[-1]
     assert last["peak_mem_measure"] == "cuda_max_allocated"

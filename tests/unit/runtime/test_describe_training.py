@@ -43,3 +43,32 @@ def test_fp16_says_its_loss_scale(make_engine, monkeypatch):
     engine, _ = make_engine(deepspeed_config(load(["train.precision=fp16"], job="test")))
     assert describe_precision(engine) == ("fp16 (fp32 master weights, fp16 gradient accumulation, dynamic loss "
                                           "scale)")
+
+
+def test_adamw_is_torch_fused_on_cuda_even_where_deepspeed_fusedadam_cannot_build(make_engine, monkeypatch):
+    """On a CUDA machine whose arch list DeepSpeed's JIT build cannot parse (Hopper's "9.0a"),
+    adamw is torch's fused AdamW, never DeepSpeed's FusedAdam, and the start-up text says so and why."""
+    import sys
+    import types
+
+    import torch
+
+    from mmpipe.runtime.pipeline import make_optimizer
+
+    rc = load(["train.precision=bf16"], job="test")
+    engine, basic = make_engine(deepspeed_config(rc))
+    line = describe_training(rc.train, 1, engine, basic, mmpipe_clips=False)
+    broken = types.ModuleType("deepspeed.ops.adam")
+
+    def fail(*_, **__):
+        raise ValueError("invalid literal for int() with base 10: '0a'")
+
+    broken.FusedAdam = fail
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", broken)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    opt = make_optimizer([torch.nn.Parameter(torch.ones(3))], lr=1e-3, weight_decay=0.0, cuda=True)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    assert "optimizer: torch AdamW (fused) in DeepSpeed BF16_Optimizer" in line
+    assert ("AdamW: torch's fused kernel (shipped with torch, no JIT build; not DeepSpeed's FusedAdam, which is "
+            "compiled at start-up and fails on CUDA arch lists such as '9.0a' (Hopper))") in line, line
