@@ -75,3 +75,20 @@ def precision_problem(precision: str, backend: str) -> str | None:
     fix = f"use train.precision={other} (supported here) or fp32" if other else "use train.precision=fp32"
     return (f"train.precision={precision}: DeepSpeed does not train {precision} on {device} (its "
             f"{type(accelerator).__name__}.is_{precision}_supported() is False: {why}); {fix}")
+
+
+DECODE_WORKERS_MAX = 4
+"""The most decode worker processes data.decode_workers=auto gives a rank."""
+
+
+def decode_workers(setting: int | str, threads: int) -> int:
+    """data.decode_workers for a rank with `threads` torch threads (threads_per_rank).
+
+    auto: none below 4 threads: there each core is busy with the rank's own kernels (CPU
+    training) and the reader, so a worker process only takes turns with them and the thread
+    path costs nothing extra (the 2-core machine, where each rank has one or two cores). With
+    more (a GPU node, where the cores only launch kernels) half of them, at most
+    DECODE_WORKERS_MAX: the rest stay with the training process and the reader's workers."""
+    if setting != "auto":
+        return int(setting)
+    return 0 if threads < 4 else min(DECODE_WORKERS_MAX, threads // 2)
