@@ -253,6 +253,10 @@ class DataConfig:
     """A sample longer than model.llm.max_seq_len: drop (counted) | truncate (the answer's tail)."""
     num_workers: int = 1
     """Loader worker processes per data-reading rank (1: read in the trainer's feeder thread)."""
+    decode_workers: int | str = "auto"
+    """Worker processes per data-reading rank that decode and collate the next steps'
+    micro-batches (0: in the feeder thread, which shares the GIL with the training loop);
+    auto: none below 4 cores a rank, else half its cores, at most 4 (runtime/host.py)."""
     sources: tuple[Mapping[str, Any], ...] | None = None
     """A mixture: [{name, path, weight, limit, limit_mode}, ...] (see `mmpipe train data=mixture --cfg job`)."""
     caption_prompt: str = CAPTION_PROMPT
@@ -283,7 +287,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _ = self.limits  # validates the media limits, naming the key
         check_options(on_error=self.on_error, too_long=self.too_long, shuffle_buffer=self.shuffle_buffer,
-                      epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt)
+                      epochs=self.epochs, num_workers=self.num_workers, caption_prompt=self.caption_prompt,
+                      decode_workers=self.decode_workers)
         if self.sources is not None:
             from mmpipe.data.mixture import mixture_from_dicts
 

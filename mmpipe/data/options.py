@@ -18,7 +18,8 @@ CAPTION_PROMPT = f"{IMAGE}\nDescribe the image briefly."
 
 
 def check_options(*, on_error: str = "skip", too_long: str = "drop", shuffle_buffer: int = 0,
-                  epochs: int | None = None, num_workers: int = 1, caption_prompt: str = CAPTION_PROMPT) -> None:
+                  epochs: int | None = None, num_workers: int = 1, caption_prompt: str = CAPTION_PROMPT,
+                  decode_workers: int | str = "auto") -> None:
     """Raise ValueError naming the first bad data option, its value and the fix."""
     if on_error not in ON_ERROR:
         raise ValueError(f"data.on_error={on_error!r} is unknown; use skip or raise")
@@ -26,6 +27,10 @@ def check_options(*, on_error: str = "skip", too_long: str = "drop", shuffle_buf
         raise ValueError(f"data.too_long={too_long!r} is unknown; use drop or truncate")
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"data.num_workers={num_workers!r} must be a positive integer")
+    if decode_workers != "auto" and (not isinstance(decode_workers, int) or isinstance(decode_workers, bool)
+                                     or decode_workers < 0):
+        raise ValueError(f"data.decode_workers={decode_workers!r} must be auto or a whole number >= 0 (0: decode "
+                         f"in the feeder thread; N: N worker processes per data-reading rank)")
     if shuffle_buffer < 0:
         raise ValueError(f"data.shuffle_buffer={shuffle_buffer} must be >= 0 (0: stream order)")
     if epochs is not None and epochs < 1:

@@ -2,9 +2,14 @@
 
 The first and the last stage of a replica each run their own StepFeeder over the same shards
 with the same seed and the same deterministic planner, so they build identical micro-batches
-without talking to each other. Planning, decoding and collation run in a background thread,
+without talking to each other. Reading and planning run in a background thread,
 ahead of the step being trained (one step queued, the next in the making), so they do not
-stall the pipeline.
+stall the pipeline. Decoding and collating each micro-batch (`StepDecoder`) run in that thread
+too, or with data.decode_workers in forked worker processes (runtime/procpool.py): decoding
+is most of the feed and is Python that holds the GIL, which in a thread takes turns with the
+training loop that launches the kernels. The thread keeps what is cheap and ordered (reading,
+planning, counting drops, checking token counts), so the micro-batches, their order, the
+skip counts and the reader state are the same either way.
 
 Re-planning from what the run measures (plan.refit): after every step rank 0 re-fits the
 step-time model (planner/calibrate.py) and the training loop hands the fit to every feeder
@@ -29,13 +34,17 @@ from pathlib import Path
 
 from mmpipe.config import RunConfig, hardware_spec, training_precision
 from mmpipe.data.loader import loader
+from mmpipe.data.media import MediaLimits
 from mmpipe.data.records import Record, decode_record
-from mmpipe.data.skips import SkipCounter
+from mmpipe.data.skips import SampleError, SkipCounter
 from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
+from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.api import Coef, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
 from mmpipe.runtime.batch import MicroBatch, collate_for
+from mmpipe.runtime.host import decode_workers
+from mmpipe.runtime.procpool import ProcessPool
 from mmpipe.runtime.spread import EncodeStep, feature_rows
 from mmpipe.runtime.stream import make_stream
 
@@ -83,6 +92,59 @@ class PlannedStep:
     encode: EncodeStep | None = None
     """With spread towers (plan.encoders): the replica's encoder shares and this rank's share
     collated with its media."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeJob:
+    """Records to decode and collate together (one micro-batch, or a spread tower's share)."""
+
+    records: tuple[Record, ...]
+    media: bool
+    """Decode their media (the first stage; a spread tower's share on any stage)."""
+    collate: bool = True
+    """Collate them into one micro-batch (False: only the carriers)."""
+    carry: tuple[bool, ...] = ()
+    """Per record: also collate it alone as a spread tower's carrier (runtime/spread.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A DecodeJob's result."""
+
+    micro_batch: MicroBatch | None
+    carriers: tuple
+    """The carriers of the records flagged in DecodeJob.carry, in their order."""
+    drops: tuple[SampleError, ...]
+    """Media that failed behind a valid header (zeros of the planned shape took their place)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepDecoder:
+    """Turns a DecodeJob into tensors: the same code in the feeder thread and in a worker."""
+
+    spec: ModelSpec
+    tokenizer: Tokenizer | Templater
+    limits: MediaLimits
+    packed: bool
+
+    def __call__(self, job: DecodeJob) -> Decoded:
+        """Media that fail behind a valid header become zeros of the planned shape (and are
+        returned as drops), so both stages keep the same samples in the same micro-batches."""
+        samples = [decode_record(r, self.tokenizer, self.spec, media=job.media, blank=True, limits=self.limits)
+                   for r in job.records]
+        drops = tuple(err for r, s in zip(job.records, samples) for err in s.dropped[len(r.dropped):])
+        pad = self.tokenizer.pad_id
+        mb = (collate_for(self.spec, samples, packed=self.packed, pad_id=pad, media=job.media)
+              if job.collate else None)
+        carriers = tuple(collate_for(self.spec, [s], packed=True, pad_id=pad).carrier
+                         for s, c in zip(samples, job.carry) if c)
+        return Decoded(micro_batch=mb, carriers=carriers, drops=drops)
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # as DataLoader workers: N workers x the rank's threads would oversubscribe
 
 
 class StepFeeder:
@@ -134,6 +196,13 @@ class StepFeeder:
             self.stream.load_state_dict(reader_state)
         self._records = loader(self.stream, records=True)
         self.steps_made = 0
+        # Forked here, by the thread that makes the feeder, before the feeder thread exists.
+        import torch
+
+        self.decode_workers = decode_workers(rc.data.decode_workers, torch.get_num_threads())
+        self._pool = ProcessPool(StepDecoder(spec=rc.model, tokenizer=tokenizer, limits=self.stream.limits,
+                                             packed=self.packed), self.decode_workers, name="mmpipe-decode",
+                                 init=_one_thread)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._thread = threading.Thread(target=self._produce, name="mmpipe-feeder", daemon=True)
         self._thread.start()
@@ -201,14 +270,14 @@ class StepFeeder:
             raise RuntimeError(f"the planner gave replica {self.dp_rank} no samples this step; raise "
                                f"train.global_batch (now {self.rc.train.global_batch}) above parallel.dp")
         t3 = time.perf_counter()
-        samples = {i: self._decode(records[i]) for g in groups for i in g}  # only this replica's
-        mbs = [self._collate([samples[i] for i in g]) for g in groups]
+        share = planned.encode[mine][self.encode_stage] if self.encode_stage is not None else []
+        mbs, carriers = self._build(records, groups, share)  # only this replica's
         for g, mb in zip(groups, mbs):  # what the planner costs is what the model gets
             planned_len = sum(feats[i].llm_len for i in g)
             if mb.tokens != planned_len:
                 raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens but the planner "
                                    f"counted {planned_len}")
-        encode = self._encode_step(planned, mine, groups, records, feats, samples)
+        encode = self._encode_step(planned, mine, groups, feats, carriers)
         self.steps_made += 1
         if self._record:
             self._record.write(json.dumps({"step": self.first_step + self.steps_made,
@@ -224,43 +293,45 @@ class StepFeeder:
                            features=tuple(feats), work=step_work(self._rates, [feats[i] for g in groups for i in g]),
                            encode=encode)
 
-    def _encode_step(self, planned, mine: int, groups, records: list[Record], feats: list,
-                     samples: dict) -> EncodeStep | None:
+    def _build(self, records: list[Record], groups, share) -> tuple[list[MicroBatch], tuple]:
+        """The micro-batches of `groups` and the carriers of the spread towers' `share`, decoded
+        and collated by the pool (in worker processes with data.decode_workers); drops are
+        counted here, in sample order, as the thread path always did."""
+        keep = set(share) if self.media else set()
+        jobs = [DecodeJob(records=tuple(records[i] for i in g), media=self.media, carry=tuple(i in keep for i in g))
+                for g in groups]
+        if share and not self.media:  # the last stage decodes its share's media for the towers alone
+            jobs.append(DecodeJob(records=tuple(records[i] for i in share), media=True, collate=False,
+                                  carry=(True,) * len(share)))
+        done = self._pool.map(jobs, what=lambda j: f"samples {[r.key for r in j.records]}")
+        if self.media:
+            for d in done:
+                for err in d.drops:
+                    if self.rc.data.on_error == "raise":
+                        raise err
+                    self.skips.add(err)
+        by_index = {}
+        for job_groups, d in zip(list(groups) + ([share] if share and not self.media else []), done):
+            flagged = [i for i in job_groups if i in keep] if self.media else list(job_groups)
+            by_index.update(zip(flagged, d.carriers))
+        return [d.micro_batch for d in done[:len(groups)]], tuple(by_index[i] for i in share)
+
+    def _encode_step(self, planned, mine: int, groups, feats: list, carriers: tuple) -> EncodeStep | None:
         """The spread towers' view of the step: every stage's share, and this rank's share
-        decoded with its media (a stage that decoded them for its micro-batches reuses them)."""
+        collated with its media (a stage that decoded them for its micro-batches reuses them)."""
         if self.encode_stage is None:
             return None
         shares = planned.encode[mine]
-        share = shares[self.encode_stage]
-        media = [samples[i] if self.media else decode_record(records[i], self.tokenizer, self.rc.model,
-                                                             media=True, blank=True, limits=self.stream.limits)
-                 for i in share]
-        carriers = tuple(collate_for(self.rc.model, [m], packed=True, pad_id=self.tokenizer.pad_id).carrier
-                         for m in media)
         return EncodeStep(shares=tuple(tuple(x) for x in shares), groups=tuple(tuple(g) for g in groups),
                           rows={i: feature_rows(feats[i]) for g in groups for i in g}, carriers=carriers,
                           mode=planned.encode_recompute)
 
-    def _collate(self, samples: list) -> MicroBatch:
-        return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media)
-
-    def _decode(self, rec: Record):
-        """The first stage decodes media; the last stage needs only ids and labels. Media that
-        fail behind a valid header become zeros of the planned shape (and are counted), so
-        both stages keep the same samples in the same micro-batches."""
-        sample = decode_record(rec, self.tokenizer, self.rc.model, media=self.media, blank=True,
-                               limits=self.stream.limits)
-        if self.media:
-            for err in sample.dropped[len(rec.dropped):]:  # new here; earlier drops are counted
-                if self.rc.data.on_error == "raise":
-                    raise err
-                self.skips.add(err)
-        return sample
-
     # -- training thread ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop reading: release the record file; the daemon thread ends with the process."""
+        """Stop reading: end the decode workers, release the record file; the daemon thread ends
+        with the process."""
+        self._pool.close()
         if self._record:
             self._record.close()
             self._record = None

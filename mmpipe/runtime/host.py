@@ -139,3 +139,20 @@ def describe_cache(configured: str | None) -> str:
     state = (f"warm: {graphs} compiled graph(s) from earlier launches" if graphs else
              "cold: the first step compiles the attention kernels, once for every length")
     return f"compile cache {inductor} ({state}; launcher.cache_dir sets the folder)"
+
+
+DECODE_WORKERS_MAX = 4
+"""The most decode worker processes data.decode_workers=auto gives a rank."""
+
+
+def decode_workers(setting: int | str, threads: int) -> int:
+    """data.decode_workers for a rank with `threads` torch threads (threads_per_rank).
+
+    auto: none below 4 threads: there each core is busy with the rank's own kernels (CPU
+    training) and the reader, so a worker process only takes turns with them and the thread
+    path costs nothing extra (the 2-core machine, where each rank has one or two cores). With
+    more (a GPU node, where the cores only launch kernels) half of them, at most
+    DECODE_WORKERS_MAX: the rest stay with the training process and the reader's workers."""
+    if setting != "auto":
+        return int(setting)
+    return 0 if threads < 4 else min(DECODE_WORKERS_MAX, threads // 2)

@@ -201,7 +201,7 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _parent_death_signal():
+def parent_death_signal():
     """A preexec_fn that makes the kernel SIGKILL the child when the launcher dies (Linux)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -251,7 +251,7 @@ def launch(argv: list[str], *, nproc: int, backend: str = "auto", master_port: i
     previous = _catch(STOP_SIGNALS, got)
     ranks: list[_Rank] = []
     try:
-        preexec = _parent_death_signal()
+        preexec = parent_death_signal()
         for rank in range(nproc):
             error_file = logs / f"rank{rank}.error"
             error_file.unlink(missing_ok=True)
