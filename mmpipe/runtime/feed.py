@@ -27,16 +27,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmpipe.config import RunConfig, hardware_spec, training_precision
+from mmpipe.config import RunConfig, hardware_spec
 from mmpipe.data.loader import loader
 from mmpipe.data.records import Record, decode_record
 from mmpipe.data.skips import SkipCounter
 from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import Coef, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
+from mmpipe.planner.api import Coef, Ladder, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
 from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.spread import EncodeStep, feature_rows
+from mmpipe.runtime.stages import step_planner_args
 from mmpipe.runtime.stream import make_stream
 
 FIT_LAG = 3
@@ -93,12 +94,13 @@ class StepFeeder:
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None, first_step: int = 0, skips: SkipCounter | None = None,
                  fit: Coef | None = None, encoders: dict[str, str] | None = None,
-                 encode_stage: int | None = None):
+                 encode_stage: int | None = None, ladder: Ladder | None = None):
         """`fit`: the step-time fit a resumed run's checkpoint saved (None: none yet); it plans
         the steps until this run's own fits take over (only with plan.refit). `encode_stage`:
         with spread towers, this rank's pipeline stage (its share of the media is decoded and
         collated for the towers' pre-pass, runtime/spread.py); `encoders`: the run's resolved
-        plan.encoders (the planner deals each stage its share)."""
+        plan.encoders (the planner deals each stage its share). `ladder`: the run's plan.ladder
+        (ChosenStages.ladder): packed micro-batches are planned at, and padded to, its rungs."""
         self.encode_stage = encode_stage
         self.rc = rc
         self.tokenizer = tokenizer
@@ -108,14 +110,9 @@ class StepFeeder:
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
-        # over_memory: the user's stages exceed memory under the cost model and were accepted
-        # with a warning: plan their micro-batches without the memory limit rather than refuse.
         self.hardware = hardware_spec(rc)
-        self._planner_args = dict(model=rc.model, trainable=rc.train.trainable, dp=rc.parallel.dp,
-                                  stage_plan=stage_plan, policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
-                                  replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
-                                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom,
-                                  lora=rc.train.lora, encoders=encoders or None)
+        self._planner_args = dict(step_planner_args(rc, stage_plan=stage_plan, encoders=encoders,
+                                                    over_memory=over_memory), ladder=ladder)
         self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
         self._rates = self.planner.cost  # the hardware config's: what the efficiency figures are priced at
         self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
@@ -202,12 +199,13 @@ class StepFeeder:
                                f"train.global_batch (now {self.rc.train.global_batch}) above parallel.dp")
         t3 = time.perf_counter()
         samples = {i: self._decode(records[i]) for g in groups for i in g}  # only this replica's
-        mbs = [self._collate([samples[i] for i in g]) for g in groups]
-        for g, mb in zip(groups, mbs):  # what the planner costs is what the model gets
+        rungs = planned.padded[mine] if planned.padded else [None] * len(groups)  # plan.ladder's lengths
+        mbs = [self._collate([samples[i] for i in g], pad_to=n) for g, n in zip(groups, rungs)]
+        for g, mb, n in zip(groups, mbs, rungs):  # what the planner costs is what the model gets
             planned_len = sum(feats[i].llm_len for i in g)
-            if mb.tokens != planned_len:
-                raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens but the planner "
-                                   f"counted {planned_len}")
+            if mb.tokens != planned_len or mb.tokens + mb.pad_tokens != (planned_len if n is None else n):
+                raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens and {mb.pad_tokens} "
+                                   f"padding but the planner counted {planned_len}, padded to {n or planned_len}")
         encode = self._encode_step(planned, mine, groups, records, feats, samples)
         self.steps_made += 1
         if self._record:
@@ -241,8 +239,9 @@ class StepFeeder:
                           rows={i: feature_rows(feats[i]) for g in groups for i in g}, carriers=carriers,
                           mode=planned.encode_recompute)
 
-    def _collate(self, samples: list) -> MicroBatch:
-        return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media)
+    def _collate(self, samples: list, pad_to: int | None = None) -> MicroBatch:
+        return collate_for(self.rc.model, samples, packed=self.packed, pad_id=self.tokenizer.pad_id, media=self.media,
+                           pad_to=pad_to)
 
     def _decode(self, rec: Record):
         """The first stage decodes media; the last stage needs only ids and labels. Media that
