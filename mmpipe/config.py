@@ -338,8 +338,8 @@ class PlanConfig:
     ladder: str | tuple[int, ...] = "auto"
     """Lengths packed micro-batches are padded to, so compiled attention kernels see a few
     shapes: auto | off | rising multiples of 128, e.g. "plan.ladder=[512,1024,2048]". auto: on
-    in training runs whose attention kernel compiles (FlexAttention on CUDA), with up to 8
-    geometric rungs over the packed lengths of the first steps; off elsewhere (CPU, flash-attn,
+    in training runs whose attention kernel compiles (FlexAttention on CUDA), with the up to 8
+    rungs that pad the first steps' packed micro-batches least; off elsewhere (CPU, flash-attn,
     mmpipe plan). The padding is a segment of its own without labels, and the planner prices it
     (docs/planner.md, Length ladder)."""
 

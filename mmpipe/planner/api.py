@@ -34,7 +34,7 @@
 
     resolve_ladder(value, *, compiles, steps, **StepPlanner args) -> Ladder | None
         plan.ladder for a run: explicit rungs as given; `auto` (only where the attention kernel
-        compiles) geometric rungs over the packed lengths the planner makes on `steps`
+        compiles) the rungs that pad least the packed rows the planner makes on `steps`
         (planner/ladder.py); None: micro-batches are not padded. `StepPlanner(ladder=...)`
         prices every micro-batch at its padded length and says it in `StepPlan.padded`.
 
@@ -79,7 +79,7 @@ from mmpipe.planner.cost import (
     validate_trainable,
 )
 from mmpipe.planner.hardware import GB, HardwareSpec, hardware_from_dict, hardware_to_dict
-from mmpipe.planner.ladder import LLM_STREAM, Ladder, choose_ladder, pad_tokens, parse_ladder
+from mmpipe.planner.ladder import LLM_STREAM, PAST_TOP_GROWTH, Ladder, choose_ladder, pad_tokens, parse_ladder
 from mmpipe.planner.layout import Layout, LayoutChoice, costs_by_dp, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
 from mmpipe.planner.precision import TrainingPrecision
@@ -110,8 +110,8 @@ UNLIMITED_MEMORY_GB = 1e6
 """Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
 __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
-           "HardwareSpec",
-           "Ladder", "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
+           "HardwareSpec", "Ladder", "PAST_TOP_GROWTH",
+           "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
            "StepPlanner", "StepWork", "TrainingPrecision", "RecutChoice", "EncoderChoice", "build_cost_model",
            "calibrated_hardware", "check_headroom", "check_policy", "choose_encoders", "choose_layout",
            "consider_recut", "describe_gain", "resolve_encoders", "check_encoders_value", "parse_encoders",

@@ -14,6 +14,7 @@ from mmpipe.model import kernels
 from mmpipe.model.geometry import SampleFeatures, features
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.api import (
+    PAST_TOP_GROWTH,
     Ladder,
     StagePlan,
     choose_encoders,
@@ -110,13 +111,13 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
 def choose_ladder(rc: RunConfig, tokenizer, chosen: ChosenStages) -> Ladder | None:
     """plan.ladder for this run: explicit rungs as given; auto only where the attention kernel
     compiles per length (model/kernels.py `compiles`), spanning the packed lengths the planner
-    makes on the first two steps of the data. Every rank derives the same ladder."""
+    makes on the first steps of the data (workload_sample). Every rank derives the same ladder."""
     compiles = kernels.compiles(rc.train.attention, cuda=torch.cuda.is_available(), precision=rc.train.precision,
                                 dropout=rc.model.llm.attention_dropout)
     steps: list[list[SampleFeatures]] = []
     if rc.plan.ladder == "auto" and compiles:
         per_step = rc.train.global_batch // (1 if rc.plan.across_replicas else rc.parallel.dp)
-        sample = workload_sample(rc, tokenizer, steps=2)
+        sample = workload_sample(rc, tokenizer)
         steps = [sample[i:i + per_step] for i in range(0, len(sample), per_step)]
     return resolve_ladder(rc.plan.ladder, compiles=compiles, steps=steps, hardware=hardware_spec(rc),
                           **step_planner_args(rc, stage_plan=chosen.plan, encoders=chosen.encoders,
@@ -198,5 +199,5 @@ def format_stage_table(rc: RunConfig, choice: ChosenStages, names: list[str]) ->
                      f"(simulated time of the first steps: {said})")
     if choice.ladder is not None:
         lines.append(f"plan.ladder: packed micro-batches padded to {choice.ladder.text()} LLM tokens "
-                     f"(rungs past the top grow x{choice.ladder.ratio:.2g})")
+                     f"(a longer one to the top rung grown by x{PAST_TOP_GROWTH:g} steps)")
     return "\n".join(lines)
