@@ -235,3 +235,15 @@ def test_lora_settings_resolve_what_trains(capsys):
     assert load([], job="test").train.trainable == ("all",)
     rc = load(["train.lora.r=8", "train.trainable=[all]", "train.lora.target_modules=[q_proj,v_proj]"], job="test")
     assert rc.train.trainable == ("all",) and rc.train.lora.target_modules == ("q_proj", "v_proj")
+
+
+def test_plan_ladder_is_checked_in_the_config_with_one_line_naming_the_key():
+    from mmpipe.config import PlanConfig
+
+    assert PlanConfig(ladder=[512, 1024]).ladder == (512, 1024) and PlanConfig().ladder == "auto"
+    with pytest.raises(ValueError, match=r"^plan\.ladder=\[512,1000\] has a rung that is not a positive multiple "
+                                         r"of 128 \(FlexAttention's block\); use e\.g\. plan\.ladder=\[512,1024\]$"):
+        PlanConfig(ladder=[512, 1000])
+    with pytest.raises(ValueError, match=r"^plan\.ladder=\[512\] pads packed micro-batches, but plan\.policy="
+                                         r"ds-default pads each row to its longest sample; use plan\.ladder=off"):
+        PlanConfig(ladder=[512], policy="ds-default")
