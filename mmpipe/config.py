@@ -20,11 +20,13 @@ from mmpipe.model.spec import NO_LORA, TRAINABLE_PREFIXES, LoraSpec, ModelSpec, 
 from mmpipe.paths import model_folder, resolve_path, shell_word
 from mmpipe.planner.api import (  # planner-owned
     DEFAULT_HEADROOM,
+    PACKED_POLICIES,
     POLICIES,
     check_encoders_value,
     check_headroom,
     hardware_from_dict,
     parse_encoders,
+    parse_ladder,
     show_encoders,
 )
 
@@ -349,6 +351,13 @@ class PlanConfig:
     holds the whole tower and encodes a share of its replica's samples before the pipeline
     runs (docs/planner.md, Encoder placement); auto: the planner compares the best plan of
     each placement by its simulated step time and keeps the fastest (ties: stages)."""
+    ladder: str | tuple[int, ...] = "auto"
+    """Lengths packed micro-batches are padded to, so compiled attention kernels see a few
+    shapes: auto | off | rising multiples of 128, e.g. "plan.ladder=[512,1024,2048]". auto: on
+    in training runs whose attention kernel compiles (FlexAttention on CUDA), with the up to 8
+    rungs that pad the first steps' packed micro-batches least; off elsewhere (CPU, flash-attn,
+    mmpipe plan). The padding is a segment of its own without labels, and the planner prices it
+    (docs/planner.md, Length ladder)."""
 
     def __post_init__(self) -> None:
         if self.recut not in ("off", "auto"):
@@ -360,6 +369,12 @@ class PlanConfig:
             raise ValueError(f"plan.policy={self.policy!r} is unknown; use {', '.join(POLICIES)}")
         check_headroom(self.memory_headroom)
         check_encoders_value(self.encoders)
+        ladder = parse_ladder(self.ladder)
+        object.__setattr__(self, "ladder", ladder)  # frozen: rungs as a tuple, once
+        if isinstance(ladder, tuple) and self.policy not in PACKED_POLICIES:
+            raise ValueError(f"plan.ladder=[{','.join(map(str, ladder))}] pads packed micro-batches, but "
+                             f"plan.policy={self.policy} pads each row to its longest sample; use plan.ladder=off "
+                             f"or a packed policy ({', '.join(PACKED_POLICIES)})")
         if isinstance(self.encoders, Mapping):  # frozen: a plain dict, once
             object.__setattr__(self, "encoders", {str(k): v for k, v in self.encoders.items()})
         if self.recompute is not None:
@@ -615,7 +630,7 @@ def run_config_from_dict(cfg: Mapping[str, Any], *, run_dir: str = ".", machine:
         parallel=_section(ParallelConfig, "parallel", cfg.get("parallel")),
         train=_section(TrainConfig, "train", train),
         data=_section(DataConfig, "data", cfg.get("data")),
-        plan=_section(PlanConfig, "plan", _tuple_of(plan, "recompute")),
+        plan=_section(PlanConfig, "plan", _tuple_of(plan, "recompute")),  # plan.ladder: PlanConfig parses it
         launcher=_section(LauncherConfig, "launcher", cfg.get("launcher")),
         profile=_section(ProfileConfig, "profile", cfg.get("profile")),
         shards=_section(ShardsConfig, "shards", cfg.get("shards")),

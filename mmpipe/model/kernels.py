@@ -125,6 +125,17 @@ def describe(name: str, *, cuda: bool, precision: str) -> str:
             "eager": "eager, dense block-diagonal mask"}[name]
 
 
+def compiles(name: str, *, cuda: bool, precision: str, dropout: float = 0.0) -> bool:
+    """Whether the choice `name` runs packed rows through a kernel compiled per sequence length
+    on this machine (FlexAttention on CUDA): where plan.ladder=auto pads micro-batches to a few
+    lengths. flash-attn's varlen kernel and SDPA take any length without a compile."""
+    if not cuda or dropout > 0:  # no CUDA: SDPA; attention dropout: flex runs sdpa (`resolve`)
+        return False
+    if name == "auto":
+        return not (precision != "fp32" and flash_importable())
+    return name == "flex"
+
+
 # ----------------------------------------------------------------------------- kernels
 # Each takes query [1, H, T, d], key/value [1, Hkv, T, d] of one packed row and returns
 # [1, T, H, d] (transformers' attention-function layout).

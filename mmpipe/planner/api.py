@@ -32,6 +32,12 @@
         run's step-time re-fit); `.recut` when another cut is predicted faster by more than the
         threshold (a cut that cannot hold the samples in memory counts as infinitely slow).
 
+    resolve_ladder(value, *, compiles, steps, **StepPlanner args) -> Ladder | None
+        plan.ladder for a run: explicit rungs as given; `auto` (only where the attention kernel
+        compiles) the rungs that pad least the packed rows the planner makes on `steps`
+        (planner/ladder.py); None: micro-batches are not padded. `StepPlanner(ladder=...)`
+        prices every micro-batch at its padded length and says it in `StepPlan.padded`.
+
     calibrated_hardware(hardware, coef) -> HardwareSpec
         The hardware whose predicted step time is a StepCalibration fit's prediction (time
         constants scaled by its a; its per-micro-batch and per-step costs b, c become
@@ -73,6 +79,7 @@ from mmpipe.planner.cost import (
     validate_trainable,
 )
 from mmpipe.planner.hardware import GB, HardwareSpec, hardware_from_dict, hardware_to_dict
+from mmpipe.planner.ladder import LLM_STREAM, PAST_TOP_GROWTH, Ladder, choose_ladder, pad_tokens, parse_ladder
 from mmpipe.planner.layout import Layout, LayoutChoice, costs_by_dp, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages
 from mmpipe.planner.precision import TrainingPrecision
@@ -103,12 +110,13 @@ UNLIMITED_MEMORY_GB = 1e6
 """Device memory a StepPlanner assumes when told to plan without the memory limit."""
 
 __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM", "DEFAULT_PRECISION",
-           "HardwareSpec",
+           "HardwareSpec", "Ladder", "PAST_TOP_GROWTH",
            "Layout", "LayoutChoice", "Replicas", "StagePlan", "StepCalibration", "StepPlan",
            "StepPlanner", "StepWork", "TrainingPrecision", "RecutChoice", "EncoderChoice", "build_cost_model",
            "calibrated_hardware", "check_headroom", "check_policy", "choose_encoders", "choose_layout",
            "consider_recut", "describe_gain", "resolve_encoders", "check_encoders_value", "parse_encoders",
-           "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "plan_stages", "plan_step",
+           "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "parse_ladder", "plan_stages",
+           "plan_step", "resolve_ladder",
            "stage_memory_warnings", "step_work", "validate_trainable", "show_encoders"]
 
 
@@ -222,6 +230,12 @@ class StepPlan:
     encode_seconds: tuple[tuple[float, ...], ...] = ()
     """Per replica, per stage: its rank's encode time this step (pre-pass forward and
     post-pass), s; empty when no tower is spread."""
+    padded: tuple[tuple[int, ...], ...] = ()
+    """With a ladder (plan.ladder): per replica, the LLM length each micro-batch is padded to
+    and priced at (its rung); empty without one."""
+    pad_tokens: tuple[int, ...] = ()
+    """With a ladder: per replica, the padding tokens its micro-batches get (the rungs less the
+    samples' LLM tokens); empty without one."""
 
 
 class StepPlanner:
@@ -236,7 +250,7 @@ class StepPlanner:
                  replicas: int | None = None, memory_limit: bool = True,
                  precision: TrainingPrecision = DEFAULT_PRECISION,
                  memory_headroom: float = 0.0, lora: LoraSpec = NO_LORA,
-                 encoders: Encoders | str | None = None) -> None:
+                 encoders: Encoders | str | None = None, ladder: Ladder | None = None) -> None:
         """Args:
             model, hardware, trainable, dp: what the cost model prices (dp: data-parallel
                 replicas of the run, over which ZeRO-1 shards optimizer states).
@@ -256,6 +270,9 @@ class StepPlanner:
                 .encoders`; None: all on the stages). With a spread tower, `plan` also says
                 which rank encodes which sample (`StepPlan.encode`), and its step time and
                 memory include the pre-pass, the post-pass and the all-reduce.
+            ladder: the lengths packed micro-batches are padded to (`resolve_ladder`; None:
+                not padded; ignored by the padded policies): every micro-batch is priced at
+                its padded length, and `StepPlan.padded` says each one's.
         To re-plan with what the runtime measured, build a new StepPlanner with
         `calibrated_hardware(hardware, calibration.coef)` (runtime/feed.py does, once the
         run's re-fit has seen its warm-up steps).
@@ -273,11 +290,13 @@ class StepPlanner:
             self.cost, None if encoders is None else resolve_encoders(encoders, model))
         self.stage_plan = stage_plan
         self.dp = dp
+        self.ladder = ladder if policy in PACKED_POLICIES else None
         self.stage_costs = (pipeline_stage_costs(self.spread, stage_plan,
                                                  reserve_bytes(self.spread, encode_costs(self.spread, sample_table([])),
                                                                [], pp=stage_plan.pp, dp=dp))
                             if self.spread.active else
                             stage_costs(self.cost, stage_plan.stages, stage_plan.recompute))
+        self.stage_costs = dataclasses.replace(self.stage_costs, ladder=self.ladder)
         self.resident = hardware.reserved_gb * GB  # held by every rank whatever its plan
 
     @property
@@ -302,17 +321,27 @@ class StepPlanner:
                             busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
                             peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in ev.replica_peaks),
                             compute=tuple(float(r.makespan) if r is not None else 0.0 for r in ev.replicas),
-                            encode=tuple(((),) * pp for _ in reps))
+                            encode=tuple(((),) * pp for _ in reps), **self._padding(table, reps))
         sm = self.spread
         _, reps, ev, sp = plan_spread_step(
             sm, encode_costs(sm, table), table, range(len(table)), self.stage_plan,
             lambda sc: _replicas(self.policy, table, sc, self.replicas, self.micro_batches),
-            pp=pp, dp=self.replicas, packing=self.packing, ranks=pp * self.dp)
+            pp=pp, dp=self.replicas, packing=self.packing, ranks=pp * self.dp, ladder=self.ladder)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=sp.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
                         peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in sp.peaks),
                         compute=sp.compute, encode=sp.encode, encode_recompute=sp.mode,
-                        encode_seconds=sp.loads)
+                        encode_seconds=sp.loads, **self._padding(table, reps))
+
+    def _padding(self, table: SampleTable, reps: Replicas) -> dict:
+        """StepPlan's `padded` and `pad_tokens` under the ladder (nothing without one)."""
+        if self.ladder is None:
+            return {}
+        llm = table.tokens[:, LLM_STREAM]
+        lengths = [[int(llm[mb].sum()) for mb in rep] for rep in reps]
+        padded = tuple(tuple(self.ladder.pad_to(n) for n in rep) for rep in lengths)
+        return {"padded": padded,
+                "pad_tokens": tuple(int(pad_tokens(self.ladder, np.array(rep, dtype=float)).sum()) for rep in lengths)}
 
 
 def stage_memory_warnings(*, model: ModelSpec, hardware: HardwareSpec, trainable: Sequence[str],
@@ -541,3 +570,31 @@ def consider_recut(*, model: ModelSpec, hardware: HardwareSpec, trainable: tuple
     current_s = total(current)
     return RecutChoice(current=current, candidate=candidate, current_s=current_s,
                        candidate_s=current_s if same else total(candidate), steps=len(steps), threshold=threshold)
+
+
+# -- the lengths packed micro-batches are padded to (plan.ladder) -------------------------
+
+def resolve_ladder(value: object, *, compiles: bool, steps: Sequence[Sequence[SampleFeatures]],
+                   **planner: object) -> Ladder | None:
+    """plan.ladder for a run (None: micro-batches keep their packed length).
+
+    Args:
+        value: plan.ladder (`auto`, `off` or rungs; ValueError in one line if bad).
+        compiles: the run's attention kernel compiles per sequence length (FlexAttention on
+            CUDA): only then does `auto` pad, so CPU runs and flash-attn runs stay unpadded.
+        steps: the probe steps (each what one `StepPlanner.plan` call gets) whose packed
+            micro-batch lengths `auto` spans with its rungs (ladder.choose_ladder).
+        planner: the run's `StepPlanner` arguments (policy, stage_plan, ...); a padded policy
+            (ds-default, llava-grouped) never gets a ladder.
+    """
+    v = parse_ladder(value)
+    if v == "off" or planner.get("policy") not in PACKED_POLICIES:
+        return None
+    if isinstance(v, tuple):
+        return Ladder(v)
+    if not compiles:
+        return None
+    sp = StepPlanner(**planner)  # type: ignore[arg-type]
+    lengths = [sum(st[i].llm_len for i in mb) for st in steps if st
+               for rep in sp.plan(list(st)).replicas for mb in rep]
+    return choose_ladder(lengths)

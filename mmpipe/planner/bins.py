@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mmpipe.planner.ladder import LLM_STREAM, pad_tokens, padded_streams
 from mmpipe.planner.memory import window_peaks
 from mmpipe.planner.samples import bin_sums
 from mmpipe.planner.schedules import make_schedule
@@ -60,12 +61,19 @@ class BinCosts:
         return bin_sums(self.tokens, bins), bin_sums(self.squares, bins)
 
     def times(self, T: np.ndarray, S2: np.ndarray) -> tuple[np.ndarray, ...]:
-        """[P, m] forward, backward, forward send and backward send times of bins."""
-        return stage_times(self.sc, T, S2)
+        """[P, m] forward, backward, forward send and backward send times of bins with the
+        samples' stream sums T, S2 (priced at the length the stage costs' ladder pads them to)."""
+        return stage_times(self.sc, *padded_streams(self.sc.ladder, T, S2))
 
     def bytes(self, bins: Bins) -> tuple[np.ndarray, np.ndarray]:
-        """Kept and transient bytes per stage and bin, [P, m] each."""
-        return bin_sums(self.act, bins).T, bin_sums(self.tr, bins).T
+        """Kept and transient bytes per stage and bin, [P, m] each (a ladder's padding tokens
+        keep activations like any LLM token)."""
+        A, R = bin_sums(self.act, bins).T, bin_sums(self.tr, bins).T
+        if self.sc.ladder is not None:
+            pad = pad_tokens(self.sc.ladder, bin_sums(self.tokens[:, LLM_STREAM], bins))
+            A = A + np.outer(self.sc.act[:, LLM_STREAM], pad)
+            R = R + np.outer(self.sc.transient[:, LLM_STREAM], pad)
+        return A, R
 
     def fits(self, bins: Bins) -> bool:
         """Whether the bins, in this order, keep every stage's exact 1F1B in-flight peak (kept

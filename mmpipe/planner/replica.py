@@ -20,7 +20,7 @@ from mmpipe.planner.packing import edge_shares, lpt_pack, ramp_shares
 from mmpipe.planner.refine import refine_bins
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import makespan, simulate
-from mmpipe.planner.stage_cost import StageCosts
+from mmpipe.planner.stage_cost import StageCosts, stage_times
 
 TARGETED_BUDGET = 1000
 """Micro-batch simulations (a trial of m micro-batches counts m) the targeted move search of
@@ -175,7 +175,9 @@ class ReplicaPlanner(BinCosts):
             # s * bytes / bandwidth: affine in s, so two evaluations give every fluid profile
             T = np.array([[1.0], [0.5]]) * self.tokens.sum(axis=0)[None, :]
             S2 = np.array([[1.0], [0.5]]) * self.squares.sum(axis=0)[None, :]
-            one, half = zip(*(x.T for x in self.times(T, S2)))
+            # unpadded: a ladder's step would break the affinity, and the real packings that
+            # these profiles only rank are priced padded
+            one, half = zip(*(x.T for x in stage_times(self.sc, T, S2)))
             self._affine = [(2.0 * (a - h), 2.0 * h - a) for a, h in zip(one, half)]
         f, b, sf, sb = (np.outer(slope, share) + base[:, None] for slope, base in self._affine)
         return self.replica_time(makespan(make_schedule("1f1b", self.P, m), f, b, sf, sb), m)
@@ -212,7 +214,7 @@ class ReplicaPlanner(BinCosts):
             return np.inf, np.full(self.P, np.inf), np.ones(self.P)
         T = share[:, None] * self.tokens.sum(axis=0)[None, :]
         S2 = share[:, None] * self.squares.sum(axis=0)[None, :]
-        f, b, sf, sb = self.times(T, S2)
+        f, b, sf, sb = stage_times(self.sc, T, S2)  # fluid: unpadded, as in `fluid`
         sim = simulate(make_schedule("1f1b", self.P, m), fwd=f, bwd=b, send_fwd=sf, send_bwd=sb)
         act = np.outer(self.act.sum(axis=0), share)
         tr = np.outer(self.tr.sum(axis=0), share)

@@ -71,6 +71,7 @@ import numpy as np
 from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.cost import CostModel
 from mmpipe.planner.hardware import GB
+from mmpipe.planner.ladder import Ladder
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, stage_costs
@@ -545,13 +546,15 @@ def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEva
 
 def plan_spread_step(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rows: Sequence[int], plan: StagePlan,
                      balance: Callable[[StageCosts], Replicas], *, pp: int, dp: int, packing: bool = True,
-                     ranks: int | None = None) -> tuple[StageCosts, Replicas, StepEval, SpreadStep]:
+                     ranks: int | None = None, ladder: Ladder | None = None) -> tuple[StageCosts, Replicas, StepEval,
+                                                                                        SpreadStep]:
     """One step of `rows` (rows of `table`, which `ec` was made from) under a spread placement:
     the pipeline's stage costs with the spread towers' memory reserved (`reserve_bytes`), the
     micro-batches `balance` deals on them, their 1F1B evaluation and the step's price
-    (`price_step`; `ranks`: the run's pp x dp)."""
+    (`price_step`; `ranks`: the run's pp x dp; `ladder`: what packed micro-batches are padded
+    to, ladder.py)."""
     reserve = reserve_bytes(sm, ec, rows, pp=pp, dp=dp)
-    sc = pipeline_stage_costs(sm, plan, reserve)
+    sc = dataclasses.replace(pipeline_stage_costs(sm, plan, reserve), ladder=ladder)
     reps = balance(sc)
     ev = evaluate_step(sc, table, reps, packing=packing)
     return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, ranks=ranks)

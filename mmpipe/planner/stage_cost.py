@@ -16,6 +16,7 @@ import numpy as np
 
 from mmpipe.planner.cost import KIND_STREAM, KINDS, CostModel
 from mmpipe.planner.hardware import HardwareSpec
+from mmpipe.planner.ladder import Ladder
 from mmpipe.planner.samples import STREAMS, SampleTable
 
 
@@ -49,6 +50,10 @@ class StageCosts:
     """[P, K] bytes per stream token sent backward to the previous stage (first row zero)."""
     static: np.ndarray
     """[P] static bytes (weights, grads, optimizer states) per stage."""
+    ladder: Ladder | None = None
+    """The lengths packed LLM rows are padded to (plan.ladder; None: not padded). The prices of
+    whole micro-batches (`step.mb_costs`, `bins.BinCosts`) use the padded length; per-sample
+    work (`sample_work`) and the fluid profiles do not."""
 
     @property
     def pp(self) -> int:

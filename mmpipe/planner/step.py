@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmpipe.planner.ladder import padded_streams
 from mmpipe.planner.samples import SampleTable, mb_streams
 from mmpipe.planner.schedules import make_schedule
 from mmpipe.planner.simulator import SimResult, chunk_values, simulate
@@ -53,8 +54,11 @@ class StepEval:
 
 def mb_costs(sc: StageCosts, table: SampleTable, mbs: Sequence[Sequence[int]], *,
              packing: bool) -> MicroBatchCosts:
-    """Times and memory [P, m] of micro-batches given as rows of `table`."""
+    """Times and memory [P, m] of micro-batches given as rows of `table` (packed ones at the
+    length `sc.ladder` pads them to)."""
     T, S2 = mb_streams(table, mbs, packing=packing)
+    if packing:
+        T, S2 = padded_streams(sc.ladder, T, S2)
     return micro_batch_costs(sc, T, S2)
 
 

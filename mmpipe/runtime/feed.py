@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmpipe.config import RunConfig, hardware_spec, training_precision
+from mmpipe.config import RunConfig, hardware_spec
 from mmpipe.data.loader import loader
 from mmpipe.data.media import MediaLimits
 from mmpipe.data.records import Record, decode_record
@@ -41,11 +41,12 @@ from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.api import Coef, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
+from mmpipe.planner.api import Coef, Ladder, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
 from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.host import decode_workers
 from mmpipe.runtime.procpool import ProcessPool
 from mmpipe.runtime.spread import EncodeStep, feature_rows
+from mmpipe.runtime.stages import step_planner_args
 from mmpipe.runtime.stream import make_stream
 
 FIT_LAG = 3
@@ -105,6 +106,8 @@ class DecodeJob:
     """Collate them into one micro-batch (False: only the carriers)."""
     carry: tuple[bool, ...] = ()
     """Per record: also collate it alone as a spread tower's carrier (runtime/spread.py)."""
+    pad_to: int | None = None
+    """The micro-batch's planned length with padding (a plan.ladder rung; None: its tokens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +137,7 @@ class StepDecoder:
                    for r in job.records]
         drops = tuple(err for r, s in zip(job.records, samples) for err in s.dropped[len(r.dropped):])
         pad = self.tokenizer.pad_id
-        mb = (collate_for(self.spec, samples, packed=self.packed, pad_id=pad, media=job.media)
+        mb = (collate_for(self.spec, samples, packed=self.packed, pad_id=pad, media=job.media, pad_to=job.pad_to)
               if job.collate else None)
         carriers = tuple(collate_for(self.spec, [s], packed=True, pad_id=pad).carrier
                          for s, c in zip(samples, job.carry) if c)
@@ -155,12 +158,13 @@ class StepFeeder:
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None, first_step: int = 0, skips: SkipCounter | None = None,
                  fit: Coef | None = None, encoders: dict[str, str] | None = None,
-                 encode_stage: int | None = None):
+                 encode_stage: int | None = None, ladder: Ladder | None = None):
         """`fit`: the step-time fit a resumed run's checkpoint saved (None: none yet); it plans
         the steps until this run's own fits take over (only with plan.refit). `encode_stage`:
         with spread towers, this rank's pipeline stage (its share of the media is decoded and
         collated for the towers' pre-pass, runtime/spread.py); `encoders`: the run's resolved
-        plan.encoders (the planner deals each stage its share)."""
+        plan.encoders (the planner deals each stage its share). `ladder`: the run's plan.ladder
+        (ChosenStages.ladder): packed micro-batches are planned at, and padded to, its rungs."""
         self.encode_stage = encode_stage
         self.rc = rc
         self.tokenizer = tokenizer
@@ -170,14 +174,9 @@ class StepFeeder:
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
-        # over_memory: the user's stages exceed memory under the cost model and were accepted
-        # with a warning: plan their micro-batches without the memory limit rather than refuse.
         self.hardware = hardware_spec(rc)
-        self._planner_args = dict(model=rc.model, trainable=rc.train.trainable, dp=rc.parallel.dp,
-                                  stage_plan=stage_plan, policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
-                                  replicas=rc.parallel.dp if self.across else 1, memory_limit=not over_memory,
-                                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom,
-                                  lora=rc.train.lora, encoders=encoders or None)
+        self._planner_args = dict(step_planner_args(rc, stage_plan=stage_plan, encoders=encoders,
+                                                    over_memory=over_memory), ladder=ladder)
         self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
         self._rates = self.planner.cost  # the hardware config's: what the efficiency figures are priced at
         self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
@@ -271,12 +270,13 @@ class StepFeeder:
                                f"train.global_batch (now {self.rc.train.global_batch}) above parallel.dp")
         t3 = time.perf_counter()
         share = planned.encode[mine][self.encode_stage] if self.encode_stage is not None else []
-        mbs, carriers = self._build(records, groups, share)  # only this replica's
-        for g, mb in zip(groups, mbs):  # what the planner costs is what the model gets
+        rungs = planned.padded[mine] if planned.padded else [None] * len(groups)  # plan.ladder's lengths
+        mbs, carriers = self._build(records, groups, rungs, share)  # only this replica's
+        for g, mb, n in zip(groups, mbs, rungs):  # what the planner costs is what the model gets
             planned_len = sum(feats[i].llm_len for i in g)
-            if mb.tokens != planned_len:
-                raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens but the planner "
-                                   f"counted {planned_len}")
+            if mb.tokens != planned_len or mb.tokens + mb.pad_tokens != (planned_len if n is None else n):
+                raise RuntimeError(f"micro-batch {list(mb.keys)} holds {mb.tokens} LLM tokens and {mb.pad_tokens} "
+                                   f"padding but the planner counted {planned_len}, padded to {n or planned_len}")
         encode = self._encode_step(planned, mine, groups, feats, carriers)
         self.steps_made += 1
         if self._record:
@@ -293,13 +293,13 @@ class StepFeeder:
                            features=tuple(feats), work=step_work(self._rates, [feats[i] for g in groups for i in g]),
                            encode=encode)
 
-    def _build(self, records: list[Record], groups, share) -> tuple[list[MicroBatch], tuple]:
-        """The micro-batches of `groups` and the carriers of the spread towers' `share`, decoded
+    def _build(self, records: list[Record], groups, rungs, share) -> tuple[list[MicroBatch], tuple]:
+        """The micro-batches of `groups` (each padded to its rung) and the carriers of the spread towers' `share`, decoded
         and collated by the pool (in worker processes with data.decode_workers); drops are
         counted here, in sample order, as the thread path always did."""
         keep = set(share) if self.media else set()
-        jobs = [DecodeJob(records=tuple(records[i] for i in g), media=self.media, carry=tuple(i in keep for i in g))
-                for g in groups]
+        jobs = [DecodeJob(records=tuple(records[i] for i in g), media=self.media, carry=tuple(i in keep for i in g),
+                          pad_to=n) for g, n in zip(groups, rungs)]
         if share and not self.media:  # the last stage decodes its share's media for the towers alone
             jobs.append(DecodeJob(records=tuple(records[i] for i in share), media=True, collate=False,
                                   carry=(True,) * len(share)))

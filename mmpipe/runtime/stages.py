@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -9,13 +10,17 @@ import torch
 
 from mmpipe.config import RunConfig, hardware_spec, training_precision
 from mmpipe.data.skips import SkipCounter
+from mmpipe.model import kernels
 from mmpipe.model.geometry import SampleFeatures, features
 from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.api import (
+    PAST_TOP_GROWTH,
+    Ladder,
     StagePlan,
     choose_encoders,
     plan_stages,
     resolve_encoders,
+    resolve_ladder,
     show_encoders,
     stage_memory_warnings,
 )
@@ -36,6 +41,9 @@ class ChosenStages:
     """plan.encoders resolved: each tower's placement, `stages` or `spread` (runtime/spread.py)."""
     placements: dict[str, float] = field(default_factory=dict)
     """plan.encoders=auto: each placement's summed simulated step time over the sample steps, s."""
+    ladder: Ladder | None = None
+    """plan.ladder resolved: the lengths packed micro-batches are padded to (`ladder.rungs`,
+    the shapes to compile attention for before step 1); None: not padded."""
 
     @property
     def spread(self) -> tuple[str, ...]:
@@ -79,10 +87,44 @@ def workload_sample(rc: RunConfig, tokenizer, *, steps: int = 4) -> list[SampleF
     return out
 
 
+def step_planner_args(rc: RunConfig, *, stage_plan: StagePlan, encoders: dict[str, str] | None,
+                      over_memory: bool = False) -> dict:
+    """The StepPlanner arguments of a run's steps (runtime/feed.py plans with them; the ladder
+    is chosen with them). `over_memory`: the user's stages exceed memory under the cost model
+    and were accepted with a warning: their micro-batches are planned without the memory limit
+    rather than refused."""
+    return dict(model=rc.model, trainable=rc.train.trainable, dp=rc.parallel.dp, stage_plan=stage_plan,
+                policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
+                replicas=rc.parallel.dp if rc.plan.across_replicas else 1, memory_limit=not over_memory,
+                precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom,
+                lora=rc.train.lora, encoders=encoders or None)
+
+
 def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
     """The user's override when given (it always wins; the planner checks it against memory),
     else the policy's partition, planned on the first steps of the real data with the
-    configured hardware's cost model."""
+    configured hardware's cost model; then the run's length ladder (`choose_ladder`)."""
+    chosen = _choose_cut(rc, tokenizer)
+    return dataclasses.replace(chosen, ladder=choose_ladder(rc, tokenizer, chosen))
+
+
+def choose_ladder(rc: RunConfig, tokenizer, chosen: ChosenStages) -> Ladder | None:
+    """plan.ladder for this run: explicit rungs as given; auto only where the attention kernel
+    compiles per length (model/kernels.py `compiles`), spanning the packed lengths the planner
+    makes on the first steps of the data (workload_sample). Every rank derives the same ladder."""
+    compiles = kernels.compiles(rc.train.attention, cuda=torch.cuda.is_available(), precision=rc.train.precision,
+                                dropout=rc.model.llm.attention_dropout)
+    steps: list[list[SampleFeatures]] = []
+    if rc.plan.ladder == "auto" and compiles:
+        per_step = rc.train.global_batch // (1 if rc.plan.across_replicas else rc.parallel.dp)
+        sample = workload_sample(rc, tokenizer)
+        steps = [sample[i:i + per_step] for i in range(0, len(sample), per_step)]
+    return resolve_ladder(rc.plan.ladder, compiles=compiles, steps=steps, hardware=hardware_spec(rc),
+                          **step_planner_args(rc, stage_plan=chosen.plan, encoders=chosen.encoders,
+                                              over_memory=bool(chosen.warnings)))
+
+
+def _choose_cut(rc: RunConfig, tokenizer) -> ChosenStages:
     common = dict(model=rc.model, hardware=hardware_spec(rc), dp=rc.parallel.dp, trainable=rc.train.trainable,
                   micro_batches=rc.train.micro_batches, policy=rc.plan.policy,
                   precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora)
@@ -155,4 +197,7 @@ def format_stage_table(rc: RunConfig, choice: ChosenStages, names: list[str]) ->
         said = ", ".join(f"{k} {v:.3g} s" for k, v in choice.placements.items())
         lines.append(f"plan.encoders=auto chose {'+'.join(choice.spread) or 'stages'} "
                      f"(simulated time of the first steps: {said})")
+    if choice.ladder is not None:
+        lines.append(f"plan.ladder: packed micro-batches padded to {choice.ladder.text()} LLM tokens "
+                     f"(a longer one to the top rung grown by x{PAST_TOP_GROWTH:g} steps)")
     return "\n".join(lines)

@@ -234,7 +234,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
                             over_memory=bool(stages.warnings), media=pipe.first,
                             reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start,
                             fit=calibration.coef if calibration.fitted else None,
-                            encoders=stages.encoders, encode_stage=pipe.engine.stage_id if spread is not None else None)
+                            encoders=stages.encoders, encode_stage=pipe.engine.stage_id if spread is not None else None,
+                            ladder=stages.ladder)
     if rank == 0 and rc.train.resume:
         truncate_records(run_dir / "metrics.jsonl", start)
     writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
@@ -376,6 +377,9 @@ class _Fed:
     label_tokens: int
     samples: int
     tokens: int
+    """LLM tokens of the step's samples (every replica), padding not counted."""
+    pad_tokens: int
+    """Padding tokens plan.ladder added to them (every replica; 0 without a ladder)."""
     ideal_s: float
     """The step's samples (every replica) at the hardware config's peak rates, forward and
     backward, s: pp x dp times the step's lower bound."""
@@ -439,7 +443,8 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     agree_on_micro_batches(pipe.engine, len(mbs), loop.rc.parallel.dp)
     work = planned.work if planned else None
     counts = torch.tensor([sum(m.label_tokens for m in mbs), sum(len(m.keys) for m in mbs),
-                           sum(m.tokens for m in mbs), work.ideal_s if work else 0.0, work.flops if work else 0.0],
+                           sum(m.tokens for m in mbs), work.ideal_s if work else 0.0, work.flops if work else 0.0,
+                           sum(m.pad_tokens for m in mbs)],
                           dtype=torch.float64, device=dev)
     planned_fig = torch.tensor([planned.predicted_s, planned.compute_s, len(mbs)] if planned else [0.0] * 3,
                                dtype=torch.float64, device=dev)
@@ -449,11 +454,12 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     if planned is not None and loop.rc.plan.recut == "auto" and dist.get_rank() == 0:
         loop.recent.append(planned.features)
     fed = _Fed(planned=planned, micro_batches=mbs, encode=encode, label_tokens=int(counts[0]), samples=int(counts[1]),
-               tokens=int(counts[2]), ideal_s=float(counts[3]), flops=float(counts[4]),
+               tokens=int(counts[2]), pad_tokens=int(counts[5]), ideal_s=float(counts[3]), flops=float(counts[4]),
                predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
                slow_micro_batches=int(planned_fig[2]), started=t0)
     if step == loop.start + 1 and dist.get_rank() == 0:
-        said = (f"tokens per step: {fed.tokens} LLM tokens, {fed.label_tokens} label tokens, "
+        pad = f" (+{fed.pad_tokens} padding, plan.ladder)" if fed.pad_tokens else ""
+        said = (f"tokens per step: {fed.tokens} LLM tokens{pad}, {fed.label_tokens} label tokens, "
                 f"{fed.samples} samples (first step)")
         loop.bar.note(said) if loop.bar is not None else print(said, flush=True)
     return fed
@@ -611,7 +617,8 @@ def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dic
     rec = {"step": step, "loss": round(trained.loss, 6), "samples_per_s": fed.samples / dt,
            "tokens_per_s": fed.tokens / dt, "step_time": dt, "lr": trained.lr,
            "grad_norm": trained.grad_norm if math.isfinite(trained.grad_norm) else None,
-           "samples": fed.samples, "tokens": fed.tokens, "label_tokens": fed.label_tokens, "micro_batches": mbs,
+           "samples": fed.samples, "tokens": fed.tokens, "pad_tokens": fed.pad_tokens,
+           "label_tokens": fed.label_tokens, "micro_batches": mbs,
            "engine_time": engine_s, "stage_busy_s": busy,
            "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
            "bubble": 1.0 - sum(busy) / (len(busy) * engine_s),

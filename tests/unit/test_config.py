@@ -252,3 +252,15 @@ def test_a_missing_model_folder_says_so_and_the_family_list_is_the_registry(tmp_
     assert main(["train", "model=hf"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert all(name in err for name in ARCHITECTURES.values()) and "model=compose" in err, err
+
+
+def test_plan_ladder_is_checked_in_the_config_with_one_line_naming_the_key():
+    from mmpipe.config import PlanConfig
+
+    assert PlanConfig(ladder=[512, 1024]).ladder == (512, 1024) and PlanConfig().ladder == "auto"
+    with pytest.raises(ValueError, match=r"^plan\.ladder=\[512,1000\] has a rung that is not a positive multiple "
+                                         r"of 128 \(FlexAttention's block\); use e\.g\. plan\.ladder=\[512,1024\]$"):
+        PlanConfig(ladder=[512, 1000])
+    with pytest.raises(ValueError, match=r"^plan\.ladder=\[512\] pads packed micro-batches, but plan\.policy="
+                                         r"ds-default pads each row to its longest sample; use plan\.ladder=off"):
+        PlanConfig(ladder=[512], policy="ds-default")
