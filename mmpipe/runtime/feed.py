@@ -294,9 +294,9 @@ class StepFeeder:
                            encode=encode)
 
     def _build(self, records: list[Record], groups, rungs, share) -> tuple[list[MicroBatch], tuple]:
-        """The micro-batches of `groups` (each padded to its rung) and the carriers of the spread towers' `share`, decoded
-        and collated by the pool (in worker processes with data.decode_workers); drops are
-        counted here, in sample order, as the thread path always did."""
+        """The micro-batches of `groups` (each padded to its rung) and the carriers of the spread
+        towers' `share`, decoded and collated by the pool (in worker processes with
+        data.decode_workers); drops are counted here, in sample order, as the thread path always did."""
         keep = set(share) if self.media else set()
         jobs = [DecodeJob(records=tuple(records[i] for i in g), media=self.media, carry=tuple(i in keep for i in g),
                           pad_to=n) for g, n in zip(groups, rungs)]
