@@ -90,3 +90,35 @@ def test_a_layout_the_gpus_cannot_run_is_one_line_before_launch(monkeypatch, cap
     assert "ranks need" in err and "torch sees 1 here (1 x NVIDIA H200)" in err and fix in err
     assert "launcher.backend=gloo" in err
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("rank*.log"))
+
+
+class _Driver:
+    """The CUDA driver calls detect makes, answering as a node with `count` GPUs would."""
+
+    def __init__(self, count: int, name: bytes = b"NVIDIA H200", init: int = 0):
+        self.count, self.name, self.init = count, name, init
+
+    def cuInit(self, flags):
+        return self.init
+
+    def cuDeviceGetCount(self, out):
+        out._obj.value = self.count
+        return 0
+
+    def cuDeviceGet(self, out, ordinal):
+        out._obj.value = ordinal
+        return 0
+
+    def cuDeviceGetName(self, buf, size, device):
+        buf.value = self.name
+        return 0
+
+
+def test_the_gpus_are_counted_and_named_by_the_driver_without_importing_torch():
+    """The command line decides the defaults before any rank starts; torch's import takes seconds."""
+    from mmpipe.machine import _driver_gpus
+
+    assert _driver_gpus(_Driver(8)) == (8, "NVIDIA H200")
+    assert _driver_gpus(_Driver(0)) == (0, None)  # CUDA_VISIBLE_DEVICES=""
+    assert _driver_gpus(_Driver(2, init=100)) == (0, None)  # CUDA_ERROR_NO_DEVICE
+    assert _driver_gpus(None) == (0, None)  # no NVIDIA driver installed
