@@ -22,12 +22,17 @@ def run_export(run_dir: str, *, out: str, checkpoint: str | None = None, overwri
     import yaml
 
     from mmpipe.export_folder import check_out
+    from mmpipe.model.group import is_hf_group
     from mmpipe.runtime.committed import MARKER, newest_committed
 
     run = Path(run_dir)
     if not (run / "run.yaml").is_file():
         raise ValueError(f"{run_dir} is not a run directory (no run.yaml); give the hydra.run.dir of a "
                          f"`mmpipe train` run")
+    raw = yaml.safe_load((run / "run.yaml").read_text())
+    if not is_hf_group(raw.get("model") or {}):  # from the file: building its config imports torch
+        raise ValueError(f"{run_dir} trained model {(raw.get('model') or {}).get('name', '?')}, mmpipe's own model: "
+                         f"export writes a Hugging Face model; train one with model=hf, model=compose or a Hub preset")
     if checkpoint is None:  # the newest committed one (a save cut short by a crash is never exported)
         folder = newest_committed(run, f"mmpipe export {run_dir}")[0]
     else:
@@ -36,14 +41,10 @@ def run_export(run_dir: str, *, out: str, checkpoint: str | None = None, overwri
             have = sorted(p.parent.name for p in (run / "checkpoints").glob(f"step*/{MARKER}")) or ["none"]
             raise ValueError(f"checkpoint={checkpoint}: {folder} is not a committed checkpoint of {run_dir} "
                              f"(committed: {', '.join(have)}); save with train.save_every=N or train.save_final=true")
-    raw = yaml.safe_load((run / "run.yaml").read_text())
     # out= against the folders run.yaml names, before the model is built (seconds of imports);
     # export() checks again against the built model's folders
     check_out(out, _named_folders(raw, folder), overwrite=overwrite)
     rc = run_config_from_dict(raw, run_dir=str(run))
-    if rc.model.hf is None:
-        raise ValueError(f"{run_dir} trained model {rc.model.name}, mmpipe's own model: export writes a Hugging Face "
-                         f"model; train one with model=hf, model=compose or a Hub preset")
     path, key = tokenizer_source(rc) if rc.data.tokenizer else (None, "")
     tokenizer = path if path and Path(path).is_dir() else None
     if merge and not rc.train.lora.active:
