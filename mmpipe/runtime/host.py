@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -156,3 +157,17 @@ def decode_workers(setting: int | str, threads: int) -> int:
     if setting != "auto":
         return int(setting)
     return 0 if threads < 4 else min(DECODE_WORKERS_MAX, threads // 2)
+
+
+def parent_death_signal():
+    """A preexec_fn that makes the kernel SIGKILL the child when the launcher dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: nothing may be imported after fork
+
+    def arm() -> None:
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+    return arm

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO
 
 import mmpipe
-from mmpipe.runtime.host import accelerator_env, threads_per_rank
+from mmpipe.runtime.host import accelerator_env, parent_death_signal, threads_per_rank
 from mmpipe.runtime.worker import ERROR_PREFIX, EXIT_PEER_LOST, EXIT_USER_ERROR
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -199,20 +199,6 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def parent_death_signal():
-    """A preexec_fn that makes the kernel SIGKILL the child when the launcher dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: nothing may be imported after fork
-
-    def arm() -> None:
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-    return arm
 
 
 def launch(argv: list[str], *, nproc: int, backend: str = "auto", master_port: int = 0,

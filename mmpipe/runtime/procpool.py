@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from mmpipe.runtime.launch import parent_death_signal
+from mmpipe.runtime.host import parent_death_signal
 
 
 class WorkerTraceback(Exception):
