@@ -18,14 +18,12 @@ come from the shards' index.json when it lists them, else from the tar headers.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from mmpipe.data.reader import Reader, SampleStream
-from mmpipe.data.shards import Shard, count_samples, is_local
+from mmpipe.data.shards import Shard, count_samples, listed_samples
 
 LIMIT_MODES = ("first", "random")
 _SOURCE_KEYS = ("name", "path", "weight", "limit", "limit_mode", "schedule")
@@ -119,18 +117,9 @@ def _schedule(value: Any, where: str) -> tuple[tuple[int, float], ...]:
 def shard_sizes(shards: Sequence[Shard]) -> list[int]:
     """Samples per shard: from an index.json next to local shards when it lists them all, else
     counted from the tar headers."""
-    local = [Path(s.url) for s in shards if is_local(s.url)]
-    if len(local) == len(shards) and local:
-        listed: dict[str, int] = {}
-        for idx in {p.parent / "index.json" for p in local}:
-            if idx.is_file():
-                try:
-                    for entry in json.loads(idx.read_text()).get("shards", []):
-                        listed[str(idx.parent / entry["file"])] = int(entry["samples"])
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    pass
-        if all(str(p) in listed for p in local):
-            return [listed[str(p)] for p in local]
+    listed = listed_samples(list(shards))
+    if shards and len(listed) == len(shards):
+        return [listed[s.url] for s in shards]
     return [count_samples(s) for s in shards]
 
 

@@ -24,7 +24,7 @@ from mmpipe.data.captions import as_conversation, metadata_member
 from mmpipe.data.media import DEFAULT_LIMITS, MediaLimits
 from mmpipe.data.options import CAPTION_PROMPT, check_options
 from mmpipe.data.records import Record, Sample, decode_record, make_record, meta_record
-from mmpipe.data.shards import Shard, read_shard, resolve_urls, shard_name, shards_for_reader
+from mmpipe.data.shards import Shard, listed_samples, read_shard, resolve_urls, shard_name, shards_for_reader
 from mmpipe.data.skips import CORRUPT_SHARD, SampleError, SkipCounter
 from mmpipe.data.tario import ShardError
 from mmpipe.data.tokenizer import Tokenizer
@@ -54,11 +54,28 @@ def _shuffled(items: Iterable[Any], size: int, rng: random.Random) -> Iterator[A
 
 
 def _read(order: list[Shard], select: Callable[[str], bool] | None) -> Iterator[dict | SampleError]:
+    listed: dict[str, int] | None = None  # read on the first damaged shard only
     for shard in order:
+        read = 0
         try:
-            yield from read_shard(shard, select=select)
+            for item in read_shard(shard, select=select):
+                read += not isinstance(item, SampleError)
+                yield item
         except ShardError as err:
-            yield SampleError(CORRUPT_SHARD, f"{err} (samples after this point are lost)", shard=shard.name)
+            listed = listed_samples(order) if listed is None else listed
+            yield _corrupt(shard, err, read, listed.get(shard.url))
+
+
+def _corrupt(shard: Shard, err: ShardError, read: int, listed: int | None) -> SampleError:
+    """A damaged shard as one drop that counts the samples it lost: all its samples after the
+    `read` complete ones, as its index.json lists them; at least 1 (the sample the damage cut)
+    when no index lists the shard, since data after a cut or garbage cannot be counted."""
+    if listed is not None and listed >= read:
+        return SampleError(CORRUPT_SHARD, f"{err} ({listed - read} of its {listed} samples lost, "
+                           f"{read} read before the damage)", shard=shard.name, lost=listed - read)
+    return SampleError(CORRUPT_SHARD, f"{err} (samples after this point are lost: {read} read before the damage, "
+                       "how many followed is unknown because no index.json lists the shard; counted as 1)",
+                       shard=shard.name)
 
 
 # ---------------------------------------------------------------------------- readers

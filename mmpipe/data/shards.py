@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import json
 import os
 import re
 import shlex
@@ -453,6 +454,22 @@ def read_shard(shard: Shard, *, select: Callable[[str], bool] | None = None) -> 
             ordinal += 1
             yield sample
         finish()
+
+
+def listed_samples(shards: list[Shard]) -> dict[str, int]:
+    """Samples per local shard (by url) as the index.json next to it lists them (mmpipe's
+    converter and demo data write one); shards no readable index lists are absent."""
+    listed: dict[str, int] = {}
+    folders = {Path(s.url).parent for s in shards if is_local(s.url)}
+    for idx in (f / "index.json" for f in folders):
+        if not idx.is_file():
+            continue
+        try:
+            for entry in json.loads(idx.read_text()).get("shards", []):
+                listed[str(idx.parent / entry["file"])] = int(entry["samples"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # an index we cannot read lists nothing: the caller counts by other means
+    return {s.url: listed[str(Path(s.url))] for s in shards if is_local(s.url) and str(Path(s.url)) in listed}
 
 
 def count_samples(shard: Shard) -> int:

@@ -55,29 +55,32 @@ skips.jsonl)."""
 class SampleError(ValueError):
     """A sample that cannot be used: `reason` is one of REASONS, `detail` says what was seen."""
 
-    def __init__(self, reason: str, detail: str, *, shard: str = "", key: str = "") -> None:
+    def __init__(self, reason: str, detail: str, *, shard: str = "", key: str = "", lost: int = 1) -> None:
         self.reason = reason
         self.detail = detail
         self.shard = shard
         self.key = key
+        self.lost = lost
+        """Samples this drop stands for: 1 for a sample; for a corrupt shard, the samples after the
+        damage (from the shard's index.json; at least 1 when no index lists the shard)."""
         super().__init__(self._message())
 
     def __reduce__(self):
         # Crosses DataLoader worker processes inside Sample.dropped; the default would call
         # SampleError(message) and fail.
-        return (_rebuild, (self.reason, self.detail, self.shard, self.key))
+        return (_rebuild, (self.reason, self.detail, self.shard, self.key, self.lost))
 
     def at(self, *, shard: str, key: str) -> "SampleError":
         """The same error, located in a shard and sample key."""
-        return SampleError(self.reason, self.detail, shard=shard, key=key)
+        return SampleError(self.reason, self.detail, shard=shard, key=key, lost=self.lost)
 
     def _message(self) -> str:
         where = " ".join(x for x in (self.shard, f"sample {self.key}" if self.key else "") if x)
         return f"{where + ': ' if where else ''}{self.reason}: {self.detail}"
 
 
-def _rebuild(reason: str, detail: str, shard: str, key: str) -> SampleError:
-    return SampleError(reason, detail, shard=shard, key=key)
+def _rebuild(reason: str, detail: str, shard: str, key: str, lost: int) -> SampleError:
+    return SampleError(reason, detail, shard=shard, key=key, lost=lost)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,7 +88,7 @@ class SkipCounter:
     """Samples dropped by the reader, counted by reason (shared by every pass of a stream)."""
 
     counts: Counter[str] = field(default_factory=Counter)
-    """Drops per reason."""
+    """Samples dropped per reason (a corrupt shard counts the samples it lost)."""
     examples: list[str] = field(default_factory=list)
     """The first few drop messages (shard, key, detail), for logs."""
     max_examples: int = 5
@@ -97,6 +100,8 @@ class SkipCounter:
     are in the journal (0: print nothing)."""
     fields: dict = field(default_factory=dict)
     """Added to every journal line (e.g. the replica that read the sample)."""
+    events: Counter[str] = field(default_factory=Counter)
+    """Drops per reason as they were reported (a corrupt shard is one event and many samples)."""
 
     @classmethod
     def for_run(cls, run_dir: str | Path, **fields) -> "SkipCounter":
@@ -104,18 +109,20 @@ class SkipCounter:
         return cls(journal=Path(run_dir) / "skips.jsonl", echo=ECHO_PER_REASON, fields=fields)
 
     def add(self, err: SampleError) -> None:
-        self.counts[err.reason] += 1
+        self.counts[err.reason] += err.lost
+        self.events[err.reason] += 1
         if len(self.examples) < self.max_examples:
             self.examples.append(str(err))
         if self.journal is not None:
-            line = {"reason": err.reason, "shard": err.shard, "key": err.key, "detail": err.detail, **self.fields}
+            line = {"reason": err.reason, "shard": err.shard, "key": err.key, "detail": err.detail, "lost": err.lost,
+                    **self.fields}
             # One write per line on an O_APPEND descriptor: the replicas of a run share the file.
             fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, (json.dumps(line) + "\n").encode())
             finally:
                 os.close(fd)
-        n = self.counts[err.reason]
+        n = self.events[err.reason]
         if self.echo and n <= self.echo:
             print(f"skipped {err}", file=sys.stderr, flush=True)
         if self.echo and n == self.echo + 1:
@@ -130,7 +137,7 @@ class SkipCounter:
         """E.g. `skipped 3 samples: 2 undecodable image, 1 empty answer` (`skipped 0 samples`)."""
         n = self.total
         head = f"skipped {n} sample{'' if n == 1 else 's'}"
-        if not n:
+        if not self.events:
             return head
         parts = [f"{c} {r}" for r, c in sorted(self.counts.items(), key=lambda rc: (-rc[1], rc[0]))]
         return f"{head}: {', '.join(parts)}"
@@ -138,6 +145,7 @@ class SkipCounter:
     def merge(self, other: "SkipCounter") -> None:
         """Add another counter's drops (e.g. gathered from other replicas)."""
         self.counts.update(other.counts)
+        self.events.update(other.events)
         room = self.max_examples - len(self.examples)
         self.examples.extend(other.examples[:max(0, room)])
 

@@ -4,6 +4,7 @@ unsafe member name is a counted skip, never a sample key."""
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 
 import pytest
@@ -57,6 +58,24 @@ def test_a_truncated_shard_is_counted_once_and_the_next_shard_still_read(mini_da
     with pytest.raises(SampleError, match=r"^t-0.tar: corrupt shard"):
         list(iter_samples(path=str(tmp_path / "t-{0..1}.tar"), tokenizer=mini_tok, spec=tiny_spec,
                           dp_rank=0, dp_size=1, epochs=1, on_error="raise"))
+
+
+def test_a_truncated_shard_counts_the_samples_its_index_lists_after_the_cut(mini_data, mini_tok, tiny_spec,
+                                                                             tmp_path) -> None:
+    """A cut shard loses every sample after the cut: the index.json beside it says how many."""
+    good = (mini_data / "shards" / "train-000000.tar").read_bytes()
+    (tmp_path / "t-0.tar").write_bytes(good[:5000])  # cut inside the second sample
+    whole = len(list(iter_meta(path=str(mini_data / "shards" / "train-000000.tar"))))
+    (tmp_path / "index.json").write_text(json.dumps({"shards": [{"file": "t-0.tar", "samples": whole}]}))
+    skips = SkipCounter(journal=tmp_path / "skips.jsonl")
+    got = keys(iter_samples(path=str(tmp_path / "t-0.tar"), tokenizer=mini_tok, spec=tiny_spec,
+                            dp_rank=0, dp_size=1, epochs=1, skips=skips))
+    assert len(got) == 1 and whole == 10
+    assert skips.as_dict() == {"corrupt shard": 9}
+    assert skips.summary() == "skipped 9 samples: 9 corrupt shard"
+    assert "(9 of its 10 samples lost, 1 read before the damage)" in skips.examples[0]
+    line = json.loads((tmp_path / "skips.jsonl").read_text())
+    assert (line["shard"], line["lost"]) == ("t-0.tar", 9)
 
 
 def text_sample(key: str, tok) -> tuple[str, bytes]:
