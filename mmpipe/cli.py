@@ -61,6 +61,18 @@ MACHINE_COMMANDS = ("train", "plan", "bench", "profile")
 """The commands whose start-up says what was fitted to the machine (layout, hardware=auto)."""
 
 
+def _name_the_accelerator() -> None:
+    """On a machine with no GPU, tell DeepSpeed it runs on the CPU (DS_ACCELERATOR=cpu, unless
+    the user set it), so that the commands that import it here (checkpoint info, export, eval)
+    print no `Setting accelerator to CPU ... we were unable to detect it` warning. The GPUs are
+    counted through the driver (mmpipe.machine): torch is not imported for it."""
+    if "DS_ACCELERATOR" not in os.environ:
+        from mmpipe.machine import detect
+
+        if not detect().gpus:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The deepspeed launcher inserts --local_rank=N; ranks come from the environment instead.
@@ -76,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             print("mmpipe (not installed: running from a source folder)")
         return 0
     name, args = argv[0], argv[1:]
+    _name_the_accelerator()
     if name == "export":
         return export_command(args)
     if name == "eval":

@@ -11,8 +11,33 @@ import sys
 from collections.abc import Iterator
 
 
+class _Drop(logging.Filter):
+    """Drops records whose message starts with one of `starts` (one library line, not its logger)."""
+
+    def __init__(self, *starts: str) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def quiet_third_party() -> None:
+    """Filter the library warnings a user can do nothing about, each at its source:
+    torch's `No CUDA runtime is found, using CUDA_HOME=...` (logged when DeepSpeed's op builder
+    imports torch's C++ extension module on a machine with no GPU, where no CUDA is expected) and
+    torch.distributed's FutureWarning that `all_gather_into_tensor` is deprecated (DeepSpeed's
+    ZeRO-1 calls it every step; printed with a stray `return func(*args, **kwargs)` line)."""
+    import warnings
+
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_Drop("No CUDA runtime is found"))
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+
+
 def quiet_deepspeed() -> None:
     """DeepSpeed's loggers at WARNING: its INFO lines repeat per rank and step."""
+    quiet_third_party()
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:

@@ -194,7 +194,8 @@ def format_stage_table(rc: RunConfig, choice: ChosenStages, names: list[str]) ->
         lines.append(f"encoders: {', '.join(choice.spread)} spread: held by stage 0, encoded by every stage of each "
                      f"replica (its share of the replica's media), features sent to stage 0")
     if choice.placements:
-        said = ", ".join(f"{k} {v:.3g} s" for k, v in choice.placements.items())
+        said = ", ".join(f"{k} {v:.3g} s" if math.isfinite(v) else f"{k}: does not fit in memory"
+                         for k, v in choice.placements.items())
         lines.append(f"plan.encoders=auto chose {'+'.join(choice.spread) or 'stages'} "
                      f"(simulated time of the first steps: {said})")
     if choice.ladder is not None:

@@ -138,6 +138,8 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
     overrides = _with(COMMON, CASES[case])
     run = run_mmpipe("train", *overrides)
     assert run.code == 0, run.out[-3000:]
+    for noise in ("No CUDA runtime is found", "FutureWarning", "return func(*args, **kwargs)"):
+        assert noise not in run.out  # library warnings a user can do nothing about (ZeRO-1's included)
     dp = 2 if "dp2" in case else 1
     across = "plan.across_replicas=true" in overrides
     pp = int(case[2])

@@ -9,6 +9,7 @@ steps. At step 4 the new cut is kept (no re-cut back and forth)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -27,6 +28,10 @@ def test_auto_recut_relaunches_on_a_better_cut_and_the_run_continues(run_mmpipe)
     assert cut.code == 0, cut.out[-3000:]
     assert "mmpipe train: re-cut after step 2: stages [[0, 1], [1, 15]] -> [[0, " in cut.out
     assert "relaunching 2 processes from its checkpoint" in cut.out and "warning: resharded: pipeline pp=2" in cut.out
+    # one `done:` line for the run: the launch before the re-cut reports its steps so far
+    ends = [l for l in cut.out.splitlines() if l.startswith(("done:", "so far:"))]
+    assert len(ends) == 2 and ends[0].startswith("so far: 2 steps in "), ends
+    assert re.search(r"^done: 4 steps in [\d.]+s \(steps 3-6, from the checkpoint of step 2\)", cut.out, re.M)
     history = [json.loads(line) for line in (cut.run_dir / "recuts.jsonl").read_text().splitlines()]
     assert len(history) == 1 and history[0]["step"] == 2 and history[0]["predicted_gain"] > 0.05
     new = history[0]["new"]

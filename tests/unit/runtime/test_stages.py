@@ -99,3 +99,22 @@ def test_a_spread_tower_stays_on_stage_0_and_one_stage_cannot_spread():
         choose_stages(bad, load_tokenizer(tokenizer_source(bad)[0]))
     with pytest.raises(ValueError, match=r"plan\.encoders=spread needs parallel\.pp >= 2"):
         load(["parallel.pp=1", "plan.encoders=spread"], job="test")
+
+
+def test_a_placement_that_does_not_fit_is_said_so_not_priced_at_infinity() -> None:
+    """plan.encoders=auto prices a placement that cannot hold a step as infinitely slow; the
+    start-up line says it does not fit rather than `spread inf s`."""
+    import math
+
+    from mmpipe.model.spec import layer_names
+    from mmpipe.planner.api import StagePlan
+    from mmpipe.runtime.stages import ChosenStages, format_stage_table
+
+    rc = load(["train.steps=1"], job="test")
+    names = layer_names(rc.model)
+    plan = StagePlan(stages=[(0, 12), (12, len(names))], recompute=[False, False])
+    chosen = ChosenStages(plan=plan, source="planner (data-aware)", encoders={"vision": "stages", "audio": "stages"},
+                          placements={"stages": 1.47, "spread": math.inf})
+    line = format_stage_table(rc, chosen, names).splitlines()[-1]
+    assert line == ("plan.encoders=auto chose stages (simulated time of the first steps: stages 1.47 s, "
+                    "spread: does not fit in memory)")
