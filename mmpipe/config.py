@@ -6,7 +6,6 @@ is launched, and every message names the key as the user types it, the bad value
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from mmpipe.machine import Machine
 from mmpipe.model.group import model_from_group
 from mmpipe.model.kernel_choice import KERNELS
 from mmpipe.model.spec import NO_LORA, TRAINABLE_PREFIXES, LoraSpec, ModelSpec, layer_names
-from mmpipe.paths import model_folder, resolve_path, shell_word
+from mmpipe.paths import model_folder, nearest, resolve_path, shell_word
 from mmpipe.planner.api import (  # planner-owned
     DEFAULT_HEADROOM,
     PACKED_POLICIES,
@@ -581,8 +580,8 @@ def _section(cls: type, prefix: str, values: Mapping[str, Any] | None) -> Any:
     fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
     for key, value in values.items():
         if key not in fields:
-            near = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"did you mean {prefix}.{near[0]}?" if near else f"known: {', '.join(sorted(fields))}"
+            near = nearest(key, list(fields))
+            hint = f"did you mean {prefix}.{near}?" if near else f"known: {', '.join(sorted(fields))}"
             raise ValueError(f"{prefix}.{key}={value!r}: no such config key; {hint}")
         _check_type(prefix, key, str(fields[key].type), value)
     return cls(**values)

@@ -14,7 +14,7 @@ import re
 
 import yaml
 
-from mmpipe.paths import override_hint, shell_word
+from mmpipe.paths import nearest, override_hint, shell_word
 from mmpipe.schema import HF_MODEL_DOCS, describe_type, key_docs, key_type
 
 
@@ -142,9 +142,9 @@ def explain(err: BaseException, overrides: list[str], *, command: str) -> str:
 
 def _near(key: str, overrides: list[str] = ()) -> str:
     keys = known_keys() + _model_keys(overrides)
-    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    near = nearest(key, keys, cutoff=0.75)
     if near:
-        return f"; did you mean {near[0]}?"
+        return f"; did you mean {near}?"
     section, _, rest = key.partition(".")
     sections = sorted({k.split(".")[0] for k in keys})
     close = difflib.get_close_matches(section, sections, n=1, cutoff=0.6)

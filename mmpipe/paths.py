@@ -4,6 +4,7 @@ grammar (every hint mmpipe prints is pasted back into a shell)."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shlex
@@ -46,6 +47,16 @@ def shell_word(text: str) -> str:
     if not any(c in text for c in "\"$`!\\"):
         return f'"{text}"'
     return shlex.quote(text)
+
+
+def nearest(word: str, candidates: list[str], cutoff: float = 0.6) -> str | None:
+    """The candidate a mistyped word most likely meant: the shortest one that extends it
+    (`train.zero` -> `train.zero_stage`), else the closest spelling (difflib), else None."""
+    extending = [c for c in candidates if c.startswith(word) and c != word]
+    if extending:
+        return min(extending, key=lambda c: (len(c), c))
+    near = difflib.get_close_matches(word, candidates, n=1, cutoff=cutoff)
+    return near[0] if near else None
 
 
 def override_hint(key: str, value: str) -> str:

@@ -165,6 +165,8 @@ def test_readme_stage_override_lines_compose():
     # a misspelt section (issue 34: it said `"trian=?": no such config key`): as typed, the nearest key
     ("trian.steps=3", "mmpipe train: error: trian.steps=3: no such config key; did you mean train.steps?\n"),
     ("model=qwen3", "model=qwen3: no such model config; available: compose, hf, llava-1.5-7b"),
+    # a key cut short names the key it starts (difflib alone offered train.lr)
+    ("train.zero=1", "train.zero=1: no such config key; did you mean train.zero_stage?"),
 ])
 def test_bad_values_and_typos_are_one_line_errors(override, message, capsys):
     assert main(["train", override]) == 2
