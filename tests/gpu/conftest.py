@@ -1,4 +1,4 @@
-"""GPU checks: skipped on a machine without CUDA; `scripts/gpu_check.sh` runs them."""
+"""GPU checks: skipped on a machine without CUDA; `scripts/gpu_check.sh --full` runs them."""
 
 from __future__ import annotations
 

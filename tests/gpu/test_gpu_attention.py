@@ -3,7 +3,7 @@ mask (compiled) and SDPA per segment agree with the dense eager reference in out
 gradients, in fp32 and bf16, on causal, bidirectional and sliding-window segments with GQA;
 the tiny model gives one loss and one gradient under each; and a forward syncs the host as
 often with three times the blocks. `benchmarks/bench_attention.py` (run by
-scripts/gpu_check.sh) prints the kernels' times against the planner's sum-of-squares cost."""
+scripts/gpu_check.sh --full) prints the kernels' times against the planner's sum-of-squares cost."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 pp=2 when the machine has two GPUs (one stage per GPU), else one stage on one GPU. The model is
 the tiny one widened to ~0.1 B parameters so that weights, gradients and optimizer state, not
 fixed buffers, dominate the memory figures. Each test prints its figures (the script
-scripts/gpu_check.sh shows them)."""
+scripts/gpu_check.sh --full shows them)."""
 
 from __future__ import annotations
 
