@@ -287,10 +287,12 @@ def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False)
 
 
 def run_bench(rc: RunConfig, inv: Invocation) -> int:
+    from mmpipe.runtime.bench import planner_placements
     from mmpipe.runtime.bench import run_bench as bench
 
     paths = ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in inv.search_path)
-    bench(rc, [*([f"hydra.searchpath=[{paths}]"] if paths else []), *inv.overrides])
+    bench(rc, [*([f"hydra.searchpath=[{paths}]"] if paths else []), *inv.overrides],
+          planner_placements(train_layout(rc, say=False)))
     print(f"mmpipe bench: figures in {Path(rc.run_dir) / 'bench.json'}; each run's metrics in "
           f"{Path(rc.run_dir) / 'round<R>-<policy>'}/ (draw them: mmpipe report {shell_word(rc.run_dir)})")
     return 0
