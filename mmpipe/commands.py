@@ -392,7 +392,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             examples=("mmpipe bench",
                       "mmpipe bench " + shell_word("bench.policies=[data-aware,ds-default]") + " bench.rounds=1",
                       "mmpipe bench hardware=measured-tiny parallel.dp=2"),
-            notes=("Every train setting applies to the runs too (mmpipe train --help lists them).",)),
+            notes=("Every train setting applies to the runs too (mmpipe train --help lists them).",
+                   "Every policy trains with one encoder placement: plan.encoders (auto by default) resolved once, "
+                   "for data-aware (or the first policy); bench.encoders asks for placements instead.")),
     Command(name="shards", summary="convert a LLaVA-style JSON + media folders into webdataset shards",
             run=run_shards, check=check_shards,
             keys=("shards", "data.tokenizer", "data.on_error", "model.name", "model.llm.max_seq_len"),
