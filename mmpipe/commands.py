@@ -287,10 +287,12 @@ def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False)
 
 
 def run_bench(rc: RunConfig, inv: Invocation) -> int:
+    from mmpipe.runtime.bench import planner_placements
     from mmpipe.runtime.bench import run_bench as bench
 
     paths = ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in inv.search_path)
-    bench(rc, [*([f"hydra.searchpath=[{paths}]"] if paths else []), *inv.overrides])
+    bench(rc, [*([f"hydra.searchpath=[{paths}]"] if paths else []), *inv.overrides],
+          planner_placements(train_layout(rc, say=False)))
     print(f"mmpipe bench: figures in {Path(rc.run_dir) / 'bench.json'}; each run's metrics in "
           f"{Path(rc.run_dir) / 'round<R>-<policy>'}/ (draw them: mmpipe report {shell_word(rc.run_dir)})")
     return 0
@@ -390,7 +392,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             examples=("mmpipe bench",
                       "mmpipe bench " + shell_word("bench.policies=[data-aware,ds-default]") + " bench.rounds=1",
                       "mmpipe bench hardware=measured-tiny parallel.dp=2"),
-            notes=("Every train setting applies to the runs too (mmpipe train --help lists them).",)),
+            notes=("Every train setting applies to the runs too (mmpipe train --help lists them).",
+                   "Every policy trains with one encoder placement: plan.encoders (auto by default) resolved once, "
+                   "for data-aware (or the first policy); bench.encoders asks for placements instead.")),
     Command(name="shards", summary="convert a LLaVA-style JSON + media folders into webdataset shards",
             run=run_shards, check=check_shards,
             keys=("shards", "data.tokenizer", "data.on_error", "model.name", "model.llm.max_seq_len"),

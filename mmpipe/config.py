@@ -464,7 +464,8 @@ class BenchConfig:
     """Policies `mmpipe bench` trains, alternating."""
     encoders: tuple[str, ...] = ()
     """Encoder placements (plan.encoders values: stages, spread, auto) each policy trains with, as
-    runs of their own (`data-aware/spread`, ...); empty: the run's plan.encoders only."""
+    runs of their own (`data-aware/spread`, ...; an auto resolved for each policy); empty: every
+    policy trains with plan.encoders resolved once, for data-aware (or the first policy)."""
     rounds: int = 2
     """Alternating rounds (each policy trains once per round)."""
     steps: int = 30

@@ -117,7 +117,7 @@ __all__ = ["POLICIES", "PACKED_POLICIES", "Coef", "CostModel", "DEFAULT_HEADROOM
            "consider_recut", "describe_gain", "resolve_encoders", "check_encoders_value", "parse_encoders",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "parse_ladder", "plan_stages",
            "plan_step", "resolve_ladder",
-           "stage_memory_warnings", "step_work", "validate_trainable", "show_encoders"]
+           "stage_memory_warnings", "step_work", "validate_trainable", "show_encoders", "placement_name"]
 
 
 def packed_streams(features: Sequence[SampleFeatures]) -> tuple[np.ndarray, np.ndarray]:

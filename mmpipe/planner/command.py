@@ -333,8 +333,9 @@ def _report(model, hardware, pp, dp, global_batch, micro_batches, policy, sc, ev
             mark = "" if bp.fits else " (does not fit)"
             rows.append((b, [e.step_time for e in bp.evals], bp.setting + mark))
     mean = np.mean(times)
-    summary = (f"predicted mean step time {mean:.3f} s = {mean / np.mean(lower):.2f}x the lower "
-               f"bound; fits in memory: {'yes' if fits else 'NO'}")
+    summary = (f"predicted mean step time of {policy} over its {len(times)} step{'s' if len(times) > 1 else ''} "
+               f"{mean:.3f} s = {mean / np.mean(lower):.2f}x the lower bound; "
+               f"fits in memory: {'yes' if fits else 'NO'}")
     return "\n".join([head, "", stage_table(sc, evals), "", steps_table(rows, lower), "", summary])
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mmpipe.measure import mean_over_shared
 from mmpipe.planner.layout import Layout, LayoutChoice
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.schedules import SCHEDULES
@@ -86,7 +87,8 @@ def layout_json(x: Layout) -> dict:
 
 
 def steps_table(rows: Sequence[tuple[str, Sequence[float], str]], lower: Sequence[float]) -> str:
-    """Per-step predicted time of several policies side by side, with the lower bound."""
+    """Per-step predicted time of several policies side by side, with the lower bound; the
+    means are over the steps every policy planned (mmpipe.measure.mean_over_shared), and say so."""
     head = f"{'step':>4} {'lower bound':>11} " + " ".join(f"{name:>14}" for name, _, _ in rows)
     out = [head]
     n = len(lower)
@@ -95,8 +97,12 @@ def steps_table(rows: Sequence[tuple[str, Sequence[float], str]], lower: Sequenc
         for _, times, _ in rows:
             cells.append(f"{times[k]:>13.3f}s" if k < len(times) else f"{'-':>14}")
         out.append(f"{k:>4} {lower[k]:>10.3f}s " + " ".join(cells))
-    means = " ".join(f"{np.mean(t) if len(t) else float('nan'):>13.3f}s" for _, t, _ in rows)
-    out.append(f"{'mean':>4} {np.mean(lower) if n else 0:>10.3f}s {means}")
+    means, shared = mean_over_shared({name: times for name, times, _ in rows})
+    low = float(np.mean(lower[:shared])) if shared else float("nan")
+    out.append(f"{'mean':>4} {low:>10.3f}s " + " ".join(f"{means[name]:>13.3f}s" for name, _, _ in rows))
+    span = "step 0" if shared == 1 else f"steps 0-{shared - 1}"
+    out.append(f"mean: over the {shared} step{'s' if shared != 1 else ''} every policy planned ({span})"
+               + (f" of {n}" if shared < n else ""))
     out.append("settings: " + "; ".join(f"{name}: {setting}" for name, _, setting in rows))
     return "\n".join(out)
 

@@ -108,6 +108,12 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
     return dataclasses.replace(chosen, ladder=choose_ladder(rc, tokenizer, chosen))
 
 
+def run_placement(rc: RunConfig, tokenizer) -> dict[str, str]:
+    """plan.encoders as this run resolves it (tower -> stages | spread; `auto` priced on the first
+    steps of the data, as the ranks will): what `mmpipe bench` runs every policy with."""
+    return _choose_cut(rc, tokenizer).encoders
+
+
 def choose_ladder(rc: RunConfig, tokenizer, chosen: ChosenStages) -> Ladder | None:
     """plan.ladder for this run: explicit rungs as given; auto only where the attention kernel
     compiles per length (model/kernels.py `compiles`), spanning the packed lengths the planner

@@ -160,7 +160,8 @@ def test_plan_outputs_land_in_the_run_dir_with_hydra_files(in_tmp, capsys):
 def _fake_run(path: Path, policy: str, slow: float, *, evaluated: bool = False) -> None:
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"plan.policy={policy}", "train.steps=3"]))
-    rows = [{"step": s, "loss": 7.0 - s, "samples_per_s": 60.0 / slow, "bubble": 0.2 * slow, "engine_time": 0.2 * slow,
+    rows = [{"step": s, "loss": 7.0 - s, "samples_per_s": 60.0 / slow, "samples": 12, "tokens": 1200,
+             "step_time": 0.2 * slow, "bubble": 0.2 * slow, "engine_time": 0.2 * slow,
              "predicted_step_time": 0.19 * slow, "prediction_error": 0.05, "stage_busy_s": [0.1, 0.1],
              "bound_fraction": 0.5 / slow, "mfu": 0.1 / slow,
              **({"eval_loss": 6.5 - s / 4} if evaluated and s > 1 else {})}
@@ -190,9 +191,11 @@ def test_report_draws_several_runs_into_one_png(in_tmp, capsys, monkeypatch):
     assert f"mmpipe report: wrote {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert ("plan.policy=data-aware: 3 steps, loss 6.000 -> 4.000, eval_loss 6.000 -> 5.750 (2 evaluations), "
-            "60.0 samples/s, bubble 20.0%, |prediction error| 5.0%, 50.0% of the lower bound, MFU 10.00% (encoders "
-            "counted)") in out
-    assert "plan.policy=ds-default: 3 steps, loss 6.000 -> 4.000, 30.0 samples/s, bubble 40.0%" in out
+            "60.0 samples/s, 0.200 s a step, bubble 20.0%, |prediction error| 5.0%, 50.0% of the lower bound, "
+            "MFU 10.00% (encoders counted)") in out
+    assert "plan.policy=ds-default: 3 steps, loss 6.000 -> 4.000, 30.0 samples/s, 0.400 s a step, bubble 40.0%" in out
+    assert ("fastest first (each over the same 1 step of every run (step 3); the first 2 steps of each launch not "
+            "timed): plan.policy=data-aware 60.0 samples/s, plan.policy=ds-default 30.0 samples/s") in out
     assert "re-cut after step 2: [[0, 1], [1, 15]] -> [[0, 12], [12, 15]], predicted +7.0% faster, measured " \
            "+5.0%" in out
     # the held-out loss is drawn where the run evaluated; a run that did not has no such line

@@ -6,7 +6,8 @@ import pytest
 
 from mmpipe.model.geometry import video_meta_json
 from mmpipe.model.spec import layer_names
-from mmpipe.planner.command import run_plan
+from mmpipe.planner.baselines import BASELINES
+from mmpipe.planner.command import COMPARE_STEPS, run_plan
 
 from .helpers import hardware, model
 
@@ -136,3 +137,22 @@ def test_plan_from_shards_is_the_plan_of_their_metadata_as_a_trace(tmp_path):
     b = _plan(tmp_path, trace_path=str(trace), steps=2, quiet=True)
     assert a["sample_keys"] == list(keys[:32]) and len(a["steps"]) == 2
     assert a["steps"] == b["steps"] and a["stages"] == b["stages"] and a["predicted"] == b["predicted"]
+
+
+def test_policies_are_compared_over_the_steps_every_one_planned(tmp_path, capsys):
+    """The data-aware plan covers every step, the baselines beside it the first COMPARE_STEPS:
+    the mean row compares them all over those shared steps, and says over how many."""
+    light, heavy = {"text_tokens": 20}, {"text_tokens": 150, "images": [[128, 128]]}
+    trace = tmp_path / "steps.jsonl"  # 8 light steps, then 2 heavy ones only data-aware plans
+    trace.write_text("".join(json.dumps(light if i < 32 else heavy) + "\n" for i in range(40)))
+    plan = _plan(tmp_path, global_batch=4, trace_path=str(trace))
+    pred = plan["predicted"]
+    times = {"data-aware": pred["step_time_s"], **{b: v["step_time_s"] for b, v in pred["baselines"].items()}}
+    assert len(times["data-aware"]) == 10 and {len(times[b]) for b in BASELINES} == {COMPARE_STEPS} == {8}
+    out = capsys.readouterr().out
+    cells = [float(c.rstrip("s")) for c in next(l for l in out.splitlines() if l.startswith("mean ")).split()[1:]]
+    shared = [np.mean(pred["lower_bound_s"][:8])] + [np.mean(times[p][:8]) for p in ("data-aware", *BASELINES)]
+    assert cells == pytest.approx(shared, abs=6e-4)  # printed to the millisecond
+    assert np.mean(times["data-aware"]) > np.mean(times["data-aware"][:8]) + 0.01  # not over its own 10 steps
+    assert "mean: over the 8 steps every policy planned (steps 0-7) of 10" in out
+    assert "predicted mean step time of data-aware over its 10 steps" in out
