@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.config import RunConfig, eval_interval, hardware_spec, training_precision
+from mmpipe.measure import WARMUP_STEPS, throughput, timed_records
 from mmpipe.model.spec import layer_names
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import (
@@ -96,6 +97,9 @@ class RunResult:
     """Why and where the run stopped before train.steps (a signal, a re-cut), with its checkpoint."""
     resumed_at: int = 0
     """The checkpoint's step this launch continued from (0: a fresh run)."""
+    steps: list[dict] = field(default_factory=list)
+    """Rank 0: every step's step, samples, tokens, step_time and first_of_launch (what
+    mmpipe.measure figures the steady-state throughput from, as bench and report do)."""
     calibration: StepCalibration | None = None
     """Rank 0: the step-time re-fit after the last step (what `write_calibrated` writes out)."""
     evals: list[tuple[int, float]] = field(default_factory=list)
@@ -585,6 +589,7 @@ def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalRe
     if recut is not None:
         rec["recut"] = recut
     rec["first_of_launch"] = step == loop.start + 1
+    loop.result.steps.append({k: rec[k] for k in ("step", "samples", "tokens", "step_time", "first_of_launch")})
     measured = _recut_measured(loop, step, rec)
     loop.launch_times.append(rec["step_time"])
     if measured is not None:
@@ -822,6 +827,21 @@ def _gather_data_report(feeder, first: bool, dp_group, *, shared: bool = False
     return skipped, mixture
 
 
+def steady_throughput(steps: list[dict], samples_per_s: float, tokens_per_s: float) -> str:
+    """The launch's throughput as `mmpipe bench` and `mmpipe report` figure it (mmpipe.measure:
+    the steps after its first WARMUP_STEPS, samples over summed step time); a launch too short
+    for that gives its whole-run figures (`samples_per_s`, `tokens_per_s`), start-up included,
+    and says so."""
+    timed = timed_records(steps)
+    if not timed:
+        return (f"{samples_per_s:.1f} samples/s, {tokens_per_s:.0f} tokens/s (all {len(steps)} steps, start-up "
+                f"included: too few for the steady state, which leaves out each launch's first {WARMUP_STEPS})")
+    tp = throughput(timed)
+    span = f"step {timed[0]['step']}" if len(timed) == 1 else f"steps {timed[0]['step']}-{timed[-1]['step']}"
+    return (f"{tp.samples_per_s:.1f} samples/s, {tp.tokens_per_s:.0f} tokens/s (steady: {span}, after the "
+            f"launch's first {WARMUP_STEPS})")
+
+
 def loss_trend(losses: list[float]) -> str:
     """`loss 7.629 -> 2.440 (mean of first 3 7.343, last 3 2.558)`: the means over up to 3 steps
     at each end, never overlapping (on 4 or 5 steps, 2 at each end; fewer steps: no means)."""
@@ -852,8 +872,8 @@ def _summary(rc: RunConfig, r: RunResult, run_dir: Path) -> None:
         steps += f" (steps {r.resumed_at + 1}-{last}, from the checkpoint of step {r.resumed_at})"
     print(
         f"{'so far' if r.stopped else 'done'}: {steps} | {loss_trend(r.losses)}{evals} | "
-        f"{r.samples / training:.1f} samples/s, "
-        f"{r.tokens / training:.0f} tokens/s | skipped {skipped} samples ({why}) | "
+        f"{steady_throughput(r.steps, r.samples / training, r.tokens / training)} | "
+        f"skipped {skipped} samples ({why}) | "
         f"metrics {run_dir / 'metrics.jsonl'} | "
         + (f"checkpoint {run_dir / 'checkpoints'}" if rc.train.save_every or rc.train.save_final else "no checkpoint")
         + (f" | {r.nonfinite_skipped} updates skipped (non-finite)" if r.nonfinite_skipped else ""),
