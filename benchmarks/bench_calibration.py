@@ -16,7 +16,7 @@ here (the tiny demo Qwen2-VL scaled up: 4 vision blocks of width 128, 6 decoder 
 With `--lora R` the trained and benchmarked runs use LoRA adapters of rank R (alpha 2R) on the
 decoder, the projectors trained in full (`mmpipe profile` times the layers without adapters and
 its real pipeline with them).
-It prints one block per model, which is what README.md's "Planner in the loop" figures are
+It prints one block per model, which is what docs/in-the-loop.md's figures are
 (the bench tables, the prediction errors and the memory lines), and `uptime` before and after:
 the figures depend on how busy the machine is. On 2 cores a full run takes 30-60 minutes.
 """

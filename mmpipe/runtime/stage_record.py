@@ -1,7 +1,7 @@
 """What each rank records about itself in `RUN_DIR/stage_rank<R>.json`: its stage, replica,
 layers and parameter count at start (and a Hugging Face model's load figures, its resident
 memory before the model was built), and with `train.record_samples=true` a digest of its final
-weights, so that runs can be checked from outside (tests, the README's guarantees)."""
+weights, so that runs can be checked from outside (tests, the guarantees of docs/training.md)."""
 
 from __future__ import annotations
 

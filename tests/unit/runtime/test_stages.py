@@ -91,7 +91,7 @@ def test_a_spread_tower_stays_on_stage_0_and_one_stage_cannot_spread():
     auto = load(["train.steps=1"], job="test")  # the default: the planner compares the placements
     said = choose_stages(auto, load_tokenizer(tokenizer_source(auto)[0]))
     assert set(said.placements) == {"stages", "spread", "vision spread", "audio spread"}
-    assert said.encoders == {"vision": "stages", "audio": "stages"}  # measured faster too (README)
+    assert said.encoders == {"vision": "stages", "audio": "stages"}  # measured faster too (docs/in-the-loop.md)
     bad = load(["train.steps=1", "plan.encoders={vision: stages, audio: spread}",
                 "plan.stages=[[vision.embed,vision.proj],[audio.embed,llm.head]]"], job="test")
     with pytest.raises(ValueError, match=r"plan\.stages ends stage 0 at vision\.proj, but plan\.encoders spreads "
