@@ -311,8 +311,8 @@ def _flex_attention(compiled: bool):
     reference, forward only, keeping the score matrix; tests). Compiled with the sequence length
     dynamic from the first call: one compile (forward and backward) serves every micro-batch
     length, where a static first compile was followed by a dynamic recompile at the second length
-    (5-25 s into step 2 on an H200); `warm_up` makes it before step 1 and the on-disk cache
-    (launcher.cache_dir) keeps it for the next launch."""
+    (5-25 s into step 2 on an H200). The compile happens in the first step (there is no warm-up
+    before step 1); the on-disk cache (launcher.cache_dir) keeps it for the next launch."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention

@@ -43,7 +43,7 @@ class ChosenStages:
     """plan.encoders=auto: each placement's summed simulated step time over the sample steps, s."""
     ladder: Ladder | None = None
     """plan.ladder resolved: the lengths packed micro-batches are padded to (`ladder.rungs`,
-    the shapes to compile attention for before step 1); None: not padded."""
+    the few shapes a compiled attention kernel sees); None: not padded."""
 
     @property
     def spread(self) -> tuple[str, ...]:
