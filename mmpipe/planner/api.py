@@ -190,11 +190,21 @@ def plan_step(*, policy: str, features: list[SampleFeatures], stage_plan: StageP
 
 def _replicas(policy: str, table: SampleTable, sc: StageCosts, dp: int,
               micro_batches: int) -> Replicas:
-    """Every replica's micro-batches under the policy, for all samples of `table`."""
+    """Every replica's micro-batches under the policy, for all samples of `table`.
+
+    Data-aware is never predicted slower than packing: packed-ffd's step of the same samples on
+    the same stages (its default pack, or the shorter one a run of it retries when that does not
+    fit) stays among its candidates and is taken where the same simulator with the same costs
+    (the run's step-time fit included, once the runtime re-plans with it) prices it faster and
+    it fits; ties keep the balanced plan. Where a micro-batch's fixed cost rivals the pipelining
+    it buys (a tiny model on a CPU), one large pack can beat any balanced split."""
     rows = list(range(len(table)))
-    if policy == "data-aware":
-        return balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches)
-    return fitting_baseline_step(policy, sc, table, rows, dp=dp, micro_batches=micro_batches)
+    if policy != "data-aware":
+        return fitting_baseline_step(policy, sc, table, rows, dp=dp, micro_batches=micro_batches)
+    balanced = balance_step(sc, table, rows, dp=dp, micro_batches=micro_batches)
+    packed = fitting_baseline_step("packed-ffd", sc, table, rows, dp=dp, micro_batches=micro_batches)
+    ours, theirs = (evaluate_step(sc, table, r, packing=True) for r in (balanced, packed))
+    return packed if theirs.fits and theirs.step_time < ours.step_time else balanced
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
