@@ -2,14 +2,14 @@
 frames with, and a clip's frames through it.
 
 The processor is the one transformers builds for the checkpoint: its class the one its family
-pairs with it (`Family.video_processor`), its configuration found in a folder as transformers finds it
-(`BaseVideoProcessor.get_video_processor_dict`: processor_config.json's `video_processor`, else
-video_preprocessor_config.json, else preprocessor_config.json, the image processor's own
-file), or for an inline preset the `video_processor` mapping, else its `image_processor` (the
-same fallback). `video_spec` (Qwen2-VL's processor) and `onevision_video_spec`
-(LLaVA-OneVision's) turn its settings into the `VideoSpec` that
-`mmpipe.model.geometry` plans with, so the planner's frames, patches and tokens are the
-processor's (tests/unit/model/test_video_geometry.py compares them over many clips).
+pairs with it (`Family.video_processor`), its configuration found in a folder as transformers
+finds it (`BaseVideoProcessor.get_video_processor_dict`: processor_config.json's
+`video_processor`, else video_preprocessor_config.json, else preprocessor_config.json, the image
+processor's own file), or for an inline preset the `video_processor` mapping, else its
+`image_processor` (the same fallback). `video_spec` (Qwen2-VL's processor; LLaVA-OneVision's is
+in its family file) turns its settings into the `VideoSpec` that `mmpipe.model.geometry` plans
+with, so the planner's frames, patches and tokens are the processor's
+(tests/unit/model/test_video_geometry.py compares them over many clips).
 
 The data layer decodes only the frames the geometry picks (`mmpipe.data.video.decode_frames`)
 and hands them to `preprocess_video`, which calls the processor with `do_sample_frames=False`
@@ -126,30 +126,6 @@ def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str,
                      min_pixels=int(size["shortest_edge"]), max_pixels=int(size["longest_edge"]),
                      cap_pixels=bool(proc.cap_pixels_per_frame), max_tokens=int(proc.max_video_tokens),
                      audio_in_video=audio_in_video, **(timing or {}))
-
-
-def onevision_video_spec(proc: Any, *, side: int, what: str) -> VideoSpec:
-    """The VideoSpec of LLaVA-OneVision's video processor (LlavaOnevisionVideoProcessor) for a
-    tower of `side`-px tiles: every frame resized to the tile (checked: the tower has fixed
-    positions), frames picked by transformers' default sampler, one tower pass per frame, then
-    the model's 2x2 apply_pooling and one image_newline per video (get_video_features)."""
-    if not proc.do_resize:
-        raise ValueError(f"{what}: the video processor has do_resize=false; LLaVA-OneVision's tower takes "
-                         f"{side}x{side} frames only (set do_resize=true)")
-    box = proc.crop_size if proc.do_center_crop else proc.size
-    h, w = getattr(box, "height", None), getattr(box, "width", None)
-    if (h, w) != (side, side):
-        raise ValueError(f"{what}: the video processor outputs frames of size={dict(box.items()) if box else box} but "
-                         f"the vision tower takes {side}x{side}; set the video processor's size to "
-                         f"{{height: {side}, width: {side}}}")
-    fps, count = proc.fps, proc.num_frames
-    if proc.do_sample_frames and fps is not None and count is not None:
-        raise ValueError(f"{what}: the video processor sets both fps={fps} and num_frames={count}, which "
-                         f"transformers refuses as mutually exclusive; keep one")
-    # do_sample_frames without fps or num_frames: transformers' sampler takes every frame
-    sample = "count" if proc.do_sample_frames and count is not None else "fps" if proc.do_sample_frames else "all"
-    return VideoSpec(sample=sample, fps=float(fps) if fps else 2.0, frames=int(count or 0), temporal_patch=1,
-                     indices="uniform", pool=2, newline=True)
 
 
 def video_metadata(meta: VideoMeta, indices: Sequence[int]) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from mmpipe.model.hf.arch import LLM_TYPES
 from mmpipe.model.hf.demo_kit import CLIP, llm_config, qwen_tokenizer, save
 from mmpipe.model.hf.families import llava, llava_next
 from mmpipe.model.hf.family import Demo, Family
-from mmpipe.model.hf.video import make_video_processor, onevision_video_spec
-from mmpipe.model.spec import ModelSpec, VisionSpec
+from mmpipe.model.hf.video import make_video_processor
+from mmpipe.model.spec import ModelSpec, VideoSpec, VisionSpec
 
 PROCESSOR = "LlavaOnevisionImageProcessor"
 VIDEO_PROCESSOR = "transformers.models.llava_onevision.video_processing_llava_onevision.LlavaOnevisionVideoProcessor"
@@ -47,6 +47,30 @@ def anyres_max(config: PretrainedConfig, what: str) -> int:
     return n
 
 
+def video_spec(proc: Any, *, side: int, what: str) -> VideoSpec:
+    """The VideoSpec of LLaVA-OneVision's video processor (LlavaOnevisionVideoProcessor) for a
+    tower of `side`-px tiles: every frame resized to the tile (checked: the tower has fixed
+    positions), frames picked by transformers' default sampler, one tower pass per frame, then
+    the model's 2x2 apply_pooling and one image_newline per video (get_video_features)."""
+    if not proc.do_resize:
+        raise ValueError(f"{what}: the video processor has do_resize=false; LLaVA-OneVision's tower takes "
+                         f"{side}x{side} frames only (set do_resize=true)")
+    box = proc.crop_size if proc.do_center_crop else proc.size
+    h, w = getattr(box, "height", None), getattr(box, "width", None)
+    if (h, w) != (side, side):
+        raise ValueError(f"{what}: the video processor outputs frames of size={dict(box.items()) if box else box} but "
+                         f"the vision tower takes {side}x{side}; set the video processor's size to "
+                         f"{{height: {side}, width: {side}}}")
+    fps, count = proc.fps, proc.num_frames
+    if proc.do_sample_frames and fps is not None and count is not None:
+        raise ValueError(f"{what}: the video processor sets both fps={fps} and num_frames={count}, which "
+                         f"transformers refuses as mutually exclusive; keep one")
+    # do_sample_frames without fps or num_frames: transformers' sampler takes every frame
+    sample = "count" if proc.do_sample_frames and count is not None else "fps" if proc.do_sample_frames else "all"
+    return VideoSpec(sample=sample, fps=float(fps) if fps else 2.0, frames=int(count or 0), temporal_patch=1,
+                     indices="uniform", pool=2, newline=True)
+
+
 def check(config: PretrainedConfig, what: str) -> None:
     llava_next.check_tiles(config, what)
     anyres_max(config, what)
@@ -57,7 +81,7 @@ def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any
     """NeXT's tiles with anyres_max shrinking and lone-image tiling; its frames one tile each."""
     spec = llava_next.tiled_vision(config, ip, what, anyres_max=anyres_max(config, what), single=True)
     proc = make_video_processor(VIDEO_PROCESSOR, vp or {})
-    return dataclasses.replace(spec, video=onevision_video_spec(proc, side=spec.image_size, what=what))
+    return dataclasses.replace(spec, video=video_spec(proc, side=spec.image_size, what=what))
 
 
 def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
