@@ -84,12 +84,12 @@ class Demo:
     write: DemoWriter
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class Family:
     """Everything mmpipe knows of one transformers class that the shared machinery does not.
 
     Every field is given by each family (none has a default); None marks a capability the family
-    lacks. How many LLM tokens an image, a video or a clip takes (what the planner counts from
+    lacks. A family is one object, compared and hashed as such (`eq=False`). How many LLM tokens an image, a video or a clip takes (what the planner counts from
     headers, `mmpipe.model.geometry`) is the VisionSpec / AudioSpec that `vision` / `audio`
     return: their resize rule, merge, tiles, pooling and windows are the family's token-count rule.
     """
