@@ -43,7 +43,8 @@ def write_qwen2_vl_7m(folder: Path) -> Path:
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    from mmpipe.model.hf.demo import QWEN2_VL_TEMPLATE, QWEN_SPECIALS, corpus, perturb, qwen_tokenizer
+    from mmpipe.model.hf.demo_kit import QWEN_SPECIALS, corpus, perturb, qwen_tokenizer
+    from mmpipe.model.hf.families.qwen2_vl import TEMPLATE as QWEN2_VL_TEMPLATE
 
     torch.manual_seed(7)
     tok = qwen_tokenizer(corpus())

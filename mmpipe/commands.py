@@ -105,7 +105,7 @@ def _check_model(rc: RunConfig) -> None:
     if memory and os.environ.get("RANK", "0") == "0":
         print(f"mmpipe: {memory}", flush=True)
     if rc.model.hf is not None and os.environ.get("RANK", "0") == "0":
-        from mmpipe.model.hf.omni import source_note
+        from mmpipe.model.hf.outer import source_note
 
         if note := source_note(rc.model):  # a full Qwen2.5-Omni folder: what of it trains
             print(f"mmpipe: {note}", flush=True)

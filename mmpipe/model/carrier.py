@@ -28,7 +28,7 @@ from mmpipe.model.layout import host_list
 #        proj   | embeddings [N_tok, D]      |                             |                               | states [1, sum P, Da] -> [N_tok, D]
 # AUDIO_FRAMES  | [clips] mel frames         | (empty)                     | (empty)                       | [clips] valid mel frames L
 # LAYOUT        | int32 segment counts and cu_seqlens of the LLM row, the images and the clips (model/layout.py)
-# DEEPSTACK     | empty (long) for every model but Qwen3-VL (mmpipe/model/hf/qwen3.py), where it carries
+# DEEPSTACK     | empty (long) for every model but Qwen3-VL (mmpipe/model/hf/families/qwen3_vl.py), where it carries
 #               |   tower    states [j, P, Dv] of the first j DeepStack blocks run so far (their inputs to the
 #               |            DeepStack mergers, which vision.proj holds)
 #               |   proj     merged features [k, N_tok, D]: the k DeepStack features
@@ -61,10 +61,10 @@ from mmpipe.model.layout import host_list
 # (tiles, grid rows, grid cols, height, width), the last two the image's own size, which the model unpads
 # to (transformers' image_sizes); LAYOUT's image stream has one segment per tile.
 #
-# Qwen2.5-VL / Qwen2.5-Omni vision: as Qwen2-VL, the tower states in window order (model/hf/qwen25.py).
+# Qwen2.5-VL / Qwen2.5-Omni vision: as Qwen2-VL, the tower states in window order (model/hf/families/qwen2_5_vl.py).
 # Qwen2.5-Omni audio: features [clips, mel, F] holding each clip's valid frames, frames [clips];
 # states [A, D] over every n_window chunk's positions; the layout's audio segments are the chunks
-# (model/hf/omni.py). Both towers' slots travel side by side until llm.embed.
+# (model/hf/families/qwen2_5_omni.py). Both towers' slots travel side by side until llm.embed.
 #
 # Float inputs (pixel_values, features) carry no gradient, so they travel as integer bit views
 # (to_wire); P = (L - 1) // 2 + 1 audio positions per clip (layout.audio_segments, mmpipe/model/hf/layers.py).

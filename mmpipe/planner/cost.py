@@ -365,7 +365,7 @@ def _cut_bytes(m: ModelSpec, b: int, kinds: list[str],
 
 def _deepstack_cut_bytes(v: VisionSpec, llm_hidden: int, b: int, names: list[str], layers: list[LayerCost],
                          fwd: np.ndarray, bwd: np.ndarray) -> None:
-    """Qwen3-VL's DeepStack features in the carrier (model/hf/qwen3.py): the output of block i
+    """Qwen3-VL's DeepStack features in the carrier (model/hf/families/qwen3_vl.py): the output of block i
     ([patches, hidden]) from vision.block.i to vision.proj, then its merged feature ([image
     tokens, LLM hidden]) from vision.proj to the decoder block that adds it (the j-th feature:
     llm.block.j). Each crosses every cut on its way, forward; its gradient comes back where it

@@ -3,10 +3,11 @@
 Supported: `LlavaForConditionalGeneration` (CLIP / SigLIP tower, Llama / Mistral / Qwen2),
 `LlavaNextForConditionalGeneration` and `LlavaOnevisionForConditionalGeneration` (any-resolution
 tiles), `Qwen2VLForConditionalGeneration` (images and videos), `Qwen2AudioForConditionalGeneration`,
-`Qwen3VLForConditionalGeneration` (dense; qwen3.py), `Qwen2_5_VLForConditionalGeneration` (images
+`Qwen3VLForConditionalGeneration` (dense), `Qwen2_5_VLForConditionalGeneration` (images
 and videos), `Qwen2_5OmniThinkerForConditionalGeneration` (a thinker or a full Qwen2.5-Omni folder;
 images, clips, videos, and with use_audio_in_video a video's audio track), and
-compositions of unimodal checkpoints (`model=compose`). See docs/hf.md.
+compositions of unimodal checkpoints (`model=compose`). Each class is a family, declared in one
+file of `families/` (family.py). See docs/hf.md.
 
 What the runtime calls:
 - spec: `spec_from_settings(model_group)`, or `spec_from_folder(DIR)`, `spec_from_config(dict,
@@ -21,6 +22,7 @@ What the runtime calls:
 - export: `export(spec, RUN/checkpoints/stepN, OUT)`.
 """
 
+from mmpipe.model.hf import families  # noqa: F401 - registers every family (family.py) before any lookup
 from mmpipe.model.hf.arch import spec_from_config, spec_from_folder
 from mmpipe.model.hf.build import TiedEmbedding, build_layer, build_layers, placeholder_tokens, tied_embedding
 from mmpipe.model.hf.compose import spec_from_compose

@@ -20,7 +20,7 @@ The token counts before decoding are `mmpipe.model.geometry.anyres_image`'s.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,25 +35,12 @@ from mmpipe.model.hf.media import make_image_processor
 from mmpipe.model.hf.skeleton import skeleton
 from mmpipe.model.spec import HFSource, VisionSpec
 
-ANYRES = ("llava_next", "llava_onevision")
-"""model_types of the any-resolution LLaVA architectures."""
-PROCESSORS = {"llava_next": "LlavaNextImageProcessor", "llava_onevision": "LlavaOnevisionImageProcessor"}
-"""model_type -> its image processor (transformers' class name)."""
-
-
-def anyres_max(config: PretrainedConfig, what: str) -> int:
-    """OneVision's `vision_aspect_ratio` ("anyres_max_9") as transformers reads it; 0 for NeXT."""
-    if config.model_type != "llava_onevision":
-        return 0
-    text = str(config.vision_aspect_ratio)
-    try:
-        n = int(text.strip("anyres_max_"))  # noqa: B005 - transformers' own parse (pack_image_features)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise ValueError(f"{what}.vision_aspect_ratio={text!r} is not anyres_max_N; LlavaOnevisionForConditional"
-                         f"Generation reads only that form (e.g. anyres_max_9)")
-    return n
+NEWLINE = "model.image_newline"
+"""The learned row separator of the any-resolution classes: a bare parameter of the model, not a
+module (skeleton.materialise draws it as transformers does)."""
+Pack = Callable[[nn.Module, list[torch.Tensor], torch.Tensor, nn.Parameter, PretrainedConfig], list[torch.Tensor]]
+"""(the meta model, each image's tile features, the images' (height, width), image_newline,
+config) -> each image's packed features: the class's own `pack_image_features`, as it calls it."""
 
 
 def _pinpoints(config: PretrainedConfig, side: int, what: str) -> tuple[tuple[int, int], ...]:
@@ -71,7 +58,7 @@ def _pinpoints(config: PretrainedConfig, side: int, what: str) -> tuple[tuple[in
 
 
 def check_anyres(config: PretrainedConfig, *, cls_token: bool, what: str) -> None:
-    """What LlavaNext / LlavaOnevision's feature packing needs of a config, as one-line errors."""
+    """What the any-resolution classes' feature packing needs of a config, as one-line errors."""
     vc = config.vision_config
     strategy = config.vision_feature_select_strategy
     if (strategy == "default") != cls_token:
@@ -81,13 +68,13 @@ def check_anyres(config: PretrainedConfig, *, cls_token: bool, what: str) -> Non
                          f"{'one feature too few' if strategy == 'default' else 'the class token'} per tile, which "
                          f"{config.model_type}'s feature packing cannot reshape; use {fix}")
     _pinpoints(config, vc.image_size, what)
-    anyres_max(config, what)
 
 
 def anyres_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str, *, blocks: int, cls_token: bool,
-                  side: int) -> VisionSpec:
+                  side: int, anyres_max: int, single: bool) -> VisionSpec:
     """The figures of an any-resolution tower (its LLaVA tower's, plus the tiles), given the image
-    processor's config; `side` is the square the processor outputs (checked against the tower)."""
+    processor's config; `side` is the square the processor outputs (checked against the tower);
+    `anyres_max` and `single` are VisionSpec's (OneVision's shrinking and lone-image tiling)."""
     vc, text = config.vision_config, config.get_text_config()
     pins = _pinpoints(config, vc.image_size, what)
     proc = make_image_processor(ip)
@@ -105,22 +92,14 @@ def anyres_vision(config: PretrainedConfig, ip: Mapping[str, Any], what: str, *,
         blocks=blocks, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_attention_heads,
         patch=vc.patch_size, resize="anyres", image_size=side, merge=1, cls_token=cls_token,
         select=config.vision_feature_select_strategy, proj=(text.hidden_size, text.hidden_size),
-        channels=vc.num_channels, grid_pinpoints=pins, anyres_max=anyres_max(config, what),
-        anyres_single=config.model_type == "llava_onevision")
+        channels=vc.num_channels, grid_pinpoints=pins, anyres_max=anyres_max, anyres_single=single)
 
 
-def check_processor_settings(settings: Mapping[str, Any], config: PretrainedConfig, what: str) -> None:
+def check_processor_settings(settings: Mapping[str, Any], want: Mapping[str, Any], what: str) -> None:
     """The placeholder settings of the folder's processor (processor_config.json's top level) must
-    count what the model makes, or the folder's own processor and its model disagree (transformers
-    fails at the forward) while mmpipe, which counts the model's features, would train on."""
-    vc = config.vision_config
-    side = vc.image_size // vc.patch_size
-    cls = int(config.vision_feature_select_strategy == "default")
-    want = {"vision_feature_select_strategy": config.vision_feature_select_strategy}
-    if config.model_type == "llava_onevision":
-        want |= {"num_image_tokens": side * side, "vision_aspect_ratio": config.vision_aspect_ratio}
-    else:
-        want |= {"patch_size": vc.patch_size, "num_additional_image_tokens": cls}
+    be `want`, what the model's config makes them (each class names its own), or the folder's own
+    processor and its model disagree (transformers fails at the forward) while mmpipe, which counts
+    the model's features, would train on."""
     for key, value in want.items():
         if key in settings and settings[key] != value:
             raise ValueError(f"{what}: processor_config.json has {key}={settings[key]!r} but the model's config "
@@ -128,10 +107,11 @@ def check_processor_settings(settings: Mapping[str, Any], config: PretrainedConf
                              f"the model's features: set {key} to {value!r}")
 
 
-def default_processor(config: PretrainedConfig, tower: str) -> dict[str, Any]:
-    """The image processor transformers' defaults give the config (for an inline config)."""
+def default_processor(config: PretrainedConfig, tower: str, processor: str) -> dict[str, Any]:
+    """The image processor (class `processor`) transformers' defaults give the config of a `tower`
+    (clip or siglip) tower (for an inline config)."""
     side = config.vision_config.image_size
-    out: dict[str, Any] = {"image_processor_type": PROCESSORS[config.model_type],
+    out: dict[str, Any] = {"image_processor_type": processor,
                            "image_grid_pinpoints": [list(p) for p in config.image_grid_pinpoints]}
     if tower == "clip":  # CLIP's resize-and-crop
         return {**out, "size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side},
@@ -154,10 +134,11 @@ class AnyresVisionProj(HFLayer):
     ends with one image_newline, as `get_video_features` makes them.
     """
 
-    def __init__(self, parts: dict[str, nn.Module], *, src: HFSource, drop_first: bool):
+    def __init__(self, parts: dict[str, nn.Module], *, src: HFSource, drop_first: bool, pack: Pack):
         super().__init__(parts)
         self.src = src
         self.drop_first = drop_first
+        self.pack = pack
 
     def step(self, slots: list[torch.Tensor]) -> None:
         h = C.from_wire(slots[C.IMAGE], self.dtype)
@@ -179,13 +160,7 @@ class AnyresVisionProj(HFLayer):
         out: list[torch.Tensor] = []
         if images:
             sizes = torch.tensor([[g[3], g[4]] for g in grid[:images]], dtype=torch.long)
-            if config.model_type == "llava_onevision":
-                packed, _ = model.pack_image_features(parts[:images], sizes, image_newline=self.image_newline,
-                                                      vision_aspect_ratio=config.vision_aspect_ratio)
-            else:
-                packed, _ = model.pack_image_features(parts[:images], sizes, config.vision_feature_select_strategy,
-                                                      image_newline=self.image_newline)
-            out += packed
+            out += self.pack(model, parts[:images], sizes, self.image_newline, config)
         if images < len(grid):  # get_video_features: each frame pooled, the video's frames, one newline
             pooled = model.apply_pooling(torch.cat(parts[images:]))
             for frames in torch.split(pooled, tiles[images:]):

@@ -18,21 +18,9 @@ import torch
 from torch import nn
 
 from mmpipe.model.hf import layers as L
-from mmpipe.model.hf import omni, qwen25
-from mmpipe.model.hf import qwen3 as Q
-from mmpipe.model.hf.anyres import ANYRES, AnyresVisionProj
 from mmpipe.model.hf.configs import hf_config
-from mmpipe.model.hf.positions import MROPE_TYPES
-from mmpipe.model.hf.skeleton import (
-    LLAVA_TOWERS,
-    TOWERS,
-    layer_parts,
-    materialise,
-    model_type,
-    owned_keys,
-    skeleton,
-    ties_embeddings,
-)
+from mmpipe.model.hf.family import family_of
+from mmpipe.model.hf.skeleton import layer_parts, materialise, owned_keys, ties_embeddings
 from mmpipe.model.hf.weights import checkpoint_index, load_layer
 from mmpipe.model.layers import layer_seed
 from mmpipe.model.spec import ModelSpec, layer_names
@@ -83,35 +71,20 @@ def video_token(spec: ModelSpec) -> int:
 
 
 def _make(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
-    src = spec.hf
-    kind_of = model_type(src)
-    comp, kind = name.split(".")[:2]
-    if kind_of == "qwen3_vl" and (comp == "vision" or kind == "block"):
-        return Q.make_layer(name, parts, visual=skeleton(src).get_submodule(TOWERS[kind_of]),
-                            deepstack=spec.vision.deepstack, image_token=placeholder_tokens(spec)[0])
-    if comp == "llm":
-        if kind == "embed":
-            image, audio = placeholder_tokens(spec)
-            return L.HFLLMEmbed(parts, image_token=image, audio_token=audio, video_token=video_token(spec))
-        if kind == "block":
-            return L.HFLLMBlock(parts, mrope=kind_of in MROPE_TYPES)
-        return {"norm": L.HFLLMNorm, "head": L.HFLLMHead}[kind](parts)
-    if kind_of in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
-        index = int(name.split(".")[2]) if kind == "block" else -1
-        if comp == "vision":
-            return qwen25.vision_layer(kind, index, parts, hf_config(src))
-        return omni.audio_layer(kind, parts, hf_config(src))
-    if kind_of in LLAVA_TOWERS:
-        if kind == "proj" and kind_of in ANYRES:
-            return AnyresVisionProj(parts, src=src, drop_first=spec.vision.select == "default")
-        if kind == "proj":
-            return L.LlavaVisionProj(parts, drop_first=spec.vision.select == "default")
-        return {"embed": L.LlavaVisionEmbed, "block": L.LlavaVisionBlock}[kind](parts)
-    if kind_of == "qwen2_vl":
-        return {"embed": L.QwenVisionEmbed, "block": L.QwenVisionBlock, "proj": L.QwenVisionMerger}[kind](parts)
+    """The pipeline layer `name` from its parts: the decoder's here, the towers' (and a decoder block
+    of a family's own) by the spec's family."""
+    family = family_of(spec.hf)
+    comp, kind, *rest = name.split(".")
+    if comp != "llm":
+        return family.tower_layer(spec, name, parts)
     if kind == "embed":
-        return L.AudioEmbed(parts, dropout=float(hf_config(src).audio_config.dropout))
-    return {"block": L.AudioBlock, "proj": L.AudioProj}[kind](parts)
+        image, audio = placeholder_tokens(spec)
+        return L.HFLLMEmbed(parts, image_token=image, audio_token=audio, video_token=video_token(spec))
+    if kind == "block" and family.llm_block is not None:
+        return family.llm_block(spec, int(rest[0]), parts)
+    if kind == "block":
+        return L.HFLLMBlock(parts, mrope=family.positions is not None)
+    return {"norm": L.HFLLMNorm, "head": L.HFLLMHead}[kind](parts)
 
 
 def build_layer(spec: ModelSpec, name: str, *, seed: int, load: bool = True) -> nn.Module:

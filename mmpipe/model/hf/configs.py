@@ -10,19 +10,8 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from mmpipe.model.hf.family import REGISTRY
 from mmpipe.model.spec import HFSource
-
-ARCHITECTURES = {
-    "llava": "LlavaForConditionalGeneration",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-    "llava_next": "LlavaNextForConditionalGeneration",
-    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
-}
-"""model_type -> the transformers class mmpipe builds (and exports) for it."""
 
 
 def config_from_dict(values: Mapping[str, Any], *, what: str = "model.config") -> PretrainedConfig:
@@ -31,7 +20,7 @@ def config_from_dict(values: Mapping[str, Any], *, what: str = "model.config") -
     model_type = values.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{what}.model_type={model_type!r} is not a transformers model type; "
-                         f"supported: {', '.join(ARCHITECTURES)}")
+                         f"supported: {', '.join(REGISTRY)}")
     return CONFIG_MAPPING[model_type].from_dict(values)
 
 
@@ -48,3 +37,12 @@ def hf_config(src: HFSource) -> PretrainedConfig:
 def config_json(config: PretrainedConfig) -> str:
     """A config as the JSON its config.json holds (stable, so equal configs give equal specs)."""
     return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def __getattr__(name: str) -> Any:
+    """`ARCHITECTURES`: model_type -> the transformers class mmpipe builds (and exports) for it, read
+    from the family registry (family.py) when asked, since the families register after this
+    module is imported."""
+    if name == "ARCHITECTURES":
+        return {model_type: family.architecture for model_type, family in REGISTRY.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,7 +37,7 @@ from mmpipe.export_folder import check_out, staged
 from mmpipe.model.hf.build import build_layer, tied_embedding
 from mmpipe.model.hf.configs import hf_config
 from mmpipe.model.hf.integrity import PART_KEYS, check_weights
-from mmpipe.model.hf.omni import SPEAKER_FILES, full_omni_folder
+from mmpipe.model.hf.outer import outer_folder
 from mmpipe.model.hf.skeleton import layer_parts, materialise, owned_keys, skeleton, unowned_keys
 from mmpipe.model.hf.weights import TensorRef, checkpoint_index, read_tensor, stored_dtype, stored_keys
 from mmpipe.model.layers import layer_seed
@@ -141,8 +141,9 @@ def _copy_files(spec: ModelSpec, out: Path, tokenizer: str | Path | None) -> Non
         config.save_pretrained(out)
     media_from = whole or folders.get("vision") or folders.get("audio")
     text_from = tokenizer or whole or folders.get("llm")
+    held = outer_folder(spec)
     for folder, names in ((text_from, _TEXT_FILES + ("generation_config.json",)), (media_from, _MEDIA_FILES),
-                          (full_omni_folder(spec), SPEAKER_FILES)):
+                          (held.folder if held else None, held.outer.files if held else ())):
         for name in names:
             if folder is not None and (Path(folder) / name).is_file():
                 shutil.copy2(Path(folder) / name, out / name)
@@ -206,10 +207,12 @@ def export(spec: ModelSpec, checkpoint: str | Path, out: str | Path, *, seed: in
     adapters_only = lora.active and not merge
     if adapters_only:
         base = dict(src.weights).get("model")
-        if full_omni_folder(spec) is not None:
-            raise ValueError(f"model {spec.name} is the thinker of a full Qwen2.5-Omni folder, whose class "
+        held = outer_folder(spec)
+        if held is not None:
+            part = held.outer.part
+            raise ValueError(f"model {spec.name} is the {part} of a {held.outer.title} folder, whose class "
                              f"({src.architecture}) does not load that folder: export the whole model with "
-                             f"merge=true (or train from a thinker folder)")
+                             f"merge=true (or train from a {part} folder)")
         if base is None:
             raise ValueError(f"model {spec.name} is composed from several folders (or given inline): an adapter "
                              f"folder needs one base checkpoint to load onto; export the whole model with "
@@ -323,8 +326,8 @@ def _write(spec: ModelSpec, checkpoint: Path, out: Path, *, index: dict[str, Ten
     tie = tied_embedding(spec)
     writer = _ShardWriter(out, shard_bytes)
     count = 0
-    full = full_omni_folder(spec)
-    prefix = "thinker." if full is not None else ""  # the thinker inside a full Qwen2.5-Omni folder
+    held = outer_folder(spec)
+    prefix = held.prefix if held is not None else ""  # the model inside a larger folder (a full Qwen2.5-Omni's)
 
     def saved(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {prefix + k: v for k, v in _saved_names(src, tensors).items()}
@@ -357,10 +360,10 @@ def _write(spec: ModelSpec, checkpoint: Path, out: Path, *, index: dict[str, Ten
             t = getattr(fresh[module_path], attr).detach().to(_dtype(src, key, index))
         writer.add(saved({key: t}))
         count += 1
-    if full is not None:  # the talker and token2wav, as the source holds them
-        for key, file in sorted(stored_keys(full).items()):
+    if held is not None:  # the rest of the folder (Omni's talker and token2wav), as the source holds it
+        for key, file in sorted(stored_keys(held.folder).items()):
             if not key.startswith(prefix):
-                writer.add({key: read_tensor(TensorRef(file=file, key=key, folder=str(full)))})
+                writer.add({key: read_tensor(TensorRef(file=file, key=key, folder=str(held.folder)))})
                 copied.append(key)
                 count += 1
     shards = writer.finish()

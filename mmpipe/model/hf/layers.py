@@ -1,4 +1,4 @@
-"""Pipeline layers made of transformers' own modules (LLaVA, Qwen2-VL, Qwen2-Audio; Qwen3-VL's in qwen3.py).
+"""Pipeline layers made of transformers' own modules (LLaVA, Qwen2-VL, Qwen2-Audio, decoders; more in families/).
 
 Each layer holds the transformers modules `skeleton.layer_parts` names and runs them exactly as
 the transformers model's forward does, on the carrier (model/carrier.py) instead of keyword

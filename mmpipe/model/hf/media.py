@@ -29,6 +29,7 @@ from PIL import Image
 
 from mmpipe.model import layout
 from mmpipe.model.geometry import anyres_image, audio_frames, image_grid, image_positions
+from mmpipe.model.hf.family import families
 from mmpipe.model.spec import HFSource, ModelSpec
 
 
@@ -57,19 +58,20 @@ class AudioInput:
     """Valid mel frames (the feature extractor's attention mask), cut at 30 s."""
 
 
-IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "Qwen2VLImageProcessor", "LlavaNextImageProcessor",
-                    "LlavaOnevisionImageProcessor")
-"""Image processor classes (as config files name them, without a Fast/Pil suffix) mmpipe checks
-its geometry against."""
+def image_processors() -> tuple[str, ...]:
+    """Image processor classes (as config files name them, without a Fast/Pil suffix) mmpipe checks
+    its geometry against: every family's (`Family.image_processors`), in registry order."""
+    return tuple(dict.fromkeys(name for family in families() for name in family.image_processors))
 
 
 def make_image_processor(config: Mapping[str, Any]) -> Any:
     """An image processor from its config: the class it names, in the backend transformers'
     AutoImageProcessor picks by default (torchvision where installed, else PIL)."""
     kind = str(config.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
-    if kind not in IMAGE_PROCESSORS:
+    known = image_processors()
+    if kind not in known:
         raise ValueError(f"image processor {config.get('image_processor_type')!r} is not supported; use "
-                         f"{', '.join(IMAGE_PROCESSORS)}")
+                         f"{', '.join(known)}")
     values = {k: v for k, v in config.items() if k not in ("image_processor_type", "processor_class")}
     return _backend_class(kind)(**values)
 

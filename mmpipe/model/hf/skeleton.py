@@ -19,24 +19,14 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from mmpipe.model.attention import NAME as SEGMENT_ATTENTION
-from mmpipe.model.hf import qwen3
 from mmpipe.model.hf.configs import hf_config
+from mmpipe.model.hf.family import family_of
 from mmpipe.model.spec import HFSource, ModelSpec, layer_names
 
 LM = "model.language_model"
 """Where every supported architecture keeps its decoder (transformers 5 module layout)."""
-TOWERS = {"llava": "model.vision_tower", "qwen2_vl": "model.visual", "qwen2_audio": "model.audio_tower",
-          "llava_next": "model.vision_tower",
-          "llava_onevision": "model.vision_tower",
-          "qwen3_vl": "model.visual",
-          "qwen2_5_vl": "model.visual", "qwen2_5_omni_thinker": "model.visual"}
-"""Each model type's (vision, else audio) tower; Qwen2.5-Omni's audio tower is OMNI_AUDIO."""
-OMNI_AUDIO = "model.audio_tower"
 PROJECTOR = "model.multi_modal_projector"
-LLAVA_TOWERS = ("llava", "llava_next", "llava_onevision")
-"""Architectures whose tower is LLaVA's CLIP / SigLIP (the last two tile any-resolution images)."""
-NEWLINE = "model.image_newline"
-"""LLaVA-NeXT / OneVision's learned row separator: a bare parameter of the model, not a module."""
+"""The LLaVA classes' and Qwen2-Audio's projector into the LLM (also what a composition trains)."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -50,70 +40,29 @@ def skeleton(src: HFSource) -> PreTrainedModel:
         return cls(config)
 
 
-def model_type(src: HFSource) -> str:
-    return hf_config(src).model_type
-
-
 def ties_embeddings(src: HFSource) -> bool:
     """Whether transformers ties the LM head to the input embedding for this config."""
     model = skeleton(src)
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def _clip_tower(src: HFSource) -> bool:
-    return model_type(src) in LLAVA_TOWERS and hf_config(src).vision_config.model_type == "clip_vision_model"
-
-
 def layer_parts(spec: ModelSpec, name: str) -> tuple[tuple[str, str], ...]:
     """(attribute in the pipeline layer, module path in the transformers model) of each module
-    a pipeline layer holds (a path may also name a bare parameter, LLaVA-NeXT's image_newline).
-    Modules without parameters (rotary tables, pooling) may appear in several layers; every
-    parameter belongs to exactly one layer (tied ones aside)."""
+    a pipeline layer holds (a path may also name a bare parameter, LLaVA-NeXT's image_newline):
+    the decoder's here, the towers' by their family (`Family.layer_parts`). Modules without
+    parameters (rotary tables, pooling) may appear in several layers; every parameter belongs to
+    exactly one layer (tied ones aside)."""
     src = _src(spec)
     if name not in layer_names(spec):
         raise ValueError(f"layer {name} does not exist in model {spec.name}")
     comp, kind, *rest = name.split(".")
     i = rest[0] if rest else ""
-    kind_of = model_type(src)
     if comp == "llm":
         return {"embed": (("embed", f"{LM}.embed_tokens"),),
                 "block": (("block", f"{LM}.layers.{i}"), ("rotary", f"{LM}.rotary_emb")),
                 "norm": (("norm", f"{LM}.norm"),),
                 "head": (("head", "lm_head"),)}[kind]
-    if kind_of in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
-        return _qwen25_parts(comp, kind, i)
-    tower = TOWERS[kind_of]
-    if kind_of in LLAVA_TOWERS:
-        embed = (("embeddings", f"{tower}.embeddings"),)
-        if _clip_tower(src):
-            embed += (("pre_layrnorm", f"{tower}.pre_layrnorm"),)
-        proj = (("projector", PROJECTOR),) + ((("image_newline", NEWLINE),) if kind_of != "llava" else ())
-        return {"embed": embed, "block": (("block", f"{tower}.encoder.layers.{i}"),), "proj": proj}[kind]
-    if kind_of == "qwen3_vl":
-        return qwen3.layer_parts(tower, kind, i)
-    if kind_of == "qwen2_vl":
-        return {"embed": (("patch_embed", f"{tower}.patch_embed"),),
-                "block": (("block", f"{tower}.blocks.{i}"), ("rotary", f"{tower}.rotary_pos_emb")),
-                "proj": (("merger", f"{tower}.merger"),)}[kind]
-    return {"embed": (("conv1", f"{tower}.conv1"), ("conv2", f"{tower}.conv2"),
-                      ("embed_positions", f"{tower}.embed_positions")),
-            "block": (("block", f"{tower}.layers.{i}"),),
-            "proj": (("avg_pooler", f"{tower}.avg_pooler"), ("layer_norm", f"{tower}.layer_norm"),
-                     ("projector", PROJECTOR))}[kind]
-
-
-def _qwen25_parts(comp: str, kind: str, i: str) -> tuple[tuple[str, str], ...]:
-    """Qwen2.5-VL's (and Qwen2.5-Omni's) vision tower; Qwen2.5-Omni's audio tower. Omni's
-    `audio_bos_eos_token` is in no layer: the thinker's forward never reads it (export carries it)."""
-    if comp == "vision":
-        tower = "model.visual"
-        return {"embed": (("patch_embed", f"{tower}.patch_embed"),),
-                "block": (("block", f"{tower}.blocks.{i}"), ("rotary", f"{tower}.rotary_pos_emb")),
-                "proj": (("merger", f"{tower}.merger"),)}[kind]
-    return {"embed": (("conv1", f"{OMNI_AUDIO}.conv1"), ("conv2", f"{OMNI_AUDIO}.conv2"),
-                      ("positions", f"{OMNI_AUDIO}.positional_embedding")),
-            "block": (("block", f"{OMNI_AUDIO}.layers.{i}"),),
-            "proj": (("ln_post", f"{OMNI_AUDIO}.ln_post"), ("proj", f"{OMNI_AUDIO}.proj"))}[kind]
+    return family_of(src).layer_parts(hf_config(src), comp, kind, i)
 
 
 def _src(spec: ModelSpec) -> HFSource:

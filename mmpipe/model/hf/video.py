@@ -1,15 +1,15 @@
 """A checkpoint's video processor (transformers' own class), the figures the geometry plans
 frames with, and a clip's frames through it.
 
-The processor is the one transformers builds for the checkpoint: its class by the model type
-(`VIDEO_PROCESSORS`), its configuration found in a folder as transformers finds it
-(`BaseVideoProcessor.get_video_processor_dict`: processor_config.json's `video_processor`, else
-video_preprocessor_config.json, else preprocessor_config.json, the image processor's own
-file), or for an inline preset the `video_processor` mapping, else its `image_processor` (the
-same fallback). `video_spec` (Qwen2-VL's processor) and `onevision_video_spec`
-(LLaVA-OneVision's) turn its settings into the `VideoSpec` that
-`mmpipe.model.geometry` plans with, so the planner's frames, patches and tokens are the
-processor's (tests/unit/model/test_video_geometry.py compares them over many clips).
+The processor is the one transformers builds for the checkpoint: its class the one its family
+pairs with it (`Family.video_processor`), its configuration found in a folder as transformers
+finds it (`BaseVideoProcessor.get_video_processor_dict`: processor_config.json's
+`video_processor`, else video_preprocessor_config.json, else preprocessor_config.json, the image
+processor's own file), or for an inline preset the `video_processor` mapping, else its
+`image_processor` (the same fallback). `video_spec` (Qwen2-VL's processor; LLaVA-OneVision's is
+in its family file) turns its settings into the `VideoSpec` that `mmpipe.model.geometry` plans
+with, so the planner's frames, patches and tokens are the processor's
+(tests/unit/model/test_video_geometry.py compares them over many clips).
 
 The data layer decodes only the frames the geometry picks (`mmpipe.data.video.decode_frames`)
 and hands them to `preprocess_video`, which calls the processor with `do_sample_frames=False`
@@ -23,12 +23,11 @@ processor samples frames by fps: `VideoSpec.grid_seconds`).
 
 Qwen2.5-Omni's processor passes its own `videos_kwargs` to the video processor on every call
 (frames resized within 128 to 768 x 28^2 pixels, whatever the video processor's config says):
-`processor_call` gives them, and both the geometry (`video_spec`) and `preprocess_video` use them.
+its family gives them to `video_spec` (`call`), whose VideoSpec bounds `preprocess_video` uses.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -39,20 +38,8 @@ from typing import Any
 import numpy as np
 
 from mmpipe.model.geometry import VideoMeta, video_grid
+from mmpipe.model.hf.family import family_of
 from mmpipe.model.spec import HFSource, ModelSpec, VideoSpec
-
-_QWEN2_VL_VIDEO = "transformers.models.qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor"
-VIDEO_PROCESSORS = {
-    "qwen2_vl": _QWEN2_VL_VIDEO,
-    "qwen2_5_vl": _QWEN2_VL_VIDEO,
-    "qwen2_5_omni_thinker": _QWEN2_VL_VIDEO,
-    "llava_onevision": "transformers.models.llava_onevision.video_processing_llava_onevision."
-                       "LlavaOnevisionVideoProcessor",
-}
-"""model_type -> the video processor class transformers pairs with it (its video_processing_auto)."""
-OMNI = "qwen2_5_omni_thinker"
-OMNI_DEFAULT_FPS = 2.0
-"""The fps Qwen2_5OmniProcessor assumes when its call names none (hard-coded there too)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,21 +66,21 @@ def _import(path: str) -> Any:
     return getattr(__import__(module, fromlist=[name]), name)
 
 
-def video_processor_class(model_type: str) -> Any:
-    if model_type not in VIDEO_PROCESSORS:
-        raise ValueError(f"model type {model_type!r} takes no video in mmpipe; video: {', '.join(VIDEO_PROCESSORS)}")
-    return _import(VIDEO_PROCESSORS[model_type])
+def video_processor_class(path: str) -> Any:
+    """transformers' video processor class at a dotted path (a family's `video_processor`)."""
+    return _import(path)
 
 
-def make_video_processor(model_type: str, config: Mapping[str, Any]) -> Any:
-    """The model type's video processor from a configuration mapping (transformers' from_dict,
+def make_video_processor(path: str, config: Mapping[str, Any]) -> Any:
+    """The video processor of class `path` from a configuration mapping (transformers' from_dict,
     which also reads an image processor's file: the fallback transformers itself takes)."""
-    return video_processor_class(model_type).from_dict(dict(config))
+    return video_processor_class(path).from_dict(dict(config))
 
 
-def read_video_processor_config(folder: str | Path, model_type: str) -> dict[str, Any] | None:
-    """A folder's video processor configuration, found as transformers finds it (None: no file)."""
-    cls = video_processor_class(model_type)
+def read_video_processor_config(folder: str | Path, path: str) -> dict[str, Any] | None:
+    """A folder's configuration of the video processor of class `path`, found as transformers finds
+    it (None: no file)."""
+    cls = video_processor_class(path)
     try:
         config, _ = cls.get_video_processor_dict(str(folder), local_files_only=True)
     except OSError:
@@ -103,34 +90,20 @@ def read_video_processor_config(folder: str | Path, model_type: str) -> dict[str
 
 @functools.lru_cache(maxsize=8)
 def video_processor(src: HFSource) -> Any:
-    """The spec's video processor (one per process)."""
-    if not src.video_processor:
+    """The spec's video processor (one per process), of the class its family pairs with it."""
+    family = family_of(src)
+    if not src.video_processor or family.video_processor is None:
         raise ValueError(f"{src.architecture} was built without a video processor")
-    from mmpipe.model.hf.configs import hf_config
-
-    return make_video_processor(hf_config(src).model_type, json.loads(src.video_processor))
+    return make_video_processor(family.video_processor, json.loads(src.video_processor))
 
 
-def processor_call(model_type: str, proc: Any) -> dict[str, Any]:
-    """The keyword arguments the model's processor gives its video processor on every call, beyond
-    the video processor's own settings: Qwen2.5-Omni's class-level `videos_kwargs` (its frame size
-    bounds), plus, when the video processor samples by fps, that fps (what a user passes to the
-    Omni processor so that its video_second_per_grid is the frames' real spacing); nothing for the
-    other classes."""
-    if model_type != OMNI:
-        return {}
-    from transformers import Qwen2_5OmniProcessor
-
-    call = copy.deepcopy(Qwen2_5OmniProcessor.videos_kwargs)
-    if proc.do_sample_frames and proc.fps is not None and proc.num_frames is None:
-        call["fps"] = float(proc.fps)
-    return call
-
-
-def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str, model_type: str = "qwen2_vl",
-               audio_in_video: bool = False) -> VideoSpec:
+def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str,
+               call: Mapping[str, Any] | None = None, audio_in_video: bool = False,
+               timing: Mapping[str, float] | None = None) -> VideoSpec:
     """The VideoSpec of a Qwen2-VL-style video processor as the model's processor calls it
-    (`processor_call`), checked against the tower's figures."""
+    (`call`: the keyword arguments it adds on every call, e.g. Qwen2.5-Omni's frame size bounds),
+    checked against the tower's figures; `timing`: VideoSpec's time fields of a processor that
+    fixes them (Qwen2.5-Omni's grid_seconds, positions_per_second, chunk_seconds)."""
     for key, ours in (("patch_size", patch), ("merge_size", merge), ("temporal_patch_size", temporal)):
         if getattr(proc, key) != ours:
             raise ValueError(f"{what}: the video processor has {key}={getattr(proc, key)} but the vision tower {ours}")
@@ -146,43 +119,13 @@ def video_spec(proc: Any, *, patch: int, merge: int, temporal: int, what: str, m
         sample = "count"
     elif proc.do_sample_frames and fps is not None:
         sample = "fps"
-    call = processor_call(model_type, proc)
-    size = call.get("size") or {"shortest_edge": proc.size.shortest_edge, "longest_edge": proc.size.longest_edge}
-    timing = {}
-    if model_type == OMNI:
-        from transformers import Qwen2_5OmniProcessor as P
-
-        timing = dict(grid_seconds=temporal / call.get("fps", OMNI_DEFAULT_FPS),
-                      positions_per_second=float(P.position_id_per_seconds), chunk_seconds=float(P.seconds_per_chunk))
+    size = (call or {}).get("size") or {"shortest_edge": proc.size.shortest_edge,
+                                        "longest_edge": proc.size.longest_edge}
     return VideoSpec(sample=sample, fps=float(fps) if fps else 2.0, frames=int(count or 0),
                      min_frames=int(proc.min_frames), max_frames=int(proc.max_frames), temporal_patch=temporal,
                      min_pixels=int(size["shortest_edge"]), max_pixels=int(size["longest_edge"]),
                      cap_pixels=bool(proc.cap_pixels_per_frame), max_tokens=int(proc.max_video_tokens),
-                     audio_in_video=audio_in_video, **timing)
-
-
-def onevision_video_spec(proc: Any, *, side: int, what: str) -> VideoSpec:
-    """The VideoSpec of LLaVA-OneVision's video processor (LlavaOnevisionVideoProcessor) for a
-    tower of `side`-px tiles: every frame resized to the tile (checked: the tower has fixed
-    positions), frames picked by transformers' default sampler, one tower pass per frame, then
-    the model's 2x2 apply_pooling and one image_newline per video (get_video_features)."""
-    if not proc.do_resize:
-        raise ValueError(f"{what}: the video processor has do_resize=false; LLaVA-OneVision's tower takes "
-                         f"{side}x{side} frames only (set do_resize=true)")
-    box = proc.crop_size if proc.do_center_crop else proc.size
-    h, w = getattr(box, "height", None), getattr(box, "width", None)
-    if (h, w) != (side, side):
-        raise ValueError(f"{what}: the video processor outputs frames of size={dict(box.items()) if box else box} but "
-                         f"the vision tower takes {side}x{side}; set the video processor's size to "
-                         f"{{height: {side}, width: {side}}}")
-    fps, count = proc.fps, proc.num_frames
-    if proc.do_sample_frames and fps is not None and count is not None:
-        raise ValueError(f"{what}: the video processor sets both fps={fps} and num_frames={count}, which "
-                         f"transformers refuses as mutually exclusive; keep one")
-    # do_sample_frames without fps or num_frames: transformers' sampler takes every frame
-    sample = "count" if proc.do_sample_frames and count is not None else "fps" if proc.do_sample_frames else "all"
-    return VideoSpec(sample=sample, fps=float(fps) if fps else 2.0, frames=int(count or 0), temporal_patch=1,
-                     indices="uniform", pool=2, newline=True)
+                     audio_in_video=audio_in_video, **(timing or {}))
 
 
 def video_metadata(meta: VideoMeta, indices: Sequence[int]) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from mmpipe.model.hf.arch import read_config
-from mmpipe.model.hf.skeleton import LM, PROJECTOR, TOWERS, owned_keys, skeleton
+from mmpipe.model.hf.family import family_of
+from mmpipe.model.hf.skeleton import LM, PROJECTOR, owned_keys, skeleton
 from mmpipe.model.spec import HFSource, ModelSpec
 
 
@@ -116,27 +117,28 @@ def _source_model(folder: str) -> PreTrainedModel:
         return cls(config)
 
 
-# (source class name suffix, its prefix, the composed model's prefix), per composed part
-_COMPOSE_PREFIXES = {
-    "vision": (("VisionModel", "", TOWERS["llava"] + "."), ("Model", "vision_model.", TOWERS["llava"] + ".")),
-    "llm": (("ForCausalLM", "model.", LM + "."), ("ForCausalLM", "lm_head.", "lm_head.")),
-    "audio": (("ForConditionalGeneration", "model.encoder.", TOWERS["qwen2_audio"] + "."),
-              ("Model", "encoder.", TOWERS["qwen2_audio"] + ".")),
-}
+def _compose_prefixes(part: str, tower: str) -> tuple[tuple[str, str, str], ...]:
+    """(source class name suffix, its prefix, the composed model's prefix) of a composed part;
+    `tower` is where the composed class keeps the part's tower."""
+    return {"vision": (("VisionModel", "", tower + "."), ("Model", "vision_model.", tower + ".")),
+            "llm": (("ForCausalLM", "model.", LM + "."), ("ForCausalLM", "lm_head.", "lm_head.")),
+            "audio": (("ForConditionalGeneration", "model.encoder.", tower + "."),
+                      ("Model", "encoder.", tower + "."))}[part]
 
 
-def _compose_index(part: str, folder: str) -> dict[str, TensorRef]:
+def _compose_index(src: HFSource, part: str, folder: str) -> dict[str, TensorRef]:
     model = _source_model(folder)
     name = type(model).__name__
-    rules = [(src, dst) for suffix, src, dst in _COMPOSE_PREFIXES[part] if name.endswith(suffix)]
+    prefixes = _compose_prefixes(part, family_of(src).towers.get(part, ""))
+    rules = [(source, dst) for suffix, source, dst in prefixes if name.endswith(suffix)]
     if not rules:
         raise ValueError(f"model.{part}.path={folder!r} is a {name}; expected a "
-                         f"{' or '.join('*' + s for s, _, _ in _COMPOSE_PREFIXES[part])}")
+                         f"{' or '.join('*' + s for s, _, _ in prefixes)}")
     out = {}
     for key, ref in canonical_index(folder, model).items():
-        for src, dst in rules:
-            if key.startswith(src):
-                out[dst + key[len(src):]] = ref
+        for source, dst in rules:
+            if key.startswith(source):
+                out[dst + key[len(source):]] = ref
                 break
     return out
 
@@ -156,7 +158,7 @@ def checkpoint_index(src: HFSource) -> dict[str, TensorRef]:
                                  f"of a {src.architecture}")
             index.update(found)
         else:
-            index.update(_compose_index(part, folder))
+            index.update(_compose_index(src, part, folder))
     return index
 
 

@@ -26,6 +26,7 @@ visual tokens is a tuple of token ids so that video tokens can join it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,11 +36,21 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 
 from mmpipe.model import carrier as C
 from mmpipe.model import layout
+from mmpipe.model.hf.build import placeholder_tokens
+from mmpipe.model.hf.demo_kit import QWEN_SPECIALS, TEXT_ITEM, qwen_tokenizer, save
+from mmpipe.model.hf.families import qwen2_vl
+from mmpipe.model.hf.family import Demo, Family
 from mmpipe.model.hf.layers import HFLayer, HFLLMBlock, QwenVisionBlock
-from mmpipe.model.hf.media import make_image_processor
-from mmpipe.model.spec import VisionSpec
+from mmpipe.model.hf.positions import grid_positions
+from mmpipe.model.hf.skeleton import skeleton
+from mmpipe.model.spec import ModelSpec, VisionSpec
 
-MODEL_TYPE = "qwen3_vl"
+TOWER = qwen2_vl.TOWER
+TEMPLATE = (  # Qwen3-VL's ChatML: no default system message; an image item becomes its three markers
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>" + TEXT_ITEM + "{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 # ----------------------------------------------------------------------------- figures
@@ -57,14 +68,11 @@ def check(config: PretrainedConfig, what: str) -> None:
                          f"{layers} decoder layers; transformers drops the extra ones, mmpipe refuses them")
 
 
-def vision_spec(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> VisionSpec:
-    """The figures the planner costs, from the config and its image processor config."""
+def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any] | None, what: str,
+           audio_in_video: bool) -> VisionSpec:
+    """The figures the planner costs, from the config and its image processor config (no video yet)."""
     vc = config.vision_config
-    proc = make_image_processor(ip)
-    for key, ours in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size),
-                      ("temporal_patch_size", vc.temporal_patch_size)):
-        if getattr(proc, key) != ours:
-            raise ValueError(f"{what}: the image processor has {key}={getattr(proc, key)} but the vision tower {ours}")
+    proc = qwen2_vl.image_processor(config, ip, what)
     merged = vc.hidden_size * vc.spatial_merge_size ** 2
     return VisionSpec(
         blocks=vc.depth, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_heads, patch=vc.patch_size,
@@ -74,11 +82,11 @@ def vision_spec(config: PretrainedConfig, ip: Mapping[str, Any], what: str) -> V
         position_table=int(vc.num_position_embeddings))
 
 
-def layer_parts(tower: str, kind: str, i: str) -> tuple[tuple[str, str], ...]:
+def layer_parts(config: PretrainedConfig, comp: str, kind: str, i: str) -> tuple[tuple[str, str], ...]:
     """(attribute, module path) of each module of a tower layer (skeleton.layer_parts)."""
-    return {"embed": (("patch_embed", f"{tower}.patch_embed"), ("pos_embed", f"{tower}.pos_embed")),
-            "block": (("block", f"{tower}.blocks.{i}"), ("rotary", f"{tower}.rotary_pos_emb")),
-            "proj": (("merger", f"{tower}.merger"), ("deepstack", f"{tower}.deepstack_merger_list"))}[kind]
+    return {"embed": (("patch_embed", f"{TOWER}.patch_embed"), ("pos_embed", f"{TOWER}.pos_embed")),
+            "block": (("block", f"{TOWER}.blocks.{i}"), ("rotary", f"{TOWER}.rotary_pos_emb")),
+            "proj": (("merger", f"{TOWER}.merger"), ("deepstack", f"{TOWER}.deepstack_merger_list"))}[kind]
 
 
 # ----------------------------------------------------------------------------- tower
@@ -186,14 +194,54 @@ class Qwen3LLMBlock(HFLLMBlock):
         return visual.nonzero(as_tuple=True)
 
 
-def make_layer(name: str, parts: dict[str, nn.Module], *, visual: nn.Module, deepstack: tuple[int, ...],
-               image_token: int) -> nn.Module:
-    """The pipeline layer `name` (a vision layer or `llm.block.<j>`) of a Qwen3-VL model."""
-    comp, kind, *rest = name.split(".")
-    if comp == "llm":
-        return Qwen3LLMBlock(parts, index=int(rest[0]), features=len(deepstack), visual_tokens=(image_token,))
+def tower_layer(spec: ModelSpec, name: str, parts: dict[str, nn.Module]) -> nn.Module:
+    """The pipeline layer `vision.<kind>[.<i>]` of a Qwen3-VL model."""
+    _, kind, *rest = name.split(".")
     if kind == "embed":
-        return Qwen3VisionEmbed(parts, visual=visual)
+        return Qwen3VisionEmbed(parts, visual=skeleton(spec.hf).get_submodule(TOWER))
     if kind == "block":
-        return Qwen3VisionBlock(parts, deepstack=int(rest[0]) in deepstack)
+        return Qwen3VisionBlock(parts, deepstack=int(rest[0]) in spec.vision.deepstack)
     return Qwen3VisionMerger(parts)
+
+
+def llm_block(spec: ModelSpec, index: int, parts: dict[str, nn.Module]) -> nn.Module:
+    """Decoder layer `index`, adding its DeepStack feature when it has one."""
+    return Qwen3LLMBlock(parts, index=index, features=len(spec.vision.deepstack),
+                         visual_tokens=(placeholder_tokens(spec)[0],))
+
+
+def write_demo(root: Path, texts: list[str]) -> Path:
+    """A 3-block Qwen3-VL tower (16-px patches, 2x2 merge, images of 4 to 16 tokens, a 3 x 3 learned
+    position table resampled to every grid, DeepStack features of blocks 0 and 2 added after
+    decoder layers 0 and 1) + a 3-layer Qwen3 decoder (q/k norms, head_dim 16, interleaved M-RoPE
+    with unequal sections)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(47)
+    tok = qwen_tokenizer(texts)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    cfg = Qwen3VLConfig(
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=9,
+                           deepstack_visual_indexes=[0, 2]),
+        text_config=dict(vocab_size=len(tok) + 3, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                         max_position_embeddings=2048, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id,
+                         rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 1e4,
+                                          "mrope_interleaved": True}),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    folder = save(Qwen3VLForConditionalGeneration(cfg), tok, TEMPLATE, root / "qwen3-vl", 47)
+    Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32 * 4,
+                          max_pixels=32 * 32 * 16, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    return folder
+
+
+FAMILY = Family(
+    model_type="qwen3_vl", architecture="Qwen3VLForConditionalGeneration", title="Qwen3-VL",
+    text_types=("qwen3_vl_text",), towers={"vision": TOWER}, check=check, vision=vision, audio=None,
+    image_processors=(qwen2_vl.IMAGE_PROCESSOR,), default_image_processor=qwen2_vl.default_image_processor,
+    default_feature_extractor=None, video_processor=None, processor_settings=None, layer_parts=layer_parts,
+    tower_layer=tower_layer, llm_block=llm_block, positions=grid_positions, audio_in_video=False, outer=None,
+    demo=Demo(name="qwen3-vl", write=write_demo))
