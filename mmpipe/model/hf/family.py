@@ -88,10 +88,11 @@ class Demo:
 class Family:
     """Everything mmpipe knows of one transformers class that the shared machinery does not.
 
-    Every field is given by each family (none has a default); None marks a capability the family
-    lacks. A family is one object, compared and hashed as such (`eq=False`). How many LLM tokens an image, a video or a clip takes (what the planner counts from
-    headers, `mmpipe.model.geometry`) is the VisionSpec / AudioSpec that `vision` / `audio`
-    return: their resize rule, merge, tiles, pooling and windows are the family's token-count rule.
+    Every field is given by each family (none has a default); None marks a capability the
+    family lacks. A family is one object, compared and hashed as such (`eq=False`). How many
+    LLM tokens an image, a video or a clip takes (what the planner counts from headers,
+    `mmpipe.model.geometry`) is the VisionSpec / AudioSpec that `vision` / `audio` return:
+    their resize rule, merge, tiles, pooling and windows are the family's token-count rule.
     """
 
     model_type: str
