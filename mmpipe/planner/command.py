@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mmpipe.model.geometry import SampleFeatures, SampleMeta, features
-from mmpipe.model.spec import ModelSpec, layer_names
+from mmpipe.model.geometry import SampleFeatures
+from mmpipe.model.spec import layer_names
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import BASELINES, BaselinePlan, tune_baseline
 from mmpipe.planner.cost import CostModel, lower_bound_s
@@ -33,6 +33,7 @@ from mmpipe.planner.layout import LayoutChoice, equal_bubble, search_layouts
 from mmpipe.planner.partition import StagePlan, check_pp, data_aware_stages, stages_from_names
 from mmpipe.planner.problem import Placement, PlanProblem, placement_name
 from mmpipe.planner.report import (
+    encoders_report,
     layout_json,
     layout_table,
     plot_timeline,
@@ -43,6 +44,7 @@ from mmpipe.planner.report import (
 from mmpipe.planner.samples import SampleTable, sample_table
 from mmpipe.planner.spread import (
     SpreadStep,
+    encode_by_rank,
     encode_costs,
     pipeline_stage_costs,
     plan_spread_step,
@@ -53,7 +55,7 @@ from mmpipe.planner.spread import (
 from mmpipe.planner.stage_cost import StageCosts, stage_costs
 from mmpipe.planner.stages import check_policy
 from mmpipe.planner.step import Replicas, StepEval, evaluate_step
-from mmpipe.planner.trace import read_trace
+from mmpipe.planner.trace import PlanInput, read_samples
 
 GB = 1e9
 SMALL_REPORT = 16
@@ -61,20 +63,6 @@ SMALL_REPORT = 16
 for 4 stages already costs 1.6-1.7x the lower bound on LLaVA-style data)."""
 COMPARE_STEPS = 8
 """Baselines shown next to a data-aware plan are tuned on at most this many steps."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanInput:
-    """What `mmpipe plan` reads: a trace or shard metadata, and how many of its steps."""
-
-    trace_path: str | None = None
-    """A JSONL trace (docs/spec.md section 1); or"""
-    samples: Sequence[tuple[str, SampleMeta]] | None = None
-    """(key, metadata) of each sample in stream order (`mmpipe plan data=shards`),"""
-    source: str = ""
-    """named by this (the data.path) in messages."""
-    steps: int | None = None
-    """plan.steps: the first K full steps (None: every full step)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,7 +121,7 @@ def run_plan(problem: PlanProblem, data: PlanInput, *, stages: Sequence[tuple[st
     """
     placement = _placement(problem)
     _check_layout_keys(problem)
-    feats, labels, where = _read_samples(problem.model, data)
+    feats, labels, where = read_samples(problem.model, data)
     step_rows = _step_rows(len(feats), problem, data.steps, where)
     table = sample_table(feats)
     probe = _probe_steps(step_rows)
@@ -379,24 +367,6 @@ def _extras(problem: PlanProblem, planned: PlannedSteps, table: SampleTable, fea
     return text
 
 
-def _read_samples(model: ModelSpec, data: PlanInput) -> tuple[list[SampleFeatures], list[str], str]:
-    """Features, error labels and a name of the input: a trace, or shard metadata."""
-    trace_path, samples, source = data.trace_path, data.samples, data.source
-    if (trace_path is None) == (samples is None):
-        raise ValueError("give a trace (data=trace data.path=FILE.jsonl) or shards (data=shards)")
-    if trace_path is not None:
-        trace = Path(trace_path)
-        feats = [features(model, meta, where=f"{trace.name} sample {i} (line {i + 1})")
-                 for i, meta in enumerate(read_trace(trace))]
-        return feats, [f"{trace.name} line {i + 1} (sample {i})" for i in range(len(feats))], \
-            trace_path
-    assert samples is not None
-    feats = [features(model, meta, where=f"shard sample {key!r} (sample {i})")
-             for i, (key, meta) in enumerate(samples)]
-    return feats, [f"shard sample {key!r} (sample {i})" for i, (key, _) in enumerate(samples)], \
-        source or "(shards)"
-
-
 def _probe_steps(step_rows: list[list[int]], k: int = 2) -> list[list[int]]:
     """A few steps spread over the run to partition on."""
     if len(step_rows) <= k:
@@ -469,35 +439,3 @@ def _plan_spread(problem: PlanProblem, cost: CostModel, placement: Placement, ta
         priced.append(sp)
     return PlannedSteps(stage_plan=stage_plan, sc=sc, plans=plans, evals=evals, packing=True, setting="",
                         spread=priced)
-
-
-def encode_by_rank(encode: Sequence[Sequence[Sequence[int]]] | None, pp: int, dp: int) -> list[list[int]]:
-    """A step's encode shares (per replica, per stage) in global rank order, rank = stage x dp
-    + replica (DeepSpeed's pipe-major PipeModelDataParallelTopology); empty lists when no tower
-    is spread."""
-    out: list[list[int]] = [[] for _ in range(pp * dp)]
-    for r, rep in enumerate(encode or ()):
-        for s, share in enumerate(rep):
-            out[s * dp + r] = [int(i) for i in share]
-    return out
-
-
-def encoders_report(value: str, chosen: dict[str, str], compared: Sequence[tuple[Placement, float]],
-                    spread_steps: Sequence[SpreadStep] | None, n_steps: int, show_steps: int = 4) -> str:
-    """The placement chosen, the placements compared (mean simulated step time of each one's
-    best plan) and, under a spread placement, each rank's encode load on the first steps."""
-    towers = ", ".join(f"{t} {w}" for t, w in chosen.items()) or "none"
-    lines = [f"encoders: {towers} (plan.encoders={value})"]
-    if len(compared) > 1:
-        cells = [f"{e.name} {t / n_steps:.3f} s" if np.isfinite(t) else f"{e.name} does not fit"
-                 for e, t in compared]
-        lines.append("placements compared (mean simulated step time of each one's best plan): " + "; ".join(cells))
-    if spread_steps:
-        lines.append(f"encode load per rank (pre-pass forward + post-pass, s; shares keep: {spread_steps[0].mode}; "
-                     f"all-reduce of the spread towers {spread_steps[0].allreduce:.3f} s):")
-        for k, st in enumerate(spread_steps[:show_steps]):
-            loads = [x for rep in st.loads for x in rep]
-            pre, post = max(st.pre, default=0.0), max(st.post, default=0.0)
-            lines.append(f"  step {k}: max {max(loads, default=0.0):.3f} mean {np.mean(loads) if loads else 0.0:.3f}; "
-                         f"slowest pre-pass {pre:.3f}, post-pass {post:.3f}")
-    return "\n".join(lines)

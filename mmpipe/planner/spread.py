@@ -478,3 +478,14 @@ def plan_spread_step(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rows:
     reps = balance(sc)
     ev = evaluate_step(sc, table, reps, packing=packing)
     return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, ranks=ranks)
+
+
+def encode_by_rank(encode: Sequence[Sequence[Sequence[int]]] | None, pp: int, dp: int) -> list[list[int]]:
+    """A step's encode shares (per replica, per stage) in global rank order, rank = stage x dp
+    + replica (DeepSpeed's pipe-major PipeModelDataParallelTopology); empty lists when no tower
+    is spread."""
+    out: list[list[int]] = [[] for _ in range(pp * dp)]
+    for r, rep in enumerate(encode or ()):
+        for s, share in enumerate(rep):
+            out[s * dp + r] = [int(i) for i in share]
+    return out
