@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from mmpipe.model.group import model_from_group  # noqa: E402
-from mmpipe.planner.command import run_plan  # noqa: E402
+from mmpipe.planner.api import PlanProblem  # noqa: E402
+from mmpipe.planner.command import PlanInput, PlanOutput, run_plan  # noqa: E402
 from mmpipe.planner.hardware import hardware_from_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,10 +115,10 @@ def main() -> None:
             cells = ""
             t0 = time.process_time()
             for b in batches:
-                plan = run_plan(model=_model(mname), hardware=hw, pp=4, dp=2, global_batch=b, micro_batches=8,
-                                trainable=tuple(trainable.split(",")), policy="data-aware",
-                                trace_path=str(folder / f"{trace}.jsonl"), out=None, steps=args.steps, plot=None,
-                                quiet=True, memory_headroom=0.08)
+                problem = PlanProblem(model=_model(mname), hardware=hw, pp=4, dp=2, global_batch=b, micro_batches=8,
+                                      trainable=tuple(trainable.split(",")), policy="data-aware", memory_headroom=0.08)
+                plan = run_plan(problem, PlanInput(trace_path=str(folder / f"{trace}.jsonl"), steps=args.steps),
+                                output=PlanOutput(quiet=True))
                 pred = plan["predicted"]
                 ours = float(np.mean(pred["step_time_s"]))
                 eff = float(np.mean(pred["lower_bound_s"])) / ours

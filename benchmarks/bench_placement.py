@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from mmpipe.model.group import model_from_group  # noqa: E402
 from mmpipe.paths import model_folder  # noqa: E402
-from mmpipe.planner.command import run_plan  # noqa: E402
+from mmpipe.planner.api import DEFAULT_HEADROOM, Placement, PlanProblem  # noqa: E402
+from mmpipe.planner.command import PlanInput, PlanOutput, run_plan  # noqa: E402
 from mmpipe.planner.hardware import hardware_from_dict  # noqa: E402
 
 TRACES = ("llava-pretrain", "llava-sft", "vision-dynamic", "video-mix", "audio-caption", "omni-mix")
@@ -39,9 +40,11 @@ def one(trace: str, preset: str) -> dict:
                              resolve=model_folder).spec
     hw = hardware_from_dict(yaml.safe_load((ROOT / "conf" / "hardware" / "h100.yaml").read_text()))
     try:
-        plan = run_plan(model=model, hardware=hw, pp=PP, dp=DP, global_batch=BATCH, micro_batches=8,
-                        trainable=("all",), policy="data-aware", steps=STEPS, quiet=True, encoders="auto",
-                        trace_path=str(ROOT / "data" / "workloads" / f"{trace}.jsonl"))
+        problem = PlanProblem(model=model, hardware=hw, pp=PP, dp=DP, global_batch=BATCH, micro_batches=8,
+                              trainable=("all",), policy="data-aware", memory_headroom=DEFAULT_HEADROOM,
+                              placement=Placement.parse("auto", model))
+        plan = run_plan(problem, PlanInput(trace_path=str(ROOT / "data" / "workloads" / f"{trace}.jsonl"),
+                                           steps=STEPS), output=PlanOutput(quiet=True))
     except ValueError as err:
         return {"trace": trace, "preset": preset, "error": str(err).splitlines()[0]}
     pred = plan["predicted"]

@@ -36,9 +36,9 @@ import yaml  # noqa: E402
 
 from mmpipe.model.geometry import features  # noqa: E402
 from mmpipe.model.group import model_from_group  # noqa: E402
-from mmpipe.planner.api import choose_layout  # noqa: E402
+from mmpipe.planner.api import PlanProblem, choose_layout  # noqa: E402
 from mmpipe.planner.balancer import balance_step  # noqa: E402
-from mmpipe.planner.command import run_plan  # noqa: E402
+from mmpipe.planner.command import PlanInput, PlanOutput, run_plan  # noqa: E402
 from mmpipe.planner.cost import build_cost_model  # noqa: E402
 from mmpipe.planner.hardware import hardware_from_dict  # noqa: E402
 from mmpipe.planner.layout import min_max_cut  # noqa: E402
@@ -100,9 +100,9 @@ def main() -> None:
     for trace, mname in pairs:
         m = model_from_group(load("model", mname)).spec
         tr = trainable_for(mname, args.trainable)
-        plan = run_plan(model=m, hardware=hw, pp=4, dp=2, global_batch=256, micro_batches=8,
-                        trainable=tr, policy="data-aware", trace_path=str(wl / f"{trace}.jsonl"),
-                        out=None, steps=None, plot=None, quiet=True, memory_headroom=args.headroom)
+        problem = PlanProblem(model=m, hardware=hw, pp=4, dp=2, global_batch=256, micro_batches=8,
+                              trainable=tr, policy="data-aware", memory_headroom=args.headroom)
+        plan = run_plan(problem, PlanInput(trace_path=str(wl / f"{trace}.jsonl")), output=PlanOutput(quiet=True))
         pred = plan["predicted"]
         ours = float(np.mean(pred["step_time_s"]))
         base = {b: float(np.mean(v["step_time_s"])) if v["fits"] else float("inf")
@@ -154,8 +154,8 @@ def _explain(trace, mname, tr, plan, hw, wl: Path, headroom: float, *, layouts: 
     auto = eff = secs = "-"
     if layouts:
         t0 = time.process_time()
-        choice = choose_layout(model=m, hardware=hw, trainable=tr, devices=8, global_batch=256,
-                               micro_batches=8, sample=feats[:512], memory_headroom=headroom)
+        choice = choose_layout(PlanProblem(model=m, hardware=hw, trainable=tr, devices=8, global_batch=256,
+                                           micro_batches=8, memory_headroom=headroom), feats[:512])
         secs = f"{time.process_time() - t0:.2f}"
         auto, eff = f"{choice.best.pp}x{choice.best.dp}", f"{choice.best.efficiency:.3f}"
     print(f"{trace:<15} {mname:<24} {ratio:>6.3f} {np.mean(split):>6.3f} {np.mean(floor):>6.3f} "
@@ -176,8 +176,8 @@ def layout_timing(hw, wl: Path, headroom: float) -> None:
         feats = [features(m, x) for x in read_trace(wl / f"{trace}.jsonl")][:512]
         for n in (8, 16, 64):
             t0 = time.process_time()
-            choice = choose_layout(model=m, hardware=hw, trainable=tr, devices=n, global_batch=256,
-                                   micro_batches=1, sample=feats, memory_headroom=headroom)
+            choice = choose_layout(PlanProblem(model=m, hardware=hw, trainable=tr, devices=n, global_batch=256,
+                                               micro_batches=1, memory_headroom=headroom), feats)
             secs = time.process_time() - t0
             how = [x.how for x in choice.layouts]
             print(f"{trace:<15} {mname:<12} {trainable:<16} {n:>3} {secs:>8.2f} "

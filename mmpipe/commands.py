@@ -272,17 +272,20 @@ def shard_meta(rc: RunConfig) -> list:
 
 
 def run_plan(rc: RunConfig, inv: Invocation, *, compare_schedules: bool = False) -> int:
-    from mmpipe.config import hardware_spec
+    import dataclasses
+
+    from mmpipe.config import plan_problem
+    from mmpipe.planner.command import PlanInput, PlanOutput
     from mmpipe.planner.command import run_plan as plan
 
     trace, samples = (resolve_path(rc.data.path), None) if rc.data.kind == "trace" else (None, shard_meta(rc))
-    plan(model=rc.model, hardware=hardware_spec(rc), pp=rc.parallel.fixed("pp"), dp=rc.parallel.fixed("dp"),
-         devices=rc.parallel.devices, global_batch=rc.train.global_batch, micro_batches=rc.train.micro_batches,
-         trainable=rc.train.trainable, policy=rc.plan.policy, trace_path=trace, samples=samples,
-         source=rc.data.path, out=output_path(rc, rc.plan.out), steps=rc.plan.steps,
-         plot=output_path(rc, rc.plan.plot), stages=list(rc.plan.stages or []) or None,
-         compare_schedules=compare_schedules, memory_headroom=rc.plan.memory_headroom,
-         precision=plan_precision(rc, inv), lora=rc.train.lora, encoders=rc.plan.encoders)
+    # the run's problem, as training builds it; memory priced as `plan_precision` says, and
+    # every step planned across the replicas
+    problem = dataclasses.replace(plan_problem(rc), precision=plan_precision(rc, inv), replicas=None)
+    plan(problem, PlanInput(trace_path=trace, samples=samples, source=rc.data.path, steps=rc.plan.steps),
+         stages=list(rc.plan.stages or []) or None,
+         output=PlanOutput(out=output_path(rc, rc.plan.out), plot=output_path(rc, rc.plan.plot),
+                           compare_schedules=compare_schedules))
     return 0
 
 

@@ -21,12 +21,12 @@ from mmpipe.planner.api import (  # planner-owned
     DEFAULT_HEADROOM,
     PACKED_POLICIES,
     POLICIES,
+    Placement,
+    PlanProblem,
     check_encoders_value,
     check_headroom,
     hardware_from_dict,
-    parse_encoders,
     parse_ladder,
-    show_encoders,
 )
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -708,14 +708,13 @@ def check_run(rc: RunConfig) -> None:
     """Cross-key checks: the ones no single section can make (those on parallel.pp / dp wait
     for `resolve_layout` while they are auto)."""
     rc.train.lora.check_parts(rc.model)
-    parse_encoders(rc.plan.encoders, rc.model)  # a tower the model lacks
+    placement = Placement.parse(rc.plan.encoders, rc.model)  # a tower the model lacks
     if rc.parallel.auto:
         _check_auto(rc)
         return
     pp, dp, t = rc.parallel.pp, rc.parallel.dp, rc.train
-    spreads = parse_encoders(rc.plan.encoders, rc.model)
-    if pp == 1 and isinstance(spreads, dict) and "spread" in spreads.values():
-        raise ValueError(f"plan.encoders={show_encoders(rc.plan.encoders)} needs parallel.pp >= 2 (a spread tower "
+    if pp == 1 and placement.spread:
+        raise ValueError(f"plan.encoders={placement.given} needs parallel.pp >= 2 (a spread tower "
                          f"is encoded by the stages of a replica; with one stage it is staged); set parallel.pp=2 "
                          f"or more, or plan.encoders=stages")
     n_layers = len(rc.layers)
@@ -815,11 +814,7 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
     from mmpipe.planner.api import choose_layout
 
     p = rc.parallel
-    choice = choose_layout(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
-                           devices=p.devices, global_batch=rc.train.global_batch,
-                           micro_batches=rc.train.micro_batches, sample=sample, pp=p.fixed("pp"),
-                           dp=p.fixed("dp"), memory_headroom=rc.plan.memory_headroom,
-                           precision=training_precision(rc), lora=rc.train.lora)
+    choice = choose_layout(plan_problem(rc), sample)
     best = choice.best
     if not best.fits:
         raise ValueError(f"parallel.devices={p.devices}: no pp x dp layout fits in memory ("
@@ -827,6 +822,21 @@ def resolve_layout(rc: RunConfig, sample) -> RunConfig:
     out = replace(rc, parallel=ParallelConfig(pp=best.pp, dp=best.dp, devices=p.devices))
     check_run(out)
     return out
+
+
+def plan_problem(rc: RunConfig) -> PlanProblem:
+    """What the planner is asked for this run (planner/problem.py's PlanProblem): the one place a
+    RunConfig becomes the planner's inputs, for training (stage cut, steps, placement, re-cuts,
+    the layout) and `mmpipe plan` alike. pp / dp are None while auto; one step-planning call
+    deals to every replica with plan.across_replicas, else to its own replica only; the
+    placement is plan.encoders parsed (still `auto` until `choose_encoders` resolves it)."""
+    p = rc.parallel
+    return PlanProblem(model=rc.model, hardware=hardware_spec(rc), trainable=rc.train.trainable,
+                       micro_batches=rc.train.micro_batches, policy=rc.plan.policy,
+                       global_batch=rc.train.global_batch, pp=p.fixed("pp"), dp=p.fixed("dp"), devices=p.devices,
+                       replicas=None if rc.plan.across_replicas else 1, precision=training_precision(rc),
+                       memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora,
+                       placement=Placement.parse(rc.plan.encoders, rc.model))
 
 
 def training_precision(rc: RunConfig):

@@ -138,6 +138,12 @@ class CostModel:
             + l.adapter_params * pr.param_bytes(trainable=True, dp=self.dp) for l in self.layers[start:end])
 
 
+def layer_stream(name: str) -> int | None:
+    """The stream (index into samples.STREAMS) layer `name` reads, None for a layer the cost
+    model treats as free."""
+    return KIND_STREAM.get(".".join(name.split(".")[:2]))
+
+
 def validate_trainable(trainable: Sequence[str], model: ModelSpec, lora: LoraSpec = NO_LORA) -> tuple[str, ...]:
     """Check train.trainable against the model's layers; returns it as a tuple.
 

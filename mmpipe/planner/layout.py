@@ -31,13 +31,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmpipe.model.spec import NO_LORA, LoraSpec
+from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.balancer import balance_step, check_alone, check_static
-from mmpipe.planner.cost import CostModel, TrainingPrecision, build_cost_model, lower_bound_s
+from mmpipe.planner.cost import CostModel, lower_bound_s
 from mmpipe.planner.packing import deal
 from mmpipe.planner.partition import StagePlan, balanced_partition, data_aware_stages, layer_loads, parameters_partition
+from mmpipe.planner.problem import PlanProblem
 from mmpipe.planner.replica import ReplicaPlanner
-from mmpipe.planner.samples import SampleTable
+from mmpipe.planner.samples import SampleTable, sample_table
 from mmpipe.planner.stage_cost import StageCosts, sample_work, stage_costs
 from mmpipe.planner.step import evaluate_step
 
@@ -97,13 +98,12 @@ class LayoutChoice:
         return self.layouts[0]
 
 
-def costs_by_dp(*, model, hardware, trainable: Sequence[str], devices: int, dp: int | None,
-                precision: TrainingPrecision, memory_headroom: float, lora: LoraSpec = NO_LORA) -> dict[int, CostModel]:
-    """A cost model for each data-parallel degree a layout of `devices` may take (each divisor,
-    or the user's fixed dp): ZeRO-1 shards optimizer states over dp, so memory depends on it."""
-    costs = {d: build_cost_model(model=model, hardware=hardware, trainable=trainable, dp=d,
-                                 precision=precision, memory_headroom=memory_headroom, lora=lora)
-             for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
+def costs_by_dp(problem: PlanProblem) -> dict[int, CostModel]:
+    """A cost model for each data-parallel degree a layout of `problem.devices` may take (each
+    divisor, or the user's fixed dp): ZeRO-1 shards optimizer states over dp, so memory
+    depends on it."""
+    devices, dp = problem.devices or 0, problem.dp
+    costs = {d: problem.cost_model(dp=d) for d in range(1, devices + 1) if devices % d == 0 and (dp is None or d == dp)}
     if not costs:
         raise ValueError(f"parallel.dp={dp} does not divide parallel.devices={devices}; use a divisor or auto")
     return costs
@@ -166,22 +166,41 @@ def candidates(*, devices: int, n_layers: int, global_batch: int, micro_batches:
     return ok, out
 
 
-def search_layouts(*, costs: dict[int, CostModel], table: SampleTable,
-                   steps: Sequence[Sequence[int]], devices: int, global_batch: int,
-                   micro_batches: int, pp: int | None = None, dp: int | None = None,
-                   labels: Sequence[str] | None = None) -> LayoutChoice:
-    """Rank every valid layout of `devices` on the probe `steps` (rows of `table`).
+def choose_layout(problem: PlanProblem, sample: Sequence[SampleFeatures], probe_steps: int = 2) -> LayoutChoice:
+    """Rank the pp x dp splits of `problem.devices` for the data-aware policy: `.best` has pp,
+    dp and the stage plan it was priced with, `.layouts` the ranked table.
 
     Args:
-        costs: the cost model of each dp that may occur (`dp -> CostModel`), built with the
-            run's hardware, precision and headroom.
-        steps: probe steps, each `global_batch` rows of `table`.
-        pp, dp: a fixed value when the user gave one, None for auto.
+        problem: the run; its pp and dp are the values the user fixed, or None for auto.
+        sample: features of the run's first samples in stream order, all replicas together
+            (at least one whole step of `problem.global_batch`); up to `probe_steps` whole
+            steps are priced.
+    Raises ValueError naming the keys when no layout is valid or the sample is short.
+    """
+    global_batch = problem.global_batch or 0
+    if global_batch < 1 or len(sample) < global_batch:
+        raise ValueError(f"parallel.devices={problem.devices}: choosing a layout needs one whole step of "
+                         f"train.global_batch={problem.global_batch} samples; the data gave "
+                         f"{len(sample)}")
+    k = max(1, min(probe_steps, len(sample) // global_batch))
+    table = sample_table(list(sample[:k * global_batch]))
+    steps = [list(range(i * global_batch, (i + 1) * global_batch)) for i in range(k)]
+    return search_layouts(problem, table, steps)
+
+
+def search_layouts(problem: PlanProblem, table: SampleTable, steps: Sequence[Sequence[int]],
+                   labels: Sequence[str] | None = None) -> LayoutChoice:
+    """Rank every valid layout of `problem.devices` on the probe `steps` (rows of `table`,
+    each `problem.global_batch` of them), each dp with its own cost model (`costs_by_dp`);
+    `problem.pp` / `problem.dp`: a fixed value when the user gave one, None for auto.
     Raises ValueError when no layout is valid (the reasons named).
     """
+    costs = costs_by_dp(problem)
+    devices, pp, dp = problem.devices or 0, problem.pp, problem.dp
+    micro_batches = problem.micro_batches
     any_cost = next(iter(costs.values()))
     n_layers = len(any_cost.layers)
-    valid, excluded = candidates(devices=devices, n_layers=n_layers, global_batch=global_batch,
+    valid, excluded = candidates(devices=devices, n_layers=n_layers, global_batch=problem.global_batch or 0,
                                  micro_batches=micro_batches, pp=pp, dp=dp)
     if not valid:
         raise ValueError(f"no layout of parallel.devices={devices} is valid: "

@@ -9,8 +9,10 @@ import numpy as np
 
 from mmpipe.measure import mean_over_shared
 from mmpipe.planner.layout import Layout, LayoutChoice
+from mmpipe.planner.problem import Placement
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.schedules import SCHEDULES
+from mmpipe.planner.spread import SpreadStep
 from mmpipe.planner.stage_cost import StageCosts
 from mmpipe.planner.step import Replicas, StepEval, mb_costs, simulate_replica
 
@@ -171,3 +173,24 @@ def _mb_modality(mb: list[int], modality: Sequence[str]) -> str:
     has_aud = any("audio" in k for k in kinds)
     return "image+audio" if has_img and has_aud else "image" if has_img else \
         "audio" if has_aud else "text"
+
+
+def encoders_report(value: str, chosen: dict[str, str], compared: Sequence[tuple[Placement, float]],
+                    spread_steps: Sequence[SpreadStep] | None, n_steps: int, show_steps: int = 4) -> str:
+    """The placement chosen, the placements compared (mean simulated step time of each one's
+    best plan) and, under a spread placement, each rank's encode load on the first steps."""
+    towers = ", ".join(f"{t} {w}" for t, w in chosen.items()) or "none"
+    lines = [f"encoders: {towers} (plan.encoders={value})"]
+    if len(compared) > 1:
+        cells = [f"{e.name} {t / n_steps:.3f} s" if np.isfinite(t) else f"{e.name} does not fit"
+                 for e, t in compared]
+        lines.append("placements compared (mean simulated step time of each one's best plan): " + "; ".join(cells))
+    if spread_steps:
+        lines.append(f"encode load per rank (pre-pass forward + post-pass, s; shares keep: {spread_steps[0].mode}; "
+                     f"all-reduce of the spread towers {spread_steps[0].allreduce:.3f} s):")
+        for k, st in enumerate(spread_steps[:show_steps]):
+            loads = [x for rep in st.loads for x in rep]
+            pre, post = max(st.pre, default=0.0), max(st.post, default=0.0)
+            lines.append(f"  step {k}: max {max(loads, default=0.0):.3f} mean {np.mean(loads) if loads else 0.0:.3f}; "
+                         f"slowest pre-pass {pre:.3f}, post-pass {post:.3f}")
+    return "\n".join(lines)

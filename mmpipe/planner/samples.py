@@ -101,3 +101,11 @@ def _flat(bins: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
     idx = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
     return idx, np.concatenate([[0], np.cumsum(sizes)[:-1]])
+
+
+def packed_streams(features: Sequence[SampleFeatures]) -> tuple[np.ndarray, np.ndarray]:
+    """[K] tokens and [K] sums of squared sequence lengths of each stream (STREAMS) of one
+    packed micro-batch of these samples: what the cost model prices a layer on (`mmpipe
+    profile` times layers on them)."""
+    T, S2 = mb_streams(sample_table(list(features)), [list(range(len(features)))], packing=True)
+    return T[0], S2[0]

@@ -1,4 +1,5 @@
-"""The spread placement of encoder towers (plan.encoders): its values, and what it costs.
+"""The spread placement of encoder towers (plan.encoders): what it costs (the values and their
+one parse are planner/problem.py's `Placement`).
 
 Under the `stages` placement an encoder tower (`vision.*`, `audio.*`: its embed, blocks and
 projector) runs on the pipeline stages that hold its layers, like any layer. Under `spread`
@@ -68,21 +69,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmpipe.model.spec import ModelSpec
 from mmpipe.planner.cost import CostModel
 from mmpipe.planner.hardware import GB
 from mmpipe.planner.ladder import Ladder
 from mmpipe.planner.partition import StagePlan
+from mmpipe.planner.problem import placement_name
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, stage_costs
 from mmpipe.planner.step import Replicas, StepEval, evaluate_step
 
-TOWERS = ("vision", "audio")
-"""Encoder towers, in layer order."""
-PLACEMENTS = ("stages", "spread")
-"""Where a tower runs."""
-ENCODER_VALUES = ("auto",) + PLACEMENTS
-"""The single-word plan.encoders values."""
 KEEP_MODES = ("none", "blocks", "tower")
 """What an encode share keeps from the pre-pass to the post-pass, cheapest first."""
 TOWER_STREAMS = {"vision": (0, 5), "audio": (2,)}
@@ -101,81 +96,6 @@ FP32 = 4
 
 Encoders = Mapping[str, str]
 """A resolved placement: tower -> `stages` | `spread`, for every tower of the model."""
-
-
-def model_towers(model: ModelSpec) -> tuple[str, ...]:
-    """The encoder towers the model has, in layer order."""
-    return tuple(t for t, enc in (("vision", model.vision), ("audio", model.audio)) if enc is not None)
-
-
-def show_encoders(value: object) -> str:
-    """A plan.encoders value as it is written on the command line."""
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
-    return str(value)
-
-
-def check_encoders_value(value: object) -> None:
-    """The shape of a plan.encoders value, without the model: auto, stages, spread, or a
-    mapping of towers (vision, audio) to stages | spread. ValueError naming the key."""
-    fix = "use auto, stages, spread, or per tower e.g. \"plan.encoders={vision: spread, audio: stages}\""
-    if isinstance(value, str):
-        if value not in ENCODER_VALUES:
-            raise ValueError(f"plan.encoders={value!r} is unknown; {fix}")
-        return
-    if not isinstance(value, Mapping) or not value:
-        raise ValueError(f"plan.encoders={show_encoders(value)} is not a placement; {fix}")
-    for tower, where in value.items():
-        if tower not in TOWERS:
-            raise ValueError(f"plan.encoders={show_encoders(value)} names {tower!r}, which is not an "
-                             f"encoder tower; name vision or audio")
-        if where not in PLACEMENTS:
-            raise ValueError(f"plan.encoders={show_encoders(value)} places {tower} at {where!r}; "
-                             f"use stages or spread")
-
-
-def parse_encoders(value: object, model: ModelSpec) -> str | dict[str, str]:
-    """plan.encoders for `model`: `auto`, or the placement of every tower it has (a mapping
-    leaves the towers it does not name on the stages). ValueError for a bad value or a tower
-    the model lacks."""
-    if value is None:
-        value = "stages"
-    check_encoders_value(value)
-    towers = model_towers(model)
-    if isinstance(value, str):
-        if value == "spread" and not towers:
-            raise ValueError(f"plan.encoders=spread: model {model.name} has no encoder tower; "
-                             f"use auto or stages")
-        return "auto" if value == "auto" else {t: value for t in towers}
-    assert isinstance(value, Mapping)
-    for tower in value:
-        if tower not in towers:
-            have = " or ".join(towers) if towers else "no tower (use auto or stages)"
-            raise ValueError(f"plan.encoders={show_encoders(value)} names {tower}, which model "
-                             f"{model.name} does not have; it has {have}")
-    return {t: str(value.get(t, "stages")) for t in towers}
-
-
-def candidate_placements(model: ModelSpec) -> list[dict[str, str]]:
-    """What `auto` compares: all on the stages, every tower spread, and with two towers the
-    two mixed placements (stages first: it wins ties)."""
-    towers = model_towers(model)
-    out = [{t: "stages" for t in towers}]
-    if towers:
-        out.append({t: "spread" for t in towers})
-    if len(towers) == 2:
-        out += [{towers[0]: "spread", towers[1]: "stages"}, {towers[0]: "stages", towers[1]: "spread"}]
-    return out
-
-
-def placement_name(encoders: Encoders) -> str:
-    """`stages`, `spread`, or the mixed placement's spread towers, e.g. `vision spread`."""
-    spread = [t for t, w in encoders.items() if w == "spread"]
-    if not spread:
-        return "stages"
-    if len(spread) == len(encoders):
-        return "spread"
-    return " + ".join(spread) + " spread"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -558,3 +478,14 @@ def plan_spread_step(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rows:
     reps = balance(sc)
     ev = evaluate_step(sc, table, reps, packing=packing)
     return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, ranks=ranks)
+
+
+def encode_by_rank(encode: Sequence[Sequence[Sequence[int]]] | None, pp: int, dp: int) -> list[list[int]]:
+    """A step's encode shares (per replica, per stage) in global rank order, rank = stage x dp
+    + replica (DeepSpeed's pipe-major PipeModelDataParallelTopology); empty lists when no tower
+    is spread."""
+    out: list[list[int]] = [[] for _ in range(pp * dp)]
+    for r, rep in enumerate(encode or ()):
+        for s, share in enumerate(rep):
+            out[s * dp + r] = [int(i) for i in share]
+    return out

@@ -25,6 +25,7 @@ step does. A resumed run starts from the fit its checkpoint saved.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmpipe.config import RunConfig, hardware_spec
+from mmpipe.config import RunConfig
 from mmpipe.data.loader import loader
 from mmpipe.data.media import MediaLimits
 from mmpipe.data.records import Record, decode_record
@@ -41,12 +42,22 @@ from mmpipe.data.template import Templater
 from mmpipe.data.tokenizer import Tokenizer
 from mmpipe.model.geometry import features
 from mmpipe.model.spec import ModelSpec
-from mmpipe.planner.api import Coef, Ladder, StagePlan, StepPlanner, StepWork, calibrated_hardware, step_work
+from mmpipe.planner.api import (
+    Coef,
+    HardwareSpec,
+    Ladder,
+    Placement,
+    StagePlan,
+    StepPlanner,
+    StepWork,
+    calibrated_hardware,
+    step_work,
+)
 from mmpipe.runtime.batch import MicroBatch, collate_for
 from mmpipe.runtime.host import decode_workers
 from mmpipe.runtime.procpool import ProcessPool
 from mmpipe.runtime.spread import EncodeStep, feature_rows
-from mmpipe.runtime.stages import step_planner_args
+from mmpipe.runtime.stages import run_problem
 from mmpipe.runtime.stream import make_stream
 
 FIT_LAG = 3
@@ -157,13 +168,14 @@ class StepFeeder:
                  over_memory: bool = False, media: bool = True,
                  record: Path | None = None, prefetch: int = 1, reader_state: dict | None = None,
                  steps: int | None = None, first_step: int = 0, skips: SkipCounter | None = None,
-                 fit: Coef | None = None, encoders: dict[str, str] | None = None,
+                 fit: Coef | None = None, placement: Placement | None = None,
                  encode_stage: int | None = None, ladder: Ladder | None = None):
         """`fit`: the step-time fit a resumed run's checkpoint saved (None: none yet); it plans
         the steps until this run's own fits take over (only with plan.refit). `encode_stage`:
         with spread towers, this rank's pipeline stage (its share of the media is decoded and
-        collated for the towers' pre-pass, runtime/spread.py); `encoders`: the run's resolved
-        plan.encoders (the planner deals each stage its share). `ladder`: the run's plan.ladder
+        collated for the towers' pre-pass, runtime/spread.py); `placement`: the run's resolved
+        plan.encoders (the planner deals each stage its share; None: every tower on the stages).
+        `ladder`: the run's plan.ladder
         (ChosenStages.ladder): packed micro-batches are planned at, and padded to, its rungs."""
         self.encode_stage = encode_stage
         self.rc = rc
@@ -174,10 +186,10 @@ class StepFeeder:
         self.dp_rank = dp_rank
         self.across = rc.plan.across_replicas
         self.per_read = rc.train.global_batch if self.across else rc.train.global_batch // rc.parallel.dp
-        self.hardware = hardware_spec(rc)
-        self._planner_args = dict(step_planner_args(rc, stage_plan=stage_plan, encoders=encoders,
-                                                    over_memory=over_memory), ladder=ladder)
-        self.planner = StepPlanner(hardware=self.hardware, **self._planner_args)
+        self.problem = run_problem(rc, placement if placement is not None else Placement())
+        self.hardware = self.problem.hardware
+        self._stage_plan, self._ladder, self._memory_limit = stage_plan, ladder, not over_memory
+        self.planner = self._step_planner(self.hardware)
         self._rates = self.planner.cost  # the hardware config's: what the efficiency figures are priced at
         self._priced: Coef | None = None  # the costs the planner prices with (None: the config's)
         self.planned_with: Coef | None = None
@@ -250,8 +262,13 @@ class StepFeeder:
         if fit == self._priced:
             return
         hw = self.hardware if fit is None else calibrated_hardware(self.hardware, fit)
-        self.planner = StepPlanner(hardware=hw, **self._planner_args)
+        self.planner = self._step_planner(hw)
         self._priced = fit
+
+    def _step_planner(self, hardware: HardwareSpec) -> StepPlanner:
+        """The run's StepPlanner priced with `hardware` (the config's, or a fit's)."""
+        return StepPlanner(dataclasses.replace(self.problem, hardware=hardware), self._stage_plan,
+                           ladder=self._ladder, memory_limit=self._memory_limit)
 
     def _make_step(self) -> PlannedStep:
         t0 = time.perf_counter()

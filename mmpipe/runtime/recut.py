@@ -57,7 +57,8 @@ def recut_config(rc: RunConfig, request: dict) -> RunConfig:
     """The run's config on the requested cut, resuming from its own directory."""
     names = layer_names(rc.model)
     stages = tuple((names[a], names[b - 1]) for a, b in request["new"])
-    encoders = request.get("encoders") or rc.plan.encoders  # the run's placement, as resolved, stays
+    # the run's placement, as resolved, stays (the request holds its Placement.to_config())
+    encoders = request.get("encoders") or rc.plan.encoders
     return replace(rc, plan=replace(rc.plan, stages=stages, recompute=tuple(request["new_recompute"]),
                                     encoders=encoders),
                    train=replace(rc.train, resume=str(rc.run_dir)))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmpipe.config import RunConfig, hardware_spec, training_precision
+from mmpipe.config import RunConfig, plan_problem
 from mmpipe.data.skips import SkipCounter
 from mmpipe.model import kernels
 from mmpipe.model.geometry import SampleFeatures, features
@@ -16,12 +16,12 @@ from mmpipe.model.spec import ModelSpec, layer_names
 from mmpipe.planner.api import (
     PAST_TOP_GROWTH,
     Ladder,
+    Placement,
+    PlanProblem,
     StagePlan,
     choose_encoders,
     plan_stages,
-    resolve_encoders,
     resolve_ladder,
-    show_encoders,
     stage_memory_warnings,
 )
 from mmpipe.runtime.stream import make_stream
@@ -37,7 +37,7 @@ class ChosenStages:
     """`override` (plan.stages) or `planner (<policy>)`."""
     warnings: tuple[str, ...] = ()
     """Problems the cost model sees with these stages (e.g. a stage over memory)."""
-    encoders: dict[str, str] = field(default_factory=dict)
+    placement: Placement = Placement()
     """plan.encoders resolved: each tower's placement, `stages` or `spread` (runtime/spread.py)."""
     placements: dict[str, float] = field(default_factory=dict)
     """plan.encoders=auto: each placement's summed simulated step time over the sample steps, s."""
@@ -48,7 +48,7 @@ class ChosenStages:
     @property
     def spread(self) -> tuple[str, ...]:
         """The spread towers, in the model's order."""
-        return tuple(t for t in ("vision", "audio") if self.encoders.get(t) == "spread")
+        return self.placement.spread
 
 
 def layer_param_counts(spec: ModelSpec) -> list[int]:
@@ -87,17 +87,11 @@ def workload_sample(rc: RunConfig, tokenizer, *, steps: int = 4) -> list[SampleF
     return out
 
 
-def step_planner_args(rc: RunConfig, *, stage_plan: StagePlan, encoders: dict[str, str] | None,
-                      over_memory: bool = False) -> dict:
-    """The StepPlanner arguments of a run's steps (runtime/feed.py plans with them; the ladder
-    is chosen with them). `over_memory`: the user's stages exceed memory under the cost model
-    and were accepted with a warning: their micro-batches are planned without the memory limit
-    rather than refused."""
-    return dict(model=rc.model, trainable=rc.train.trainable, dp=rc.parallel.dp, stage_plan=stage_plan,
-                policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
-                replicas=rc.parallel.dp if rc.plan.across_replicas else 1, memory_limit=not over_memory,
-                precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom,
-                lora=rc.train.lora, encoders=encoders or None)
+def run_problem(rc: RunConfig, placement: Placement) -> PlanProblem:
+    """The run's planning problem (`config.plan_problem`) with its placement as resolved (a
+    ChosenStages' `placement`): what the feeder's StepPlanner, the ladder and the re-cut
+    checks plan with."""
+    return dataclasses.replace(plan_problem(rc), placement=placement)
 
 
 def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
@@ -111,7 +105,7 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
 def run_placement(rc: RunConfig, tokenizer) -> dict[str, str]:
     """plan.encoders as this run resolves it (tower -> stages | spread; `auto` priced on the first
     steps of the data, as the ranks will): what `mmpipe bench` runs every policy with."""
-    return _choose_cut(rc, tokenizer).encoders
+    return _choose_cut(rc, tokenizer).placement.mapping
 
 
 def choose_ladder(rc: RunConfig, tokenizer, chosen: ChosenStages) -> Ladder | None:
@@ -125,61 +119,57 @@ def choose_ladder(rc: RunConfig, tokenizer, chosen: ChosenStages) -> Ladder | No
         per_step = rc.train.global_batch // (1 if rc.plan.across_replicas else rc.parallel.dp)
         sample = workload_sample(rc, tokenizer)
         steps = [sample[i:i + per_step] for i in range(0, len(sample), per_step)]
-    return resolve_ladder(rc.plan.ladder, compiles=compiles, steps=steps, hardware=hardware_spec(rc),
-                          **step_planner_args(rc, stage_plan=chosen.plan, encoders=chosen.encoders,
-                                              over_memory=bool(chosen.warnings)))
+    return resolve_ladder(run_problem(rc, chosen.placement), chosen.plan, rc.plan.ladder, compiles=compiles,
+                          steps=steps, memory_limit=not chosen.warnings)
 
 
 def _choose_cut(rc: RunConfig, tokenizer) -> ChosenStages:
-    common = dict(model=rc.model, hardware=hardware_spec(rc), dp=rc.parallel.dp, trainable=rc.train.trainable,
-                  micro_batches=rc.train.micro_batches, policy=rc.plan.policy,
-                  precision=training_precision(rc), memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora)
-    towers = [t for t in ("vision", "audio") if getattr(rc.model, t) is not None]
-    value = rc.plan.encoders
-    fixed = {t: "stages" for t in towers} if value == "stages" or not towers or rc.parallel.pp == 1 else None
+    problem = plan_problem(rc)
+    placement = problem.placement
+    staged = Placement.staged(rc.model)
+    # all on the stages: asked for, no tower to place, or one stage (a spread tower needs two)
+    fixed = staged if not (placement.auto or placement.spread) or not staged.towers or rc.parallel.pp == 1 else None
     if rc.stage_bounds is not None:
         plan = StagePlan(stages=rc.stage_bounds, recompute=rc.plan.recompute or ())
         if fixed is not None:
-            return ChosenStages(plan=plan, source="override", encoders=fixed, warnings=stage_memory_warnings(
-                stage_plan=plan, sample=workload_sample(rc, tokenizer, steps=1), **common))
+            return ChosenStages(plan=plan, source="override", placement=fixed, warnings=stage_memory_warnings(
+                problem, plan, workload_sample(rc, tokenizer, steps=1)))
     elif fixed is not None:
-        plan = plan_stages(pp=rc.parallel.pp, sample=workload_sample(rc, tokenizer), **common)
-        return ChosenStages(plan=plan, source=f"planner ({rc.plan.policy})", encoders=fixed)
+        plan = plan_stages(dataclasses.replace(problem, placement=fixed), workload_sample(rc, tokenizer))
+        return ChosenStages(plan=plan, source=f"planner ({rc.plan.policy})", placement=fixed)
     # plan.encoders=auto or a spread tower: the planner prices the placements (with the user's
     # stages, or each with its own cut) on the first steps, as the feeder will plan them
-    across = rc.plan.across_replicas
-    per_step = rc.train.global_batch // (1 if across else rc.parallel.dp)
-    if rc.stage_bounds is not None and value != "auto":
-        _check_stage0(rc.model, resolve_encoders(value, rc.model), plan)
+    per_step = rc.train.global_batch // (1 if rc.plan.across_replicas else rc.parallel.dp)
+    if rc.stage_bounds is not None and not placement.auto:
+        _check_stage0(rc.model, placement, plan)
     sample = workload_sample(rc, tokenizer)
     steps = [sample[i:i + per_step] for i in range(0, len(sample), per_step)]
     given = plan if rc.stage_bounds is not None else None
     try:
-        choice = choose_encoders(pp=rc.parallel.pp, steps=steps, encoders=value,
-                                 replicas=rc.parallel.dp if across else 1, stage_plan=given, **common)
+        choice = choose_encoders(problem, steps, stage_plan=given)
     except ValueError:
-        if value == "auto" and given is None:  # the staged cut's own words on why nothing fits
-            plan_stages(pp=rc.parallel.pp, sample=sample, **common)
+        if placement.auto and given is None:  # the staged cut's own words on why nothing fits
+            plan_stages(dataclasses.replace(problem, placement=staged), sample)
         raise
-    _check_stage0(rc.model, choice.encoders, choice.stage_plan)
+    _check_stage0(rc.model, choice.placement, choice.stage_plan)
     warnings: tuple[str, ...] = ()
-    spread = any(w == "spread" for w in choice.encoders.values())
+    spread = choice.placement.spread
     if given is not None and not spread:
-        warnings = stage_memory_warnings(stage_plan=given, sample=workload_sample(rc, tokenizer, steps=1), **common)
-    elif spread and math.isinf(next(t for e, t, _ in choice.candidates if e == choice.encoders)):
-        warnings = (f"plan.encoders={show_encoders(value)}: the planner finds no plan of the first steps that fits "
-                    f"in memory with {', '.join(t for t, w in choice.encoders.items() if w == 'spread')} spread; the "
+        warnings = stage_memory_warnings(problem, given, workload_sample(rc, tokenizer, steps=1))
+    elif spread and math.isinf(next(t for e, t, _ in choice.candidates if e == choice.placement)):
+        warnings = (f"plan.encoders={placement.given}: the planner finds no plan of the first steps that fits "
+                    f"in memory with {', '.join(spread)} spread; the "
                     f"run plans its micro-batches without the memory limit (raise parallel.pp, lower "
                     f"train.global_batch, or set plan.encoders=stages)",)
     return ChosenStages(plan=choice.stage_plan, source="override" if given else f"planner ({rc.plan.policy})",
-                        encoders=choice.encoders, warnings=warnings,
-                        placements=choice.times() if value == "auto" else {})
+                        placement=choice.placement, warnings=warnings,
+                        placements=choice.times() if placement.auto else {})
 
 
-def _check_stage0(model: ModelSpec, encoders: dict[str, str], plan: StagePlan) -> None:
+def _check_stage0(model: ModelSpec, placement: Placement, plan: StagePlan) -> None:
     """A spread tower's layers must lie on stage 0, which holds its weights (runtime/spread.py)."""
     names = layer_names(model)
-    spread = [n for n in names if encoders.get(n.split(".")[0]) == "spread"]
+    spread = [n for n in names if n.split(".")[0] in placement.spread]
     end = plan.stages[0][1]
     if spread and names.index(spread[-1]) >= end:
         raise ValueError(f"plan.stages ends stage 0 at {names[end - 1]}, but plan.encoders spreads "

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmpipe.config import RunConfig, eval_interval, hardware_spec, training_precision
+from mmpipe.config import RunConfig, eval_interval, hardware_spec
 from mmpipe.measure import WARMUP_STEPS, throughput, timed_records
 from mmpipe.model.spec import layer_names
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import (
     HardwareSpec,
+    Placement,
     StagePlan,
     StepCalibration,
     calibrated_hardware,
@@ -69,7 +70,7 @@ from mmpipe.runtime.quiet import held_prints, quiet_deepspeed
 from mmpipe.runtime.recut import RECUT_REQUEST, last_recut
 from mmpipe.runtime.spread import EncodeStep, SpreadTowers, spread_layer_names
 from mmpipe.runtime.stage_record import add_to_stage_file, parameter_digest, write_stage_file
-from mmpipe.runtime.stages import ChosenStages, choose_stages, format_stage_table
+from mmpipe.runtime.stages import ChosenStages, choose_stages, format_stage_table, run_problem
 from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage, resident_bytes
 
 log = logging.getLogger("mmpipe")
@@ -240,7 +241,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
                             over_memory=bool(stages.warnings), media=pipe.first,
                             reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start,
                             fit=calibration.coef if calibration.fitted else None,
-                            encoders=stages.encoders, encode_stage=pipe.engine.stage_id if spread is not None else None,
+                            placement=stages.placement,
+                            encode_stage=pipe.engine.stage_id if spread is not None else None,
                             ladder=stages.ladder)
     if rank == 0 and rc.train.resume:
         truncate_records(run_dir / "metrics.jsonl", start)
@@ -270,7 +272,7 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
             loop = _Loop(rc=rc, pipe=pipe, feeder=feeder, writer=writer, bar=bar, ckpt=ckpt, stop=stop,
                          evaluator=evaluator, start=start, calibration=calibration,
                          result=RunResult(calibration=calibration if rank == 0 else None, resumed_at=start),
-                         stage_plan=stages.plan, spread=spread, encoders=stages.encoders,
+                         stage_plan=stages.plan, spread=spread, placement=stages.placement,
                          recut_from=last_recut(run_dir, start) if rank == 0 and start else None)
             if spread is not None:
                 spread.install_post_pass()  # after the StageTimer's patch of the same instruction map
@@ -354,7 +356,7 @@ class _Loop:
     """Rank 0: the features of each step planned since the last re-cut check."""
     spread: SpreadTowers | None = None
     """This rank's part of the spread encoder towers (plan.encoders), or None."""
-    encoders: dict = field(default_factory=dict)
+    placement: Placement = Placement()
     """plan.encoders as resolved for this run (a re-cut keeps the placement)."""
     recut_from: dict | None = None
     """Rank 0 of a run relaunched by a re-cut: that re-cut's record, until its measured gain is logged."""
@@ -526,13 +528,8 @@ def _consider_recut(loop: _Loop, step: int) -> dict | None:
         hw = loop.hardware
         if loop.calibration.fitted:
             hw = calibrated_hardware(hw, loop.calibration.coef)
-        choice = consider_recut(model=rc.model, hardware=hw, trainable=rc.train.trainable, pp=rc.parallel.pp,
-                                dp=rc.parallel.dp, current=loop.stage_plan, steps=loop.recent,
-                                policy=rc.plan.policy, micro_batches=rc.train.micro_batches,
-                                replicas=rc.parallel.dp if rc.plan.across_replicas else 1,
-                                threshold=rc.plan.recut_gain, precision=training_precision(rc),
-                                memory_headroom=rc.plan.memory_headroom, lora=rc.train.lora,
-                                encoders=loop.encoders or None)
+        problem = dataclasses.replace(run_problem(rc, loop.placement), hardware=hw)
+        choice = consider_recut(problem, loop.stage_plan, loop.recent, rc.plan.recut_gain)
         loop.recent.clear()
         record[0] = {**choice.record(), "priced_with": "the run's step-time fit" if loop.calibration.fitted
                      else f"hardware {hw.name}"}
@@ -667,7 +664,7 @@ def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = 
                                f"train.resume={Path(rc.run_dir)}")
     elif recut is not None and recut["recut"]:
         if dist.get_rank() == 0:
-            request = {"step": step, **recut, "encoders": loop.encoders}  # the relaunch keeps the placement
+            request = {"step": step, **recut, "encoders": loop.placement.to_config()}  # the relaunch keeps it
             write_atomic(Path(rc.run_dir) / RECUT_REQUEST, json.dumps(request).encode())
         loop.result.stopped = (f"re-cut after step {step}: stages {recut['old']} -> {recut['new']}, "
                                f"{describe_gain(recut)} ({recut['priced_with']}); checkpoint {folder} committed; the "

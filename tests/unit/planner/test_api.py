@@ -8,7 +8,7 @@ import re
 import pytest
 
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import StagePlan, StepPlanner, stage_memory_warnings
+from mmpipe.planner.api import PlanProblem, StagePlan, StepPlanner, stage_memory_warnings
 from mmpipe.planner.trace import read_trace
 
 from .helpers import WORKLOADS, hardware, model
@@ -19,16 +19,16 @@ STAGES = StagePlan(stages=[(0, 33), (33, 45), (45, 55), (55, 65)])  # qwen2-vl-7
 def _setup(memory_gb):
     m = model("qwen2-vl-7b")
     feats = [features(m, meta) for meta in itertools.islice(read_trace(WORKLOADS / "vision-dynamic.jsonl"), 64)]
-    common = dict(model=m, hardware=dataclasses.replace(hardware("h100"), memory_gb=memory_gb),
-                  trainable=("all",), dp=1, stage_plan=STAGES, policy="data-aware", micro_batches=4)
-    return feats, common
+    problem = PlanProblem(model=m, hardware=dataclasses.replace(hardware("h100"), memory_gb=memory_gb),
+                          trainable=("all",), dp=1, policy="data-aware", micro_batches=4)
+    return feats, problem
 
 
 def test_stages_over_memory_get_one_warning_each_naming_stage_and_excess():
-    feats, common = _setup(80)
-    assert stage_memory_warnings(sample=feats, **common) == ()
-    feats, common = _setup(60)
-    warnings = stage_memory_warnings(sample=feats, **common)
+    feats, problem = _setup(80)
+    assert stage_memory_warnings(problem, STAGES, feats) == ()
+    feats, problem = _setup(60)
+    warnings = stage_memory_warnings(problem, STAGES, feats)
     assert len(warnings) == 2
     for w, (s, span) in zip(warnings, [(0, "vision.embed..vision.block.31"), (1, "vision.proj..llm.block.9")]):
         assert re.fullmatch(rf"plan\.stages: stage {s} \({re.escape(span)}\) needs [\d.]+ GB under the cost model, "
@@ -37,18 +37,18 @@ def test_stages_over_memory_get_one_warning_each_naming_stage_and_excess():
 
 
 def test_stages_whose_weights_alone_do_not_fit_are_one_warning():
-    feats, common = _setup(40)
-    assert stage_memory_warnings(sample=feats, **common) == (
+    feats, problem = _setup(40)
+    assert stage_memory_warnings(problem, STAGES, feats) == (
         "plan.stages: stage 1 (vision.proj..llm.block.9) needs 46.7 GB for weights, gradients and optimizer "
         "states alone, more than the 36 GB usable (hardware.memory_gb=40); raise parallel.pp or parallel.dp, "
         "or train fewer layers (train.trainable)",)
 
 
 def test_without_the_memory_limit_the_user_stages_still_get_every_sample_planned():
-    feats, common = _setup(40)
+    feats, problem = _setup(40)
     with pytest.raises(ValueError, match="for weights, gradients and optimizer states alone"):
-        StepPlanner(**common).plan(feats)
-    step = StepPlanner(memory_limit=False, **common).plan(feats)
+        StepPlanner(problem, STAGES).plan(feats)
+    step = StepPlanner(problem, STAGES, memory_limit=False).plan(feats)
     assert sorted(i for rep in step.replicas for mb in rep for i in mb) == list(range(64))
     assert step.step_time > 0 and len(step.busy[0]) == 4
 
@@ -61,8 +61,8 @@ def test_step_work_is_the_plans_lower_bound_and_counts_the_encoders_flops():
     from mmpipe.planner.cost import lower_bound_s
     from mmpipe.planner.samples import sample_table
 
-    feats, common = _setup(80)
-    args = {k: common[k] for k in ("model", "hardware", "trainable", "dp")}
+    feats, problem = _setup(80)
+    args = dict(model=problem.model, hardware=problem.hardware, trainable=problem.trainable, dp=problem.dp)
     cost = build_cost_model(**args)
     work = step_work(cost, feats)
     assert work.ideal_s / 4 == pytest.approx(lower_bound_s(cost, sample_table(feats), pp=4, dp=1), rel=1e-12)
@@ -88,9 +88,9 @@ def test_data_aware_is_never_predicted_slower_than_packing_on_the_same_stages():
     there, so every step's prediction is at most packed-ffd's on the same stages."""
     m = model("qwen2-vl-7b")
     feats = [features(m, meta) for meta in itertools.islice(read_trace(WORKLOADS / "vision-dynamic.jsonl"), 64)]
-    common = dict(model=m, hardware=dataclasses.replace(hardware("h100"), micro_batch_overhead_s=0.0),
-                  trainable=("all",), dp=1, stage_plan=STAGES, micro_batches=4)
-    ours, packed = (StepPlanner(policy=p, **common) for p in ("data-aware", "packed-ffd"))
+    problem = PlanProblem(model=m, hardware=dataclasses.replace(hardware("h100"), micro_batch_overhead_s=0.0),
+                          trainable=("all",), dp=1, policy="data-aware", micro_batches=4)
+    ours, packed = (StepPlanner(dataclasses.replace(problem, policy=p), STAGES) for p in ("data-aware", "packed-ffd"))
     took_packing = 0
     for k in range(0, 64, 8):
         a, b = ours.plan(feats[k:k + 8]), packed.plan(feats[k:k + 8])

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.api import plan_stages, plan_step
+from mmpipe.planner.api import PlanProblem, plan_stages, plan_step
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.baselines import tune_baseline
 from mmpipe.planner.cost import build_cost_model
@@ -37,11 +37,15 @@ def _flat(replicas):
     return sorted(i for rep in replicas for mb in rep for i in mb)
 
 
+def _problem(pp=4, dp=2, trainable=("vision.proj", "llm"), policy="data-aware", micro_batches=4) -> PlanProblem:
+    return PlanProblem(model=model("qwen2-vl-7b"), hardware=hardware("h100"), pp=pp, dp=dp, trainable=trainable,
+                       policy=policy, micro_batches=micro_batches)
+
+
 def _setup(feats, pp=4, dp=2, trainable=("vision.proj", "llm")):
     m, hw = model("qwen2-vl-7b"), hardware("h100")
     cost = build_cost_model(model=m, hardware=hw, trainable=trainable, dp=dp)
-    sp = plan_stages(model=m, hardware=hw, pp=pp, dp=dp, trainable=trainable, sample=feats,
-                     micro_batches=4, policy="data-aware")
+    sp = plan_stages(_problem(pp, dp, trainable), feats)
     return cost, sp
 
 
@@ -49,7 +53,7 @@ def test_every_sample_exactly_once_no_empty_micro_batch():
     feats = _mixed(96)
     cost, sp = _setup(feats)
     for policy in ("data-aware", "ds-default", "llava-grouped", "packed-ffd"):
-        reps = plan_step(policy=policy, features=feats, stage_plan=sp, cost=cost, dp=2, micro_batches=4)
+        reps = plan_step(_problem(policy=policy), sp, feats)
         assert len(reps) == 2
         assert _flat(reps) == list(range(96)), policy
         assert all(mb for rep in reps for mb in rep)
@@ -58,10 +62,10 @@ def test_every_sample_exactly_once_no_empty_micro_batch():
 def test_single_modality_and_tiny_steps():
     text = [_s(int(t)) for t in np.random.default_rng(1).integers(10, 2000, 40)]
     cost, sp = _setup(text)
-    reps = plan_step(policy="data-aware", features=text, stage_plan=sp, cost=cost, dp=2, micro_batches=8)
+    reps = plan_step(_problem(micro_batches=8), sp, text)
     assert _flat(reps) == list(range(40))
     few = text[:3]  # fewer samples than micro-batches (and than dp * micro_batches)
-    reps = plan_step(policy="data-aware", features=few, stage_plan=sp, cost=cost, dp=2, micro_batches=8)
+    reps = plan_step(_problem(micro_batches=8), sp, few)
     assert _flat(reps) == [0, 1, 2] and all(mb for rep in reps for mb in rep)
 
 

@@ -6,8 +6,9 @@ import pytest
 
 from mmpipe.model.geometry import video_meta_json
 from mmpipe.model.spec import layer_names
+from mmpipe.planner.api import DEFAULT_HEADROOM, PlanProblem
 from mmpipe.planner.baselines import BASELINES
-from mmpipe.planner.command import COMPARE_STEPS, run_plan
+from mmpipe.planner.command import COMPARE_STEPS, PlanInput, PlanOutput, run_plan
 
 from .helpers import hardware, model
 
@@ -32,7 +33,18 @@ def _plan(tmp_path, **kw):
                 trace_path=_trace(tmp_path / "t.jsonl", 40), out=str(tmp_path / "plan.json"),
                 steps=None, plot=None)
     args.update(kw)
-    return run_plan(**args)
+    problem, data, stages, output = _split(args)
+    return run_plan(problem, data, stages=stages, output=output)
+
+
+def _split(args: dict) -> tuple:
+    """run_plan's keywords as its arguments: the problem (memory headroom: the config's default),
+    what it reads, the user's stages, what it writes."""
+    data = {k: args.pop(k) for k in ("trace_path", "samples", "source", "steps") if k in args}
+    output = {k: args.pop(k) for k in ("out", "plot", "compare_schedules", "quiet") if k in args}
+    stages = args.pop("stages", None)
+    problem = PlanProblem(**{"memory_headroom": DEFAULT_HEADROOM, **args})
+    return problem, PlanInput(**data), stages, PlanOutput(**output)
 
 
 def test_plan_json_schema_tiny_cpu(tmp_path, capsys):
@@ -96,9 +108,10 @@ def test_data_aware_not_slower_than_baselines_on_7b_slice(tmp_path):
                 fh.write(json.dumps({"text_tokens": int(rng.integers(10, 400)), "images": [[336, 336]]}) + "\n")
             else:
                 fh.write(json.dumps({"text_tokens": int(rng.integers(500, 3000))}) + "\n")
-    plan = run_plan(model=model("llava-1.5-7b"), hardware=hardware("h100"), pp=4, dp=2, global_batch=64,
-                    micro_batches=4, trainable=("vision.proj", "llm"), policy="data-aware",
-                    trace_path=str(trace), out=None, steps=None, plot=None, quiet=True)
+    problem = PlanProblem(model=model("llava-1.5-7b"), hardware=hardware("h100"), pp=4, dp=2, global_batch=64,
+                          micro_batches=4, trainable=("vision.proj", "llm"), policy="data-aware",
+                          memory_headroom=DEFAULT_HEADROOM)
+    plan = run_plan(problem, PlanInput(trace_path=str(trace)), output=PlanOutput(quiet=True))
     ours = np.mean(plan["predicted"]["step_time_s"])
     assert plan["predicted"]["fits"]
     for name, b in plan["predicted"]["baselines"].items():

@@ -185,16 +185,16 @@ def test_lora_moves_the_stage_cut_of_a_7b_plan():
     the data-aware cut of Qwen2-VL-7B (pp=4 x dp=2, H100) moves, and the LoRA plan's stages hold
     far less static memory."""
     from mmpipe.model.spec import LoraSpec
-    from mmpipe.planner.api import plan_stages
+    from mmpipe.planner.api import PlanProblem, plan_stages
 
     rng = np.random.default_rng(0)
     sizes = rng.integers(64, 1600, 64)
     sample = [SampleFeatures(image_positions=(int(s) * 4,), image_tokens=(int(s),), audio_positions=(),
                              audio_tokens=(), text_tokens=int(t)) for s, t in zip(sizes, rng.integers(40, 900, 64))]
     m, hw = model("qwen2-vl-7b"), hardware("h100")
-    args = dict(model=m, hardware=hw, pp=4, dp=2, sample=sample, micro_batches=8, policy="data-aware")
-    full = plan_stages(trainable=("vision.proj", "llm"), **args)
-    lora = plan_stages(trainable=("vision.proj",), lora=LoraSpec(r=16), **args)
+    args = dict(model=m, hardware=hw, pp=4, dp=2, micro_batches=8, policy="data-aware")
+    full = plan_stages(PlanProblem(trainable=("vision.proj", "llm"), **args), sample)
+    lora = plan_stages(PlanProblem(trainable=("vision.proj",), lora=LoraSpec(r=16), **args), sample)
     assert full.stages != lora.stages
     with pytest.raises(ValueError, match="train.trainable=\\[\\] trains nothing"):
         build_cost_model(model=m, hardware=hw, trainable=())

@@ -18,7 +18,7 @@ import os
 import pytest
 
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import PACKED_POLICIES, StagePlan, StepPlanner, plan_stages, plan_step
+from mmpipe.planner.api import PACKED_POLICIES, PlanProblem, StagePlan, StepPlanner, plan_stages, plan_step
 from mmpipe.planner.cost import build_cost_model
 from mmpipe.planner.samples import sample_table
 from mmpipe.planner.stage_cost import stage_costs
@@ -57,14 +57,14 @@ def _plan(case: str) -> dict:
     hw = dataclasses.replace(hardware("h100"), memory_gb=memory_gb)
     metas = itertools.islice(read_trace(WORKLOADS / f"{workload}.jsonl"), 2 * STEP)
     feats = [features(m, meta) for meta in metas]
-    sp = plan_stages(model=m, hardware=hw, pp=pp, dp=dp, trainable=trainable, sample=feats,
-                     micro_batches=8, policy=policy)
+    problem = PlanProblem(model=m, hardware=hw, pp=pp, dp=dp, trainable=trainable, micro_batches=8, policy=policy)
+    sp = plan_stages(problem, feats)
     cost = build_cost_model(model=m, hardware=hw, trainable=trainable, dp=dp)
     sc = stage_costs(cost, sp.stages, sp.recompute)
     steps = []
     for k in range(2):
         step = feats[k * STEP:(k + 1) * STEP]
-        reps = plan_step(policy=policy, features=step, stage_plan=sp, cost=cost, dp=dp, micro_batches=8)
+        reps = plan_step(problem, sp, step)
         ev = evaluate_step(sc, sample_table(step), reps, packing=policy in PACKED_POLICIES)
         steps.append({"replicas": reps, "step_time": _r(ev.step_time),
                       "busy": [[_r(b) for b in r.busy] if r else [] for r in ev.replicas]})
@@ -97,9 +97,9 @@ def test_step_planner_gives_the_pinned_steps(case):
     m = model(mname)
     metas = itertools.islice(read_trace(WORKLOADS / f"{workload}.jsonl"), 2 * STEP)
     feats = [features(m, meta) for meta in metas]
-    planner = StepPlanner(model=m, hardware=dataclasses.replace(hardware("h100"), memory_gb=memory_gb),
-                          trainable=trainable, dp=dp, policy=policy, micro_batches=8,
-                          stage_plan=StagePlan(stages=want["stages"], recompute=want["recompute"]))
+    problem = PlanProblem(model=m, hardware=dataclasses.replace(hardware("h100"), memory_gb=memory_gb),
+                          trainable=trainable, dp=dp, policy=policy, micro_batches=8)
+    planner = StepPlanner(problem, StagePlan(stages=want["stages"], recompute=want["recompute"]))
     for k, w in enumerate(want["steps"]):
         step = planner.plan(feats[k * STEP:(k + 1) * STEP])
         assert step.replicas == w["replicas"], f"step {k}"

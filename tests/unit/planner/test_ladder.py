@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import Ladder, StagePlan, StepPlanner, resolve_ladder
+from mmpipe.planner.api import Ladder, PlanProblem, StagePlan, StepPlanner, resolve_ladder
 from mmpipe.planner.bins import BinCosts
 from mmpipe.planner.ladder import FLEX_BLOCK, MAX_RUNGS, choose_ladder, padded_streams, parse_ladder
 from mmpipe.planner.samples import sample_table
@@ -28,9 +28,9 @@ def run():
     m = model("omni-7b")
     feats = [features(m, meta) for meta in itertools.islice(read_trace(WORKLOADS / "omni-mix.jsonl"), 4 * PER_STEP)]
     steps = [feats[i:i + PER_STEP] for i in range(0, len(feats), PER_STEP)]
-    common = dict(model=m, hardware=hardware("h100"), trainable=("vision.proj", "llm", "audio.proj"), dp=1,
-                  stage_plan=STAGES, policy="data-aware", micro_batches=4)
-    return steps, common
+    problem = PlanProblem(model=m, hardware=hardware("h100"), trainable=("vision.proj", "llm", "audio.proj"), dp=1,
+                          policy="data-aware", micro_batches=4)
+    return steps, problem
 
 
 def _llm_lengths(step, plan) -> list[int]:
@@ -55,10 +55,10 @@ def test_auto_rungs_are_the_block_multiples_that_pad_the_rows_least():
 def test_a_run_of_planned_steps_uses_at_most_the_ladders_lengths(run):
     """Without a ladder nearly every micro-batch has its own length; with the auto ladder
     (chosen, as a run does, on its first steps) the steps' packed rows take at most its rungs."""
-    steps, common = run
-    ladder = resolve_ladder("auto", compiles=True, steps=steps, **common)
+    steps, problem = run
+    ladder = resolve_ladder(problem, STAGES, "auto", compiles=True, steps=steps)
     assert ladder is not None and len(ladder.rungs) <= MAX_RUNGS
-    plain, padded = StepPlanner(**common), StepPlanner(ladder=ladder, **common)
+    plain, padded = StepPlanner(problem, STAGES), StepPlanner(problem, STAGES, ladder=ladder)
     unladdered, laddered = set(), set()
     for step in steps:
         p, q = plain.plan(step), padded.plan(step)
@@ -72,11 +72,11 @@ def test_a_run_of_planned_steps_uses_at_most_the_ladders_lengths(run):
 
 
 def test_a_micro_batchs_predicted_cost_rises_with_its_padding(run):
-    steps, common = run
+    steps, problem = run
     table = sample_table(steps[0])
     mb = [list(range(8))]
     n = int(table.tokens[mb[0], 4].sum())
-    sc = stage_costs(StepPlanner(**common).cost, STAGES.stages)
+    sc = stage_costs(StepPlanner(problem, STAGES).cost, STAGES.stages)
     costs = [mb_costs(dataclasses.replace(sc, ladder=None if rung is None else Ladder((rung,))), table, mb,
                       packing=True) for rung in (None, -(-n // 128) * 128, 2 * n // 128 * 128 + 128)]
     llm = slice(2, 4)  # the stages that run LLM blocks
@@ -95,9 +95,9 @@ def test_a_micro_batchs_predicted_cost_rises_with_its_padding(run):
 
 
 def test_the_planned_step_time_includes_the_padding(run):
-    steps, common = run
-    plain = StepPlanner(**common).plan(steps[0])
-    coarse = StepPlanner(ladder=Ladder((6400,)), **common)  # every row padded to 6400 tokens
+    steps, problem = run
+    plain = StepPlanner(problem, STAGES).plan(steps[0])
+    coarse = StepPlanner(problem, STAGES, ladder=Ladder((6400,)))  # every row padded to 6400 tokens
     same = coarse.plan(steps[0])
     assert same.step_time > plain.step_time and set(same.padded[0]) == {6400}
     unpadded = evaluate_step(stage_costs(coarse.cost, STAGES.stages), sample_table(steps[0]), same.replicas,
@@ -114,12 +114,13 @@ def test_the_padding_is_one_more_attention_segment_of_the_llm_stream():
 
 
 def test_auto_pads_only_where_the_kernel_compiles_and_packed_policies_only(run):
-    steps, common = run
-    assert resolve_ladder("auto", compiles=False, steps=steps, **common) is None  # CPU SDPA, flash-attn
-    assert resolve_ladder("off", compiles=True, steps=steps, **common) is None
-    assert resolve_ladder([512, 1024], compiles=False, steps=(), **common) == Ladder((512, 1024))
-    assert resolve_ladder("auto", compiles=True, steps=steps, **{**common, "policy": "ds-default"}) is None
-    assert StepPlanner(**common).plan(steps[0]).padded == ()  # no ladder: plans as before
+    steps, problem = run
+    assert resolve_ladder(problem, STAGES, "auto", compiles=False, steps=steps) is None  # CPU SDPA, flash-attn
+    assert resolve_ladder(problem, STAGES, "off", compiles=True, steps=steps) is None
+    assert resolve_ladder(problem, STAGES, [512, 1024], compiles=False, steps=()) == Ladder((512, 1024))
+    assert resolve_ladder(dataclasses.replace(problem, policy="ds-default"), STAGES, "auto", compiles=True,
+                          steps=steps) is None
+    assert StepPlanner(problem, STAGES).plan(steps[0]).padded == ()  # no ladder: plans as before
 
 
 @pytest.mark.parametrize("value, says", [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.api import choose_layout
-from mmpipe.planner.command import run_plan
+from mmpipe.planner.api import DEFAULT_HEADROOM, PlanProblem, choose_layout
+from mmpipe.planner.command import PlanInput, PlanOutput, run_plan
 from mmpipe.planner.cost import build_cost_model
 from mmpipe.planner.layout import Layout, candidates, plan_layout, rank_layouts
 from mmpipe.planner.samples import sample_table
@@ -49,8 +49,8 @@ def test_memory_decides_the_pipeline_depth():
     # everything trainable on 4 devices of 60 GB: one replica of the whole 8.3B model cannot
     # hold its weights, gradients and optimizer states (7 bytes a parameter with dp=4)
     hw = dataclasses.replace(hardware("h100"), memory_gb=60)
-    choice = choose_layout(model=model("qwen2-vl-7b"), hardware=hw, trainable=("all",), devices=4,
-                           global_batch=16, micro_batches=1, sample=_short(16), memory_headroom=0.08)
+    choice = choose_layout(PlanProblem(model=model("qwen2-vl-7b"), hardware=hw, trainable=("all",), devices=4,
+                                       global_batch=16, micro_batches=1, memory_headroom=0.08), _short(16))
     assert choice.best.pp >= 2 and choice.best.fits and choice.best.how == "planned"
     (one,) = [x for x in choice.layouts if x.pp == 1]
     assert not one.fits and one.note == ("weights, gradients and optimizer states alone need 58 GB on the fullest "
@@ -60,8 +60,8 @@ def test_memory_decides_the_pipeline_depth():
 def test_the_chosen_layout_is_the_fastest_when_each_is_planned_in_full():
     m, hw, tr = model("llava-1.5-7b"), hardware("h100"), ("vision.proj", "llm")
     sample = _short(32)
-    choice = choose_layout(model=m, hardware=hw, trainable=tr, devices=4, global_batch=32, micro_batches=1,
-                           sample=sample, memory_headroom=0.08)
+    choice = choose_layout(PlanProblem(model=m, hardware=hw, trainable=tr, devices=4, global_batch=32,
+                                       micro_batches=1, memory_headroom=0.08), sample)
     best = choice.best
     assert best.how == "planned" and best.fits
     assert [x.step_time for x in choice.layouts[1:] if x.how == "estimated"] == sorted(
@@ -84,8 +84,8 @@ def test_a_deeper_layout_that_is_faster_is_chosen_over_the_first_that_fits():
     """Everything trainable, long image samples, 4 H100s: one stage per replica (pp=1 x dp=4)
     fits, but two stages (pp=2 x dp=2) are predicted faster. The search ranks by predicted step
     time; taking the first layout that fits would pick pp=1."""
-    choice = choose_layout(model=model("llava-1.5-7b"), hardware=hardware("h100"), trainable=("all",), devices=4,
-                           global_batch=32, micro_batches=4, sample=_long(32), memory_headroom=0.08)
+    choice = choose_layout(PlanProblem(model=model("llava-1.5-7b"), hardware=hardware("h100"), trainable=("all",),
+                                       devices=4, global_batch=32, micro_batches=4, memory_headroom=0.08), _long(32))
     (one,) = [x for x in choice.layouts if (x.pp, x.dp) == (1, 4)]
     assert one.fits and not one.small_step
     best = choice.best
@@ -94,8 +94,9 @@ def test_a_deeper_layout_that_is_faster_is_chosen_over_the_first_that_fits():
 
 
 def test_small_steps_rank_after_every_layout_that_is_not_one():
-    choice = choose_layout(model=model("llava-1.5-7b"), hardware=hardware("h100"), trainable=("vision.proj", "llm"),
-                           devices=8, global_batch=8, micro_batches=1, sample=_short(8))
+    choice = choose_layout(PlanProblem(model=model("llava-1.5-7b"), hardware=hardware("h100"),
+                                       trainable=("vision.proj", "llm"), devices=8, global_batch=8, micro_batches=1),
+                           _short(8))
     ranked = [x for x in choice.layouts if x.how != "excluded"]
     assert (choice.best.pp, choice.best.dp) == (1, 8) and not choice.best.small_step
     small = [x for x in ranked if x.small_step]
@@ -116,9 +117,10 @@ def test_a_small_step_is_chosen_only_when_nothing_else_fits():
 
 
 def test_plan_command_with_auto_layout_writes_the_ranked_table(tmp_path, capsys):
-    plan = run_plan(model=model("tiny"), hardware=hardware("cpu"), pp=None, dp=None, devices=4, global_batch=16,
-                    micro_batches=1, trainable=("all",), policy="data-aware",
-                    trace_path=_trace(tmp_path / "t.jsonl", 48), out=str(tmp_path / "plan.json"), steps=2)
+    problem = PlanProblem(model=model("tiny"), hardware=hardware("cpu"), pp=None, dp=None, devices=4, global_batch=16,
+                          micro_batches=1, trainable=("all",), policy="data-aware", memory_headroom=DEFAULT_HEADROOM)
+    plan = run_plan(problem, PlanInput(trace_path=_trace(tmp_path / "t.jsonl", 48), steps=2),
+                    output=PlanOutput(out=str(tmp_path / "plan.json")))
     pred = plan["predicted"]
     layouts = pred["layouts"]
     assert {(x["pp"], x["dp"]) for x in layouts} == {(1, 4), (2, 2), (4, 1)}
@@ -135,11 +137,12 @@ def test_plan_command_with_auto_layout_writes_the_ranked_table(tmp_path, capsys)
 
 def test_auto_without_devices_and_a_split_that_does_not_divide_name_the_keys(tmp_path):
     common = dict(model=model("tiny"), hardware=hardware("cpu"), global_batch=16, micro_batches=1,
-                  trainable=("all",), policy="data-aware", trace_path=_trace(tmp_path / "t.jsonl", 32))
+                  trainable=("all",), policy="data-aware", memory_headroom=DEFAULT_HEADROOM)
+    data = PlanInput(trace_path=_trace(tmp_path / "t.jsonl", 32))
     with pytest.raises(ValueError, match=r"parallel.pp=auto / parallel.dp=auto needs parallel.devices=N"):
-        run_plan(pp=None, dp=2, **common)
+        run_plan(PlanProblem(pp=None, dp=2, **common), data)
     with pytest.raises(ValueError, match=r"parallel.dp=3 does not divide parallel.devices=4"):
-        run_plan(pp=None, dp=3, devices=4, **common)
+        run_plan(PlanProblem(pp=None, dp=3, devices=4, **common), data)
 
 
 def test_the_config_resolves_auto_before_launch():
@@ -176,8 +179,8 @@ def test_a_deeper_layout_that_needs_no_recompute_beats_the_shallow_one_and_is_ch
     search must price it, plan it and choose it."""
     m, hw, tr = model("llava-1.5-7b"), hardware("h100"), ("llm",)
     sample = [_text(4000)] + [_text(int(t)) for t in np.random.default_rng(0).integers(30, 80, 15)]
-    choice = choose_layout(model=m, hardware=hw, trainable=tr, devices=4, global_batch=16, micro_batches=1,
-                           sample=sample, memory_headroom=0.08)
+    choice = choose_layout(PlanProblem(model=m, hardware=hw, trainable=tr, devices=4, global_batch=16,
+                                       micro_batches=1, memory_headroom=0.08), sample)
     assert (choice.best.pp, choice.best.dp) == (2, 2) and choice.best.how == "planned"
     assert choice.best.stage_plan.recompute == (False, False)
     table = sample_table(sample)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mmpipe.model.geometry import SampleFeatures, features
-from mmpipe.planner.api import PACKED_POLICIES, POLICIES, plan_stages, plan_step
+from mmpipe.planner.api import PACKED_POLICIES, POLICIES, PlanProblem, plan_stages, plan_step
 from mmpipe.planner.cost import build_cost_model
 from mmpipe.planner.memory import WindowMemory, window_peaks
 from mmpipe.planner.packing import lpt_pack
@@ -80,10 +80,9 @@ def test_memory_bound_plan_fits_under_the_simulator():
              for g, t in zip(rng.choice([1024, 2304, 4096], 128), rng.integers(50, 400, 128))]
     m, hw = model("qwen2-vl-7b"), hardware("h100")
     cost = build_cost_model(model=m, hardware=hw, trainable=("all",), dp=2)
-    sp = plan_stages(model=m, hardware=hw, pp=4, dp=2, trainable=("all",), sample=feats,
-                     micro_batches=8, policy="data-aware")
-    reps = plan_step(policy="data-aware", features=feats, stage_plan=sp, cost=cost, dp=2,
-                     micro_batches=8)
+    problem = PlanProblem(model=m, hardware=hw, pp=4, dp=2, trainable=("all",), micro_batches=8, policy="data-aware")
+    sp = plan_stages(problem, feats)
+    reps = plan_step(problem, sp, feats)
     assert sorted(i for r in reps for mb in r for i in mb) == list(range(128))
     sc = stage_costs(cost, sp.stages, sp.recompute)
     ev = evaluate_step(sc, sample_table(feats), reps, packing=True)
@@ -110,9 +109,10 @@ def test_no_policy_plans_into_the_headroom(mname, workload, n, headroom):
     cost = build_cost_model(model=m, hardware=hw, trainable=("all",), dp=2, memory_headroom=headroom)
     assert cost.usable_bytes == pytest.approx(hw.usable_bytes * (1 - headroom))
     for policy in POLICIES:
-        sp = plan_stages(model=m, hardware=hw, pp=4, dp=2, trainable=("all",), sample=feats, micro_batches=4,
-                         policy=policy, memory_headroom=headroom)
-        reps = plan_step(policy=policy, features=feats, stage_plan=sp, cost=cost, dp=2, micro_batches=4)
+        problem = PlanProblem(model=m, hardware=hw, pp=4, dp=2, trainable=("all",), micro_batches=4,
+                              policy=policy, memory_headroom=headroom)
+        sp = plan_stages(problem, feats)
+        reps = plan_step(problem, sp, feats)
         ev = evaluate_step(stage_costs(cost, sp.stages, sp.recompute), sample_table(feats), reps,
                            packing=policy in PACKED_POLICIES)
         assert ev.usable == cost.usable_bytes
@@ -135,9 +135,9 @@ def test_a_predicted_peak_is_what_a_rank_holds():
     bare = dataclasses.replace(hardware("cpu"), reserved_gb=0.0, memory_slack=0.0)
 
     def peaks(hw):
-        return np.array(StepPlanner(model=model("tiny"), hardware=hw, trainable=("all",), dp=1,
-                                    stage_plan=StagePlan(stages=[(0, 11), (11, 15)]), policy="ds-default",
-                                    micro_batches=4).plan(feats).peak_bytes[0])
+        problem = PlanProblem(model=model("tiny"), hardware=hw, trainable=("all",), dp=1, policy="ds-default",
+                              micro_batches=4)
+        return np.array(StepPlanner(problem, StagePlan(stages=[(0, 11), (11, 15)])).plan(feats).peak_bytes[0])
 
     planned = peaks(bare)
     assert np.all(planned > 0)

@@ -3,7 +3,7 @@ import pytest
 
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import layer_names
-from mmpipe.planner.api import plan_stages
+from mmpipe.planner.api import PlanProblem, plan_stages
 from mmpipe.planner.partition import StagePlan, packed_ffd_partition, parameters_partition, stages_from_names
 
 from .helpers import hardware, model
@@ -53,8 +53,8 @@ def _img(text, tok=576, pos=577):
 
 def test_pp_larger_than_layers_is_an_error():
     with pytest.raises(ValueError, match="parallel.pp=99 is larger than the 15 layers of model tiny"):
-        plan_stages(model=model("tiny"), hardware=hardware("cpu"), pp=99, dp=1, trainable=("all",),
-                    sample=[_img(10, 4, 16)], micro_batches=2, policy="data-aware")
+        plan_stages(PlanProblem(model=model("tiny"), hardware=hardware("cpu"), pp=99, dp=1, trainable=("all",),
+                                micro_batches=2, policy="data-aware"), [_img(10, 4, 16)])
 
 
 @pytest.mark.parametrize("policy", ["data-aware", "ds-default", "llava-grouped", "packed-ffd"])
@@ -62,8 +62,8 @@ def test_plan_stages_tiles_every_layer(policy):
     m = model("llava-1.5-7b")
     rng = np.random.default_rng(0)
     sample = [_img(int(t)) for t in rng.integers(20, 600, 64)]
-    sp = plan_stages(model=m, hardware=hardware("h100"), pp=4, dp=2, trainable=("vision.proj", "llm"),
-                     sample=sample, micro_batches=4, policy=policy)
+    sp = plan_stages(PlanProblem(model=m, hardware=hardware("h100"), pp=4, dp=2, trainable=("vision.proj", "llm"),
+                                 micro_batches=4, policy=policy), sample)
     assert sp.pp == 4 and _tiles(sp.stages, len(layer_names(m))) and len(sp.recompute) == 4
 
 
@@ -74,7 +74,7 @@ def test_no_stage_recomputes_where_memory_does_not_ask_for_it():
     on everywhere, used to leave it on there."""
     rng = np.random.default_rng(0)
     sample = [_img(int(t), 16, 20) for t in rng.integers(10, 120, 64)]
-    sp = plan_stages(model=model("tiny"), hardware=hardware("cpu"), pp=4, dp=1, trainable=("all",),
-                     sample=sample, micro_batches=8, policy="data-aware")
+    sp = plan_stages(PlanProblem(model=model("tiny"), hardware=hardware("cpu"), pp=4, dp=1, trainable=("all",),
+                                 micro_batches=8, policy="data-aware"), sample)
     assert sp.stages == ((0, 10), (10, 12), (12, 13), (13, 15))
     assert sp.recompute == (False, False, False, False)

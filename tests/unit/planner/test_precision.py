@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.api import StagePlan, StepCalibration, StepPlanner, calibrated_hardware
+from mmpipe.planner.api import PlanProblem, StagePlan, StepCalibration, StepPlanner, calibrated_hardware
 from mmpipe.planner.cost import build_cost_model
 from mmpipe.planner.hardware import hardware_from_dict
 from mmpipe.planner.precision import TrainingPrecision
@@ -80,9 +80,9 @@ def _text(n):
 
 
 def _planner(hw, **kw):
-    return StepPlanner(model=model("llava-1.5-7b"), hardware=hw, trainable=("llm",), dp=1,
-                       stage_plan=StagePlan(stages=[(0, 35), (35, 45), (45, 53), (53, 61)]),
-                       policy="data-aware", micro_batches=4, **kw)
+    problem = PlanProblem(model=model("llava-1.5-7b"), hardware=hw, trainable=("llm",), dp=1,
+                          policy="data-aware", micro_batches=4, **kw)
+    return StepPlanner(problem, StagePlan(stages=[(0, 35), (35, 45), (45, 53), (53, 61)]))
 
 
 def test_a_calibration_fit_becomes_the_hardware_the_planner_predicts_with():

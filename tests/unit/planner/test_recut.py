@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import StagePlan, StepPlanner, consider_recut, describe_gain, plan_stages
+from mmpipe.planner.api import PlanProblem, StagePlan, StepPlanner, consider_recut, describe_gain, plan_stages
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.trace import read_trace
 
@@ -18,18 +18,16 @@ PILED = StagePlan(stages=[(0, 33), (33, 45), (45, 55), (55, 65)])  # qwen2-vl-7b
 def _args(current: StagePlan, threshold: float = 0.05) -> dict:
     m = model("qwen2-vl-7b")
     feats = [features(m, meta) for meta in itertools.islice(read_trace(WORKLOADS / "vision-dynamic.jsonl"), 64)]
-    return dict(model=m, hardware=hardware("h100"), trainable=("all",), pp=4, dp=1, current=current,
-                steps=[feats[:32], feats[32:]], policy="data-aware", micro_batches=4, replicas=1,
-                threshold=threshold, precision=TrainingPrecision(), memory_headroom=0.08)
+    problem = PlanProblem(model=m, hardware=hardware("h100"), trainable=("all",), pp=4, dp=1, policy="data-aware",
+                          micro_batches=4, replicas=1, precision=TrainingPrecision(), memory_headroom=0.08)
+    return dict(problem=problem, current=current, steps=[feats[:32], feats[32:]], threshold=threshold)
 
 
 def test_a_piled_up_cut_is_recut_and_the_planners_own_is_kept():
     choice = consider_recut(**_args(PILED))
     assert choice.recut and choice.candidate != PILED and choice.steps == 2
     args = _args(PILED)
-    planner = StepPlanner(**{k: args[k] for k in ("model", "hardware", "trainable", "dp", "policy", "micro_batches",
-                                                  "replicas", "precision", "memory_headroom")},
-                          stage_plan=choice.candidate)
+    planner = StepPlanner(args["problem"], choice.candidate)
     assert choice.candidate_s == sum(planner.plan(s).step_time for s in args["steps"])  # what it says it priced
     assert choice.gain == choice.current_s / choice.candidate_s - 1 > 0.05
     record = choice.record()
@@ -52,10 +50,10 @@ def test_a_mixture_moving_from_images_to_video_or_audio_is_recut():
     cannot hold the video samples on its image cut at all, and the re-cut says so."""
     for name, later, fits in (("qwen2.5-omni-7b", "omni-mix.jsonl", True), ("qwen2-vl-7b", "video-mix.jsonl", False)):
         m = model(name)
-        common = dict(model=m, hardware=hardware("h100"), trainable=("all",), dp=1, policy="data-aware",
-                      micro_batches=8, precision=TrainingPrecision(), memory_headroom=0.08)
-        images = plan_stages(pp=4, sample=[f for s in _steps(m, "llava-sft.jsonl") for f in s], **common)
-        choice = consider_recut(pp=4, current=images, steps=_steps(m, later), replicas=1, threshold=0.05, **common)
+        problem = PlanProblem(model=m, hardware=hardware("h100"), trainable=("all",), pp=4, dp=1, policy="data-aware",
+                              micro_batches=8, precision=TrainingPrecision(), memory_headroom=0.08)
+        images = plan_stages(problem, [f for s in _steps(m, "llava-sft.jsonl") for f in s])
+        choice = consider_recut(dataclasses.replace(problem, replicas=1), images, _steps(m, later), 0.05)
         record = choice.record()
         assert choice.recut and record["current_fits"] is fits, (name, record)
         assert (record["predicted_gain"] > 0.05) if fits else record["predicted_gain"] is None

@@ -10,7 +10,7 @@ import numpy as np
 
 from mmpipe.model.geometry import SampleMeta, features
 from mmpipe.model.spec import layer_names
-from mmpipe.planner.api import plan_stages
+from mmpipe.planner.api import PlanProblem, plan_stages
 from mmpipe.planner.balancer import balance_step
 from mmpipe.planner.cost import build_cost_model
 from mmpipe.planner.memory import window_peaks
@@ -115,8 +115,8 @@ def test_partition_search_puts_llm_blocks_on_the_memory_bound_encoder_stage():
     (1.757 s against 1.765 s; without that re-planning the search kept the first stage at the
     audio projector)."""
     m, feats, cost = _case(96)
-    sp = plan_stages(model=m, hardware=hardware("h100"), pp=4, dp=1, trainable=("all",),
-                     sample=feats, micro_batches=8, policy="data-aware", memory_headroom=0.08)
+    sp = plan_stages(PlanProblem(model=m, hardware=hardware("h100"), pp=4, dp=1, trainable=("all",),
+                                 micro_batches=8, policy="data-aware", memory_headroom=0.08), feats)
     names = layer_names(m)
     assert names[sp.stages[0][1] - 1].startswith("llm.block."), [names[a] for a, _ in sp.stages]
     assert not any(sp.recompute)

@@ -9,12 +9,12 @@ import pytest
 
 from mmpipe.config import PlanConfig
 from mmpipe.model.geometry import features
-from mmpipe.planner.api import StepPlanner, choose_encoders, resolve_encoders
-from mmpipe.planner.command import encode_by_rank
+from mmpipe.planner.api import DEFAULT_HEADROOM, Placement, PlanProblem, StepPlanner, choose_encoders
+from mmpipe.planner.command import PlanInput, PlanOutput, encode_by_rank
 from mmpipe.planner.cost import build_cost_model
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.samples import sample_table
-from mmpipe.planner.spread import encode_costs, lpt_shares, parse_encoders, spread_model
+from mmpipe.planner.spread import encode_costs, lpt_shares, spread_model
 from mmpipe.planner.trace import read_trace
 
 from .helpers import WORKLOADS, hardware, model
@@ -26,8 +26,10 @@ PLAN = StagePlan(stages=[(0, 76), (76, 84), (84, 92), (92, 99)])  # both towers,
 
 
 def _planner(encoders=None, trainable=("all",)):
-    return StepPlanner(model=OMNI, hardware=H100, trainable=trainable, dp=2, stage_plan=PLAN,
-                       policy="data-aware", micro_batches=4, memory_headroom=0.08, encoders=encoders)
+    placement = Placement() if encoders is None else Placement.parse(encoders, OMNI)
+    problem = PlanProblem(model=OMNI, hardware=H100, trainable=trainable, dp=2, policy="data-aware", micro_batches=4,
+                          memory_headroom=0.08, placement=placement)
+    return StepPlanner(problem, PLAN)
 
 
 def test_default_placement_is_todays_plan_and_encodes_nothing():
@@ -86,12 +88,14 @@ def test_stage_ranges_cover_every_layer_and_spread_layers_run_on_no_stage():
 
 
 def test_auto_is_never_slower_than_any_placement():
-    choice = choose_encoders(model=OMNI, hardware=H100, pp=4, dp=2, trainable=("all",), steps=[FEATS[:16]],
-                             policy="data-aware", micro_batches=4, memory_headroom=0.08, stage_plan=PLAN)
+    problem = PlanProblem(model=OMNI, hardware=H100, pp=4, dp=2, trainable=("all",), policy="data-aware",
+                          micro_batches=4, memory_headroom=0.08, placement=Placement.parse("auto", OMNI))
+    choice = choose_encoders(problem, [FEATS[:16]], stage_plan=PLAN)
     times = [t for _, t, _ in choice.candidates]
     assert len(times) == 4 and all(math.isfinite(t) for t in times)
     assert choice.times()["stages"] == times[0]
-    best = dict(zip([tuple(e.items()) for e, _, _ in choice.candidates], times))[tuple(choice.encoders.items())]
+    best = dict(zip([tuple(e.mapping.items()) for e, _, _ in choice.candidates], times))[
+        tuple(choice.placement.mapping.items())]
     assert best == min(times)
 
 
@@ -103,9 +107,10 @@ def test_plan_json_records_the_placement_and_encode_shares_in_rank_order(tmp_pat
     trace.write_text("\n".join(lines) + "\n")
     names = [("vision.embed", "llm.block.6"), ("llm.block.7", "llm.block.14"), ("llm.block.15", "llm.block.22"),
              ("llm.block.23", "llm.head")]
-    plan = run_plan(model=OMNI, hardware=H100, pp=4, dp=2, global_batch=16, micro_batches=2, trainable=("all",),
-                    policy="data-aware", trace_path=str(trace), stages=names, quiet=True,
-                    encoders={"audio": "spread"})
+    problem = PlanProblem(model=OMNI, hardware=H100, pp=4, dp=2, global_batch=16, micro_batches=2, trainable=("all",),
+                          policy="data-aware", memory_headroom=DEFAULT_HEADROOM,
+                          placement=Placement.parse({"audio": "spread"}, OMNI))
+    plan = run_plan(problem, PlanInput(trace_path=str(trace)), stages=names, output=PlanOutput(quiet=True))
     assert plan["encoders"] == {"vision": "stages", "audio": "spread"}
     step = plan["steps"][0]
     assert len(step["encode"]) == 8
@@ -130,7 +135,7 @@ def test_bad_plan_encoders_is_one_line_naming_the_key(value, match):
 
 def test_a_tower_the_model_lacks_is_refused():
     with pytest.raises(ValueError, match="names audio, which model llava-1.5-7b does not have"):
-        parse_encoders({"audio": "spread"}, dataclasses.replace(OMNI, name="llava-1.5-7b", audio=None))
-    assert resolve_encoders({"audio": "spread"}, OMNI) == {"vision": "stages", "audio": "spread"}
+        Placement.parse({"audio": "spread"}, dataclasses.replace(OMNI, name="llava-1.5-7b", audio=None))
+    assert Placement.parse({"audio": "spread"}, OMNI).mapping == {"vision": "stages", "audio": "spread"}
     with pytest.raises(ValueError, match="choose_encoders"):
-        resolve_encoders("auto", OMNI)
+        Placement.parse("auto", OMNI).mapping  # noqa: B018 - the property raises

@@ -136,7 +136,8 @@ def test_plan_on_the_video_trace_beats_every_tuned_baseline(name):
     text), every preset that takes video, pp=4 x dp=2, two 64-sample steps: the data-aware plan
     fits and its mean step time beats each baseline tuned as docs/spec.md section 7 says, the best of
     them by 20%."""
-    from mmpipe.planner.command import run_plan
+    from mmpipe.planner.api import DEFAULT_HEADROOM, PlanProblem
+    from mmpipe.planner.command import PlanInput, PlanOutput, run_plan
     from mmpipe.planner.trace import read_trace
 
     assert {"qwen2-vl-7b", "llava-onevision-qwen2-7b"} <= set(VIDEO_PRESETS)
@@ -144,9 +145,9 @@ def test_plan_on_the_video_trace_beats_every_tuned_baseline(name):
     m = model(name)
     head = [features(m, meta) for meta, _ in zip(read_trace(trace), range(128))]
     assert sum(len(f.video_segments) for f in head) >= 50  # the steps are planned with their clips
-    plan = run_plan(model=m, hardware=hardware("h100"), pp=4, dp=2, global_batch=64, micro_batches=4,
-                    trainable=("vision.proj", "llm"), policy="data-aware", trace_path=str(trace), out=None,
-                    steps=2, plot=None, quiet=True)
+    problem = PlanProblem(model=m, hardware=hardware("h100"), pp=4, dp=2, global_batch=64, micro_batches=4,
+                          trainable=("vision.proj", "llm"), policy="data-aware", memory_headroom=DEFAULT_HEADROOM)
+    plan = run_plan(problem, PlanInput(trace_path=str(trace), steps=2), output=PlanOutput(quiet=True))
     p = plan["predicted"]
     ours = np.mean(p["step_time_s"])
     assert p["fits"] and len(p["step_time_s"]) == 2

@@ -11,7 +11,7 @@ import yaml
 from mmpipe.cli import load
 from mmpipe.config import hardware_spec
 from mmpipe.model.geometry import SampleFeatures
-from mmpipe.planner.api import StepCalibration, StepPlanner, plan_stages
+from mmpipe.planner.api import PlanProblem, StepCalibration, StepPlanner, plan_stages
 from mmpipe.planner.samples import sample_table
 from mmpipe.planner.step import evaluate_step
 from mmpipe.runtime.hardware_file import write_calibrated
@@ -34,9 +34,13 @@ def _features(n=16, seed=3) -> list[SampleFeatures]:
                            text_tokens=int(t)) for t in rng.integers(20, 400, n)]
 
 
+def _problem(rc, hw) -> PlanProblem:
+    return PlanProblem(model=rc.model, hardware=hw, trainable=rc.train.trainable, pp=2, dp=1, policy="data-aware",
+                       micro_batches=rc.train.micro_batches)
+
+
 def _planner(rc, hw, stage_plan) -> StepPlanner:
-    return StepPlanner(model=rc.model, hardware=hw, trainable=rc.train.trainable, dp=1, stage_plan=stage_plan,
-                       policy="data-aware", micro_batches=rc.train.micro_batches)
+    return StepPlanner(_problem(rc, hw), stage_plan)
 
 
 def test_the_refit_is_written_as_a_hardware_file_the_planner_uses(tmp_path):
@@ -65,8 +69,7 @@ def test_the_refit_is_written_as_a_hardware_file_the_planner_uses(tmp_path):
 
     # A step planned on the preset, priced on the calibrated hardware, is what the fit predicts.
     feats = _features()
-    stages = plan_stages(model=rc.model, hardware=cpu, pp=2, dp=1, trainable=rc.train.trainable, sample=feats,
-                         micro_batches=rc.train.micro_batches, policy="data-aware")
+    stages = plan_stages(_problem(rc, cpu), feats)
     raw = _planner(rc, cpu, stages).plan(feats)
     m = len(raw.replicas[0])
     on_fit = _planner(rc, calibrated, stages)

@@ -91,7 +91,7 @@ def test_a_spread_tower_stays_on_stage_0_and_one_stage_cannot_spread():
     auto = load(["train.steps=1"], job="test")  # the default: the planner compares the placements
     said = choose_stages(auto, load_tokenizer(tokenizer_source(auto)[0]))
     assert set(said.placements) == {"stages", "spread", "vision spread", "audio spread"}
-    assert said.encoders == {"vision": "stages", "audio": "stages"}  # measured faster too (docs/in-the-loop.md)
+    assert said.placement.mapping == {"vision": "stages", "audio": "stages"}  # measured faster (in-the-loop.md)
     bad = load(["train.steps=1", "plan.encoders={vision: stages, audio: spread}",
                 "plan.stages=[[vision.embed,vision.proj],[audio.embed,llm.head]]"], job="test")
     with pytest.raises(ValueError, match=r"plan\.stages ends stage 0 at vision\.proj, but plan\.encoders spreads "
@@ -107,13 +107,14 @@ def test_a_placement_that_does_not_fit_is_said_so_not_priced_at_infinity() -> No
     import math
 
     from mmpipe.model.spec import layer_names
-    from mmpipe.planner.api import StagePlan
+    from mmpipe.planner.api import Placement, StagePlan
     from mmpipe.runtime.stages import ChosenStages, format_stage_table
 
     rc = load(["train.steps=1"], job="test")
     names = layer_names(rc.model)
     plan = StagePlan(stages=[(0, 12), (12, len(names))], recompute=[False, False])
-    chosen = ChosenStages(plan=plan, source="planner (data-aware)", encoders={"vision": "stages", "audio": "stages"},
+    chosen = ChosenStages(plan=plan, source="planner (data-aware)",
+                          placement=Placement.of({"vision": "stages", "audio": "stages"}),
                           placements={"stages": 1.47, "spread": math.inf})
     line = format_stage_table(rc, chosen, names).splitlines()[-1]
     assert line == ("plan.encoders=auto chose stages (simulated time of the first steps: stages 1.47 s, "
