@@ -11,6 +11,7 @@ import counts, at module level, inside functions and under TYPE_CHECKING alike.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "mmpipe"
@@ -144,3 +145,45 @@ def _one_cycle(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
                     nxt.append(dep)
         frontier = nxt
     return sorted(comp)
+
+
+def _part(module: str) -> str:
+    """A module's part on the floors: its top-level file or subpackage (`mmpipe.runtime.feed` ->
+    `runtime/`, `mmpipe.cli` -> `cli.py`, `mmpipe` -> `__init__.py`)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__.py"
+    return f"{parts[1]}/" if (PACKAGE / parts[1]).is_dir() else f"{parts[1]}.py"
+
+
+def _documented_floors() -> dict[str, int]:
+    """docs/architecture.md's floor table: part -> floor (a row may run over to the next line,
+    indented under the first part)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = text.split("## Floors", 1)[1].split("```", 2)[1]
+    floors: dict[str, int] = {}
+    floor = None
+    for line in block.splitlines():
+        m = re.match(r"^(?:floor (\d+))?\s+(\S.*?)(?:\s{2,}|$)", line)
+        if not line.strip() or m is None:
+            continue
+        if m.group(1) is not None:
+            floor = int(m.group(1))
+        elif not re.match(r"^\s{9}\S", line):  # a description's second line, not more parts
+            continue
+        for part in re.findall(r"[\w.]+(?:/|\.py)", m.group(2)):
+            floors[part] = floor
+    return floors
+
+
+def test_the_documented_floors_are_the_imports():
+    """Every part of the package sits on a floor of docs/architecture.md and imports only from
+    lower floors: the drawing cannot go stale."""
+    floors = _documented_floors()
+    parts = {_part(m) for m in GRAPH}
+    assert sorted(parts - set(floors)) == []  # every part is drawn
+    assert sorted(set(floors) - parts) == []  # nothing drawn that is not there
+    upward = sorted(f"{_part(m)} (floor {floors[_part(m)]}) imports {_part(d)} (floor {floors[_part(d)]})"
+                    for m, deps in GRAPH.items() for d in deps
+                    if d.startswith("mmpipe") and _part(d) != _part(m) and floors[_part(d)] >= floors[_part(m)])
+    assert upward == []
