@@ -43,6 +43,7 @@ from torch import nn
 from mmpipe.model import carrier as C
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.model.spec import ModelSpec, layer_names
+from mmpipe.runtime.pipeline import PipelineSpec, build_layers
 
 TOWER_SLOTS = {"vision": C.IMAGE, "audio": C.AUDIO}
 """The carrier slot a tower's projector fills (the index travels there on stage 0)."""
@@ -228,6 +229,24 @@ class SpreadTowers:
         if self.stage == 0:
             self._install(engine)
         self.sync_weights(everything=True)
+
+    @classmethod
+    def for_rank(cls, spec: PipelineSpec, towers: tuple[str, ...], engine, *, dp: int) -> SpreadTowers:
+        """This rank's part of the `towers` (plan.encoders resolved to spread). Stage 0 runs the
+        PipelineModule's own tower layers (their first stage must hold them whole: the config
+        check and the planner keep them there), the other stages a replica built from `spec`,
+        the stages' own recipe."""
+        names = spread_layer_names(spec.model, towers)  # all on stage 0: choose_stages checked the cut
+        every = layer_names(spec.model)
+        index = [every.index(n) for n in names]
+        if engine.is_first_stage():
+            layers = [engine.module.forward_funcs[i] for i in index]
+        else:
+            layers = build_layers(spec, names, engine.device)
+            dtype = next(engine.module.parameters()).dtype  # DeepSpeed casts a bf16/fp16 stage's parameters
+            for p in (p for layer in layers for p in layer.parameters()):  # (not its buffers)
+                p.data = p.data.to(dtype)
+        return cls(model=spec.model, towers=towers, engine=engine, layers=layers, dp=dp)
 
     # -- set-up ----------------------------------------------------------------------
 

@@ -153,3 +153,43 @@ def per_stage(table: torch.Tensor, stage_of_rank: list[int], pp: int) -> list[di
         out.append({k: float(mean[i]) for i, k in enumerate(KINDS)})
         out[-1]["mem"] = float(table[rows, len(KINDS)].max())
     return out
+
+
+class StepTelemetry:
+    """One rank's telemetry of the training steps, gathered from every rank: each stage's busy,
+    communication and optimizer seconds and peak memory. It owns the engine's timer, the peak
+    memory measure and which stage each rank holds, so the loop asks for a step's stages and
+    nothing else."""
+
+    def __init__(self, engine, pp: int) -> None:
+        self._engine = engine
+        self._pp = pp
+        self._timer = StageTimer(engine)
+        self._memory = PeakMemory(engine.device)
+        self._stage_of_rank = _stage_of_every_rank(engine.stage_id, dist.get_world_size(), engine.device)
+
+    @property
+    def memory_kind(self) -> str:
+        """What the measured peaks are (PeakMemory.kind)."""
+        return self._memory.kind
+
+    def start(self) -> None:
+        """Begin a step's peak memory."""
+        self._memory.start()
+
+    def stages(self) -> list[dict[str, float]]:
+        """The step's figures by stage (per_stage), gathered from every rank (a collective)."""
+        times = gather_stage_times(self._timer.take(), world=dist.get_world_size(), device=self._engine.device,
+                                   peak_mem=self._memory.peak())
+        return per_stage(times.cpu(), self._stage_of_rank, self._pp)
+
+    def drop(self) -> None:
+        """Forget what ran since the last step (an evaluation's instructions are no step's)."""
+        self._timer.take()
+
+
+def _stage_of_every_rank(stage: int, world: int, device) -> list[int]:
+    mine = torch.tensor([stage], dtype=torch.long, device=device)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [int(t) for t in out]

@@ -23,15 +23,7 @@ from mmpipe.config import RunConfig, eval_interval, hardware_spec
 from mmpipe.measure import WARMUP_STEPS, throughput, timed_records
 from mmpipe.model.spec import layer_names
 from mmpipe.paths import resolve_path
-from mmpipe.planner.api import (
-    HardwareSpec,
-    Placement,
-    StagePlan,
-    StepCalibration,
-    calibrated_hardware,
-    consider_recut,
-    describe_gain,
-)
+from mmpipe.planner.api import HardwareSpec, StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
 from mmpipe.runtime.checkpoint import (
     Checkpointer,
@@ -43,19 +35,16 @@ from mmpipe.runtime.checkpoint import (
     load_step_fit,
     refuse_other_history,
     truncate_records,
-    write_atomic,
 )
 from mmpipe.runtime.committed import run_topology
 from mmpipe.runtime.dsconfig import deepspeed_clips, deepspeed_config, load_user_config, require_tested_deepspeed
 from mmpipe.runtime.evaluate import EvalResult, Evaluator, result_path
-from mmpipe.runtime.feed import PlannedStep, StepFeeder
+from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.hardware_file import write_calibrated
 from mmpipe.runtime.host import figures_mismatch, resolve_backend, threads_per_rank, training_device
-from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.pipeline import (
     GlobalGradClip,
     PipelineSpec,
-    build_layers,
     build_pipeline_module,
     deepspeed_grad_norm,
     describe_training,
@@ -67,11 +56,13 @@ from mmpipe.runtime.pipeline import (
     media_tokens,
 )
 from mmpipe.runtime.quiet import held_prints, quiet_deepspeed
-from mmpipe.runtime.recut import RECUT_REQUEST, last_recut
-from mmpipe.runtime.spread import EncodeStep, SpreadTowers, spread_layer_names
+from mmpipe.runtime.recut import Recut, measured_line
+from mmpipe.runtime.spread import SpreadTowers
 from mmpipe.runtime.stage_record import add_to_stage_file, parameter_digest, write_stage_file
 from mmpipe.runtime.stages import ChosenStages, choose_stages, format_stage_table, run_problem
-from mmpipe.runtime.telemetry import PeakMemory, StageTimer, gather_stage_times, per_stage, resident_bytes
+from mmpipe.runtime.step import FedStep, TrainedStep
+from mmpipe.runtime.step_metrics import StepMetrics
+from mmpipe.runtime.telemetry import StepTelemetry, resident_bytes
 
 log = logging.getLogger("mmpipe")
 
@@ -213,7 +204,9 @@ def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
 def train(rc: RunConfig, *, stop=None) -> RunResult:
     """Train on this rank; every rank of the job calls this with the same config. `stop` is the
     process's stop event (mmpipe.runtime.worker.STOP): with train.save_on_signal, a stop signal
-    during training saves a checkpoint first (then StopRequested ends the rank)."""
+    during training saves a checkpoint first (then StopRequested ends the rank). The rank's parts
+    (pipeline, checkpoints, feeder, evaluation, spread towers, re-cut, metrics) are built here
+    once; the loop (`_run_steps`) only calls them."""
     quiet_deepspeed()
     rc = _init_distributed(rc)
     rank, run_dir = dist.get_rank(), Path(rc.run_dir)
@@ -230,70 +223,97 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     ckpt = _checkpointer(rc, pipe, stages.plan, reads=bool(stages.spread))
     start, reader_state = ckpt.resume(found) if found else (0, None)
     calibration = calibration_for(rc, found)
-    spread = _spread(rc, pipe, stages)
-
-    feeder = None
-    if pipe.first or pipe.last or spread is not None:
-        record = run_dir / f"samples_rank{rank}.jsonl" if rc.train.record_samples else None
-        if record:
-            truncate_records(record, start)  # steps after the checkpoint are fed again
-        feeder = StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
-                            over_memory=bool(stages.warnings), media=pipe.first,
-                            reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start,
-                            fit=calibration.coef if calibration.fitted else None,
-                            placement=stages.placement,
-                            encode_stage=pipe.engine.stage_id if spread is not None else None,
-                            ladder=stages.ladder)
-    if rank == 0 and rc.train.resume:
-        truncate_records(run_dir / "metrics.jsonl", start)
-    writer = (MetricsWriter(run_dir / "metrics.jsonl", append=bool(rc.train.resume), loggers=rc.train.loggers)
-              if rank == 0 else None)
-    loads: list = [None] * dist.get_world_size() if pipe.load is not None else []
-    if loads:
-        dist.all_gather_object(loads, pipe.load)
-    evaluator = _evaluator(rc, pipe, tok, stages) if eval_interval(rc) else None
-    bar = None
-    if rank == 0:
-        print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
-        print(pipe.describe, flush=True)
-        for w in stages.warnings:
-            print(f"warning: {w}", file=sys.stderr, flush=True)
-        if loads:
-            from mmpipe.runtime.hf_run import format_load_line
-
-            print(format_load_line(loads), flush=True)
-        if evaluator is not None:
-            print(evaluator.describe(), flush=True)
-        bar = ProgressBar(rc.train.steps - start)
+    spread = (SpreadTowers.for_rank(pipe.spec, stages.spread, pipe.engine, dp=rc.parallel.dp)
+              if stages.spread else None)
+    feeder = _feeder(rc, tok, pipe, stages, start=start, reader_state=reader_state, calibration=calibration,
+                     spread=spread is not None)
+    hardware = hardware_spec(rc)
+    figures_off = figures_mismatch(rc.hardware, training_device(pipe.engine.device))
+    telemetry = StepTelemetry(pipe.engine, rc.parallel.pp)
+    metrics = (StepMetrics(rc, calibration=calibration, hardware=hardware, start=start,
+                           memory_kind=telemetry.memory_kind, figured=figures_off is None) if rank == 0 else None)
+    evaluator = _start_up(rc, pipe, tok, stages, metrics)
     # With train.save_on_signal a stop signal only marks stop.requested until this block ends;
     # the ranks agree on it after a step and save, and the block's end raises StopRequested.
     with stop.deferred() if stop is not None and rc.train.save_on_signal else contextlib.nullcontext():
         try:
-            loop = _Loop(rc=rc, pipe=pipe, feeder=feeder, writer=writer, bar=bar, ckpt=ckpt, stop=stop,
-                         evaluator=evaluator, start=start, calibration=calibration,
-                         result=RunResult(calibration=calibration if rank == 0 else None, resumed_at=start),
-                         stage_plan=stages.plan, spread=spread, placement=stages.placement,
-                         recut_from=last_recut(run_dir, start) if rank == 0 and start else None)
+            loop = _Loop(rc=rc, pipe=pipe, feeder=feeder, metrics=metrics, ckpt=ckpt, stop=stop,
+                         evaluator=evaluator, start=start, calibration=calibration, hardware=hardware,
+                         telemetry=telemetry, spread=spread,
+                         result=RunResult(calibration=calibration if rank == 0 else None, resumed_at=start,
+                                          figures_off=figures_off),
+                         recut=Recut(rc, problem=run_problem(rc, stages.placement), stage_plan=stages.plan,
+                                     calibration=calibration, start=start, rank0=rank == 0))
             if spread is not None:
                 spread.install_post_pass()  # after the StageTimer's patch of the same instruction map
             result = _run_steps(loop)
         finally:
             if feeder is not None:
                 feeder.close()
-            if writer is not None:
-                writer.close()
-            if bar is not None:
-                bar.close()  # before any error line, which would land on the bar's line
-        result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
-                                                             shared=rc.plan.across_replicas)
-        if rc.train.record_samples:  # what each replica ended with: every replica of a stage must agree
-            add_to_stage_file(run_dir, rank, param_sha256=parameter_digest(pipe.engine.module),
-                              **({"encoded_samples": spread.encoded} if spread is not None else {}))
-        if rank == 0:
-            _summary(rc, result, run_dir)
-            print(write_calibrated(rc, result.calibration), flush=True)
+            if metrics is not None:
+                metrics.close()  # the bar before any error line, which would land on the bar's line
+        _finish(rc, result, feeder, pipe, spread)
         dist.barrier()
     return result
+
+
+def _feeder(rc: RunConfig, tok, pipe: _Pipeline, stages: ChosenStages, *, start: int, reader_state,
+            calibration: StepCalibration, spread: bool) -> StepFeeder | None:
+    """The replica's data on the stages that read it (the first and last, every one with spread
+    towers); a resumed run's sample records lose the steps after its checkpoint, fed again."""
+    if not (pipe.first or pipe.last or spread):
+        return None
+    rank = dist.get_rank()
+    record = Path(rc.run_dir) / f"samples_rank{rank}.jsonl" if rc.train.record_samples else None
+    if record:
+        truncate_records(record, start)
+    return StepFeeder(rc, tokenizer=tok, dp_rank=pipe.dp_rank, stage_plan=stages.plan,
+                      over_memory=bool(stages.warnings), media=pipe.first,
+                      reader_state=reader_state, steps=rc.train.steps - start, record=record, first_step=start,
+                      fit=calibration.coef if calibration.fitted else None,
+                      placement=stages.placement,
+                      encode_stage=pipe.engine.stage_id if spread else None,
+                      ladder=stages.ladder)
+
+
+def _start_up(rc: RunConfig, pipe: _Pipeline, tok, stages: ChosenStages,
+              metrics: StepMetrics | None) -> Evaluator | None:
+    """The evaluator (when the run evaluates), then rank 0's start-up lines: the stage table, the
+    training set-up, the plan's warnings, what loading a Hugging Face model cost, the evaluation;
+    then the progress bar starts."""
+    loads: list = [None] * dist.get_world_size() if pipe.load is not None else []
+    if loads:
+        dist.all_gather_object(loads, pipe.load)
+    evaluator = _evaluator(rc, pipe, tok, stages) if eval_interval(rc) else None
+    if metrics is None:
+        return evaluator
+    print(format_stage_table(rc, stages, layer_names(rc.model)), flush=True)
+    print(pipe.describe, flush=True)
+    for w in stages.warnings:
+        print(f"warning: {w}", file=sys.stderr, flush=True)
+    if loads:
+        from mmpipe.runtime.hf_run import format_load_line
+
+        print(format_load_line(loads), flush=True)
+    if evaluator is not None:
+        print(evaluator.describe(), flush=True)
+    metrics.begin()
+    return evaluator
+
+
+def _finish(rc: RunConfig, result: RunResult, feeder: StepFeeder | None, pipe: _Pipeline,
+            spread: SpreadTowers | None) -> None:
+    """After the loop: the data report summed over the replicas, each rank's final weights in
+    its stage file (train.record_samples), and rank 0's summary and calibrated hardware file."""
+    run_dir = Path(rc.run_dir)
+    result.skipped, result.mixture = _gather_data_report(feeder, pipe.first, pipe.dp_group,
+                                                         shared=rc.plan.across_replicas)
+    if rc.train.record_samples:  # what each replica ended with: every replica of a stage must agree
+        add_to_stage_file(run_dir, dist.get_rank(), param_sha256=parameter_digest(pipe.engine.module),
+                          **({"encoded_samples": spread.encoded} if spread is not None else {}))
+    if dist.get_rank() == 0:
+        _summary(rc, result, run_dir)
+        print(write_calibrated(rc, result.calibration), flush=True)
 
 
 def score_checkpoint(rc: RunConfig, folder: Path) -> EvalResult:
@@ -301,7 +321,6 @@ def score_checkpoint(rc: RunConfig, folder: Path) -> EvalResult:
     model weights of the committed checkpoint `folder` (checked file by file), then one
     evaluation of data.eval_path. Every rank of the job calls this; rank 0 writes the result
     (runtime/evaluate.result_path) into rc.run_dir, the job's own folder."""
-    import json
 
     quiet_deepspeed()
     rc = _init_distributed(rc)
@@ -323,122 +342,58 @@ def score_checkpoint(rc: RunConfig, folder: Path) -> EvalResult:
 
 @dataclass(kw_only=True, slots=True)
 class _Loop:
-    """One rank's training loop: the run's parts, and what it measures from step to step."""
+    """One rank's training loop: the parts train() built once, and what the loop itself carries
+    from step to step. What a part measures or decides is the part's own state (StepMetrics,
+    Recut, StepTelemetry, the Checkpointer, the Evaluator, SpreadTowers)."""
 
     rc: RunConfig
     pipe: _Pipeline
     feeder: StepFeeder | None
-    """The replica's data (first and last stage; None on a middle stage)."""
-    writer: MetricsWriter | None
-    """Rank 0's metrics.jsonl (and the other loggers)."""
-    bar: ProgressBar | None
-    """Rank 0's progress bar."""
+    """The replica's data (first and last stage, every stage with spread towers; else None)."""
+    metrics: StepMetrics | None
+    """Rank 0: the steps' metrics.jsonl, progress bar and summary figures."""
     ckpt: Checkpointer
     stop: object
     """The process's stop signal (worker.STOP), or None."""
     evaluator: Evaluator | None
     """The held-out loss (data.eval_path), or None."""
+    recut: Recut
+    """plan.recut=auto: the check at checkpoints, its request, the gain measured after a relaunch."""
+    telemetry: StepTelemetry
+    """Every stage's times and peak memory of each step."""
+    spread: SpreadTowers | None
+    """This rank's part of the spread encoder towers (plan.encoders), or None."""
     start: int
     """The step the run starts after (a resumed checkpoint's, else 0)."""
     calibration: StepCalibration
-    """The step-time re-fit (rank 0's is the one that counts; a resumed run's starts from its checkpoint's)."""
+    """The step-time re-fit (rank 0's counts and is saved; a resumed run's starts from its checkpoint's)."""
+    hardware: HardwareSpec
+    """The hardware config (the name a checkpoint's saved fit belongs to)."""
     result: RunResult
-    timer: StageTimer = field(init=False)
-    memory: PeakMemory = field(init=False)
-    stage_of_rank: list[int] = field(init=False)
-    announced: bool = False
-    """Whether the console was told the feeder now plans with the run's own fit."""
     last_state: dict | None = None
     """The reader's position after the last step trained (saved with a checkpoint)."""
-    stage_plan: StagePlan | None = None
-    """The run's stage cut (what plan.recut=auto compares other cuts with)."""
-    recent: list = field(default_factory=list)
-    """Rank 0: the features of each step planned since the last re-cut check."""
-    spread: SpreadTowers | None = None
-    """This rank's part of the spread encoder towers (plan.encoders), or None."""
-    placement: Placement = Placement()
-    """plan.encoders as resolved for this run (a re-cut keeps the placement)."""
-    recut_from: dict | None = None
-    """Rank 0 of a run relaunched by a re-cut: that re-cut's record, until its measured gain is logged."""
-    launch_times: list = field(default_factory=list)
-    """Rank 0: the step time of every step since this launch, s."""
-    hardware: HardwareSpec = field(init=False)
-    """The hardware config (its rates price the efficiency figures and the re-cut checks)."""
-
-    def __post_init__(self) -> None:
-        self.hardware = hardware_spec(self.rc)
-        engine = self.pipe.engine
-        self.result.figures_off = figures_mismatch(self.rc.hardware, training_device(engine.device))
-        self.timer = StageTimer(engine)
-        self.memory = PeakMemory(engine.device)
-        self.stage_of_rank = _stage_of_every_rank(engine.stage_id, dist.get_world_size(), engine.device)
-
-
-@dataclass(frozen=True, slots=True)
-class _Fed:
-    """A step's micro-batches on this rank, with the whole step's figures (every replica)."""
-
-    planned: PlannedStep | None
-    micro_batches: list[MicroBatch]
-    encode: EncodeStep | None
-    """The step's spread-tower shares (plan.encoders), on every rank; None without."""
-    label_tokens: int
-    samples: int
-    tokens: int
-    """LLM tokens of the step's samples (every replica), padding not counted."""
-    pad_tokens: int
-    """Padding tokens plan.ladder added to them (every replica; 0 without a ladder)."""
-    ideal_s: float
-    """The step's samples (every replica) at the hardware config's peak rates, forward and
-    backward, s: pp x dp times the step's lower bound."""
-    flops: float
-    """The step's model FLOPs (every replica; encoders included)."""
-    predicted_s: float
-    """The slowest replica's simulated step time."""
-    compute_s: float
-    """That replica's simulated compute, without the fixed costs (the re-fit's regressor)."""
-    slow_micro_batches: int
-    """That replica's micro-batch count."""
-    started: float
-    """perf_counter() when the step began."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Trained:
-    """What one optimizer step did, measured on this rank."""
-
-    loss: float
-    grad_norm: float
-    """Global, before clipping."""
-    nonfinite: bool
-    lr: float
-    """The rate the step trained with."""
-    loss_scale: float | None
-    """fp16: the scale the step's backward ran with."""
-    engine_s: float
-    """engine.train_batch's time."""
-    step_s: float
-    """The whole step's time, feeding and telemetry included."""
-    stages: list[dict]
-    """Every stage's busy, communication and optimizer seconds and peak memory."""
 
 
 def _run_steps(loop: _Loop) -> RunResult:
-    """The loop of named steps: feed, train, evaluate when due, log, then agree and checkpoint."""
+    """The loop of named steps: feed, train, evaluate when due, consider a re-cut, log, then agree
+    and checkpoint."""
     t_start = time.perf_counter()
     for step in range(loop.start + 1, loop.rc.train.steps + 1):
         fed = _feed(loop, step)
         trained = _train_step(loop, fed)
         evaluated = _evaluate(loop, step)
-        recut = _consider_recut(loop, step)
-        _log(loop, step, fed, trained, evaluated, recut)
+        recut = loop.recut.consider(step)
+        if loop.metrics is not None:
+            loop.metrics.log(step, fed, trained, evaluated, recut, loop.recut.measured, measured_line)
         if _after_step(loop, step, trained, recut):
             break
     loop.result.seconds = time.perf_counter() - t_start
+    if loop.metrics is not None:
+        loop.metrics.report(loop.result)
     return loop.result
 
 
-def _feed(loop: _Loop, step: int) -> _Fed:
+def _feed(loop: _Loop, step: int) -> FedStep:
     """The step's planned micro-batches; the pipeline agrees on their count, the replicas on
     the step's totals (the loss is the mean over all its label tokens)."""
     t0 = time.perf_counter()
@@ -459,21 +414,20 @@ def _feed(loop: _Loop, step: int) -> _Fed:
     if pipe.first or pipe.last:
         dist.all_reduce(counts, group=pipe.dp_group)  # whole-step figures, all replicas
         planned_fig = _slowest_replica(planned_fig, pipe.dp_group)
-    if planned is not None and loop.rc.plan.recut == "auto" and dist.get_rank() == 0:
-        loop.recent.append(planned.features)
-    fed = _Fed(planned=planned, micro_batches=mbs, encode=encode, label_tokens=int(counts[0]), samples=int(counts[1]),
-               tokens=int(counts[2]), pad_tokens=int(counts[5]), ideal_s=float(counts[3]), flops=float(counts[4]),
-               predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
-               slow_micro_batches=int(planned_fig[2]), started=t0)
-    if step == loop.start + 1 and dist.get_rank() == 0:
+    if planned is not None:
+        loop.recut.note(planned.features)
+    fed = FedStep(planned=planned, micro_batches=mbs, encode=encode, label_tokens=int(counts[0]),
+                  samples=int(counts[1]), tokens=int(counts[2]), pad_tokens=int(counts[5]), ideal_s=float(counts[3]),
+                  flops=float(counts[4]), predicted_s=float(planned_fig[0]), compute_s=float(planned_fig[1]),
+                  slow_micro_batches=int(planned_fig[2]), started=t0)
+    if step == loop.start + 1 and loop.metrics is not None:
         pad = f" (+{fed.pad_tokens} padding, plan.ladder)" if fed.pad_tokens else ""
-        said = (f"tokens per step: {fed.tokens} LLM tokens{pad}, {fed.label_tokens} label tokens, "
-                f"{fed.samples} samples (first step)")
-        loop.bar.note(said) if loop.bar is not None else print(said, flush=True)
+        loop.metrics.note(f"tokens per step: {fed.tokens} LLM tokens{pad}, {fed.label_tokens} label tokens, "
+                          f"{fed.samples} samples (first step)")
     return fed
 
 
-def _train_step(loop: _Loop, fed: _Fed) -> _Trained:
+def _train_step(loop: _Loop, fed: FedStep) -> TrainedStep:
     """One optimizer step through DeepSpeed's 1F1B schedule, and its telemetry."""
     rc, pipe, engine = loop.rc, loop.pipe, loop.pipe.engine
     scale = engine.micro_batches * rc.parallel.dp / max(1.0, float(fed.label_tokens))
@@ -483,7 +437,7 @@ def _train_step(loop: _Loop, fed: _Fed) -> _Trained:
     it: Iterator | None = iter(batches) if batches else None
     lr = pipe.scheduler.get_last_lr()[0]  # the rate this step trains with
     fp16_scale = loss_scale(engine)  # the scale this step's backward runs with (fp16)
-    loop.memory.start()
+    loop.telemetry.start()
     t1 = time.perf_counter()
     if loop.spread is not None:
         loop.spread.forward(fed.encode)
@@ -494,15 +448,13 @@ def _train_step(loop: _Loop, fed: _Fed) -> _Trained:
     loop.last_state = fed.planned.reader_state if fed.planned else None
     grad_norm = pipe.clip.last_norm if pipe.clip else deepspeed_grad_norm(engine)
     nonfinite = _nonfinite(loss, pipe, rc.train.precision)
-    times = gather_stage_times(loop.timer.take(), world=dist.get_world_size(), device=engine.device,
-                               peak_mem=loop.memory.peak())
-    stages = per_stage(times.cpu(), loop.stage_of_rank, rc.parallel.pp)
+    stages = loop.telemetry.stages()
     result = loop.result
     result.losses.append(loss)
     result.samples += fed.samples
     result.tokens += fed.tokens
-    return _Trained(loss=loss, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr, loss_scale=fp16_scale,
-                    engine_s=engine_s, step_s=time.perf_counter() - fed.started, stages=stages)
+    return TrainedStep(loss=loss, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr, loss_scale=fp16_scale,
+                       engine_s=engine_s, step_s=time.perf_counter() - fed.started, stages=stages)
 
 
 def _evaluate(loop: _Loop, step: int) -> EvalResult | None:
@@ -510,139 +462,13 @@ def _evaluate(loop: _Loop, step: int) -> EvalResult | None:
     if loop.evaluator is None or not loop.evaluator.due(step):
         return None
     evaluated = loop.evaluator.run()
-    loop.timer.take()  # the evaluation's instructions are no part of the next step's telemetry
+    loop.telemetry.drop()  # the evaluation's instructions are no part of the next step's telemetry
     loop.result.evals.append((step, evaluated.loss))
     loop.result.eval_seconds += evaluated.seconds
     return evaluated
 
 
-def _consider_recut(loop: _Loop, step: int) -> dict | None:
-    """plan.recut=auto, at a checkpoint before the last step: rank 0 re-plans the cut on the steps
-    trained since the last check, priced with the run's step-time re-fit (the hardware config's
-    costs until it has one), and every rank gets its verdict (RecutChoice.record); else None."""
-    rc = loop.rc
-    if rc.plan.recut != "auto" or step % rc.train.save_every or step >= rc.train.steps:
-        return None
-    record: list = [None]
-    if dist.get_rank() == 0:
-        hw = loop.hardware
-        if loop.calibration.fitted:
-            hw = calibrated_hardware(hw, loop.calibration.coef)
-        problem = dataclasses.replace(run_problem(rc, loop.placement), hardware=hw)
-        choice = consider_recut(problem, loop.stage_plan, loop.recent, rc.plan.recut_gain)
-        loop.recent.clear()
-        record[0] = {**choice.record(), "priced_with": "the run's step-time fit" if loop.calibration.fitted
-                     else f"hardware {hw.name}"}
-    dist.broadcast_object_list(record, src=0)
-    return record[0]
-
-
-def _recut_measured(loop: _Loop, step: int, rec: dict) -> dict | None:
-    """Rank 0 of a run a re-cut relaunched: at its next checkpoint (or last step), the measured
-    gain: the median step time of the steps since the relaunch against the median of the
-    train.save_every steps before the re-cut (the old cut's), each without the first step after
-    a launch (start-up)."""
-    cut = loop.recut_from
-    rc = loop.rc
-    if cut is None or (step - cut["step"] < rc.train.save_every and step != rc.train.steps):
-        return None
-    loop.recut_from = None
-    after = loop.launch_times[1:] + [rec["step_time"]]
-    path = Path(rc.run_dir) / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    before = [r["step_time"] for r in lines if "step_time" in r and not r.get("first_of_launch")
-              and cut["step"] - rc.train.save_every < r["step"] <= cut["step"]]
-    if not after or not before:
-        return None
-    a, b = statistics.median(after), statistics.median(before)
-    return {"after_step": cut["step"], "before_s": b, "after_s": a, "gain": b / a - 1.0,
-            "predicted_gain": cut["predicted_gain"], "current_fits": cut.get("current_fits", True),
-            "steps_measured": [len(before), len(after)]}
-
-
-def _efficiency(rc: RunConfig, hw: HardwareSpec, fed: _Fed, step_s: float, *, figured: bool) -> dict:
-    """The step against its lower bound (its samples' forward and backward at the hardware
-    config's peak rates, spread evenly over every rank: docs/planner.md), and the model-FLOPs
-    utilisation with the encoders' FLOPs counted, both over the measured step time; the two
-    fractions are None where the config's peak rates are not this device's (`figured` False)."""
-    world = rc.parallel.pp * rc.parallel.dp
-    bound = fed.ideal_s / world
-    timed = step_s > 0 and figured
-    return {"lower_bound_s": bound, "bound_fraction": bound / step_s if timed else None,
-            "model_flops": fed.flops,
-            "mfu": fed.flops / (step_s * world * hw.peak_flops) if timed else None}
-
-
-def _log(loop: _Loop, step: int, fed: _Fed, trained: _Trained, evaluated: EvalResult | None,
-         recut: dict | None = None) -> None:
-    """Rank 0: the step's metrics line (every train.log_every steps, the last, a non-finite one,
-    one with an evaluation and one with a re-cut check) and the progress bar."""
-    if dist.get_rank() != 0:
-        return
-    rc = loop.rc
-    rec = _metrics_record(loop, step, fed, trained)
-    if evaluated is not None:
-        rec.update(evaluated.record())
-    if recut is not None:
-        rec["recut"] = recut
-    rec["first_of_launch"] = step == loop.start + 1
-    loop.result.steps.append({k: rec[k] for k in ("step", "samples", "tokens", "step_time", "first_of_launch")})
-    measured = _recut_measured(loop, step, rec)
-    loop.launch_times.append(rec["step_time"])
-    if measured is not None:
-        rec["recut_measured"] = measured
-        loop.bar.note(f"re-cut after step {measured['after_step']}: measured {measured['gain']:+.1%} faster "
-                      f"(median step {measured['before_s']:.3g} s -> {measured['after_s']:.3g} s; "
-                      f"{describe_gain(measured)})")
-    if (step % rc.train.log_every == 0 or step == rc.train.steps or trained.nonfinite or evaluated is not None
-            or recut is not None or measured is not None):
-        loop.writer.write(rec)
-    last_eval = loop.result.evals[-1][1] if loop.result.evals else None
-    loop.bar.update(loss=trained.loss, samples_per_s=rec["samples_per_s"], tokens_per_s=rec["tokens_per_s"],
-                    eval_loss=last_eval)
-    _track_memory(loop.result, [st["mem"] for st in trained.stages], fed.planned.predicted_peak_bytes, loop.memory.kind)
-
-
-def _metrics_record(loop: _Loop, step: int, fed: _Fed, trained: _Trained) -> dict:
-    """The step's metrics.jsonl line; the calibrated prediction is made before this step is observed."""
-    mbs, stages, dt, engine_s = len(fed.micro_batches), trained.stages, trained.step_s, trained.engine_s
-    busy = [st["fwd"] + st["bwd"] for st in stages]
-    cal, compute, m_slow = loop.calibration, fed.compute_s, fed.slow_micro_batches
-    raw = cal.simulated(compute, m_slow)  # the hardware config's prediction
-    pred = cal.predict(compute, m_slow)  # fitted on earlier steps only
-    cal.observe(compute, m_slow, engine_s)
-    fit = fed.planned.fit
-    if fit is not None and not loop.announced:
-        loop.announced = True
-        loop.bar.note(f"step {step}: micro-batches are planned with this run's step-time fit from now on "
-                      f"(a={fit[0]:.3g}, b={fit[1] * 1e3:.3g} ms per micro-batch, c={fit[2] * 1e3:.3g} ms per step; "
-                      f"hardware {loop.rc.hardware.get('name')} said b={cal.prior[1] * 1e3:.3g} ms, "
-                      f"c={cal.prior[2] * 1e3:.3g} ms)")
-    rec = {"step": step, "loss": round(trained.loss, 6), "samples_per_s": fed.samples / dt,
-           "tokens_per_s": fed.tokens / dt, "step_time": dt, "lr": trained.lr,
-           "grad_norm": trained.grad_norm if math.isfinite(trained.grad_norm) else None,
-           "samples": fed.samples, "tokens": fed.tokens, "pad_tokens": fed.pad_tokens,
-           "label_tokens": fed.label_tokens, "micro_batches": mbs,
-           "engine_time": engine_s, "stage_busy_s": busy,
-           "stage_comm_s": [st["comm"] for st in stages], "optim_s": max(st["optim"] for st in stages),
-           "bubble": 1.0 - sum(busy) / (len(busy) * engine_s),
-           "predicted_step_time": pred, "simulated_step_time": raw,
-           "calibration": list(cal.coef), "planned_with_fit": fit is not None,
-           "predicted_busy_s": list(fed.planned.predicted_busy),
-           "prediction_error": engine_s / pred - 1.0 if pred > 0 else None,
-           "overhead_s": dt - engine_s, "plan_s": fed.planned.plan_seconds, "feed_s": fed.planned.feed_seconds,
-           "stage_peak_mem_gb": [st["mem"] / 1e9 for st in stages], "peak_mem_measure": loop.memory.kind,
-           "predicted_peak_mem_gb": [b / 1e9 for b in fed.planned.predicted_peak_bytes],
-           "nonfinite": trained.nonfinite}
-    rec.update(_efficiency(loop.rc, loop.hardware, fed, dt, figured=loop.result.figures_off is None))
-    if rec["bound_fraction"] is not None:
-        loop.result.efficiency.append((rec["bound_fraction"], rec["mfu"]))
-    if loop.rc.train.precision == "fp16":
-        rec["loss_scale"] = trained.loss_scale  # a step that overflowed was skipped: grad_norm null
-    return rec
-
-
-def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = None) -> bool:
+def _after_step(loop: _Loop, step: int, trained: TrainedStep, recut: dict | None = None) -> bool:
     """Every rank agrees on a non-finite step and on a stop request, then saves when due.
     Returns whether the run stops here (a stop signal, or a re-cut, after its checkpoint)."""
     rc, stop = loop.rc, loop.stop
@@ -651,7 +477,7 @@ def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = 
         loop.feeder.deliver_fit(step, fit)
     requested = stop.requested if stop is not None and stop.defer else None
     verdict = agree_after_step(nonfinite=trained.nonfinite, stop=requested is not None, device=loop.pipe.engine.device)
-    _on_nonfinite(rc, verdict, step, trained.loss, trained.grad_norm, loop.ckpt, loop.result, loop.bar)
+    _on_nonfinite(rc, verdict, step, trained.loss, trained.grad_norm, loop.ckpt, loop.result, loop.metrics)
     stopping = verdict.stop and step != rc.train.steps  # at the last step the run ends anyway
     every = rc.train.save_every and step % rc.train.save_every == 0
     if stopping or every or (rc.train.save_final and step == rc.train.steps):
@@ -663,13 +489,7 @@ def _after_step(loop: _Loop, step: int, trained: _Trained, recut: dict | None = 
         loop.result.stopped = (f"stopped on {why} after step {step}: checkpoint {folder} committed; continue with "
                                f"train.resume={Path(rc.run_dir)}")
     elif recut is not None and recut["recut"]:
-        if dist.get_rank() == 0:
-            request = {"step": step, **recut, "encoders": loop.placement.to_config()}  # the relaunch keeps it
-            write_atomic(Path(rc.run_dir) / RECUT_REQUEST, json.dumps(request).encode())
-        loop.result.stopped = (f"re-cut after step {step}: stages {recut['old']} -> {recut['new']}, "
-                               f"{describe_gain(recut)} ({recut['priced_with']}); checkpoint {folder} committed; the "
-                               f"launcher relaunches the ranks on the new cut from it")
-        dist.barrier()  # the request exists before any rank ends
+        loop.result.stopped = loop.recut.request(step, recut, folder)
         return True
     return stopping
 
@@ -699,14 +519,6 @@ def _share_fit(calibration: StepCalibration, device) -> tuple[float, float, floa
     return (float(t[0]), float(t[1]), float(t[2])) if t[3] > 0 else None
 
 
-def _track_memory(result: RunResult, measured: list[float], predicted, kind: str) -> None:
-    """Keep each stage's largest measured and predicted peak for the summary."""
-    result.peak_memory = [max(a, b) for a, b in zip(result.peak_memory or [0.0] * len(measured), measured)]
-    result.predicted_memory = [max(a, b) for a, b in zip(result.predicted_memory or [0.0] * len(predicted),
-                                                         predicted)]
-    result.memory_measure = kind
-
-
 def _nonfinite(loss: float, pipe: _Pipeline, precision: str) -> bool:
     """Whether this step's loss or gradient norm was NaN or infinite. Under fp16 an infinite
     norm is a loss-scale overflow, which DeepSpeed's scaler skips and handles itself."""
@@ -719,7 +531,7 @@ def _nonfinite(loss: float, pipe: _Pipeline, precision: str) -> bool:
 
 
 def _on_nonfinite(rc: RunConfig, verdict: StepVerdict, step: int, loss: float, grad_norm: float,
-                  ckpt: Checkpointer, result: RunResult, bar: ProgressBar | None) -> None:
+                  ckpt: Checkpointer, result: RunResult, metrics: StepMetrics | None) -> None:
     """A step whose loss or gradient norm was not finite (on some rank): stop before anything
     is saved, or (fp32 without ZeRO, where GlobalGradClip withheld its update) count the skip
     and go on."""
@@ -732,15 +544,8 @@ def _on_nonfinite(rc: RunConfig, verdict: StepVerdict, step: int, loss: float, g
         raise RunStopped(f"{what}: stopped without saving (train.on_nonfinite=stop); {newest}; lower train.lr "
                          f"(now {rc.train.lr}){skip}")
     result.nonfinite_skipped += 1
-    if bar is not None:
-        bar.note(f"warning: {what}: update skipped (train.on_nonfinite=skip)")
-
-
-def _stage_of_every_rank(stage: int, world: int, device) -> list[int]:
-    mine = torch.tensor([stage], dtype=torch.long, device=device)
-    out = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine)
-    return [int(t) for t in out]
+    if metrics is not None:
+        metrics.note(f"warning: {what}: update skipped (train.on_nonfinite=skip)")
 
 
 def agree_on_micro_batches(engine, mine: int, dp: int) -> None:
@@ -753,27 +558,6 @@ def agree_on_micro_batches(engine, mine: int, dp: int) -> None:
         raise RuntimeError(f"first and last stage planned different steps ({count} vs {mine} micro-batches)")
     if count != engine.micro_batches:
         engine.set_train_batch_size(count * dp)
-
-
-def _spread(rc: RunConfig, pipe: _Pipeline, stages: ChosenStages) -> SpreadTowers | None:
-    """This rank's part of the spread towers (plan.encoders resolved to spread), or None. Stage 0
-    runs the PipelineModule's own tower layers (their first stage must hold them whole: the
-    config check and the planner keep them there), the other stages a replica."""
-    towers = stages.spread
-    if not towers:
-        return None
-    names = spread_layer_names(rc.model, towers)  # all on stage 0: choose_stages checked the cut
-    every = layer_names(rc.model)
-    index = [every.index(n) for n in names]
-    engine = pipe.engine
-    if pipe.first:
-        layers = [engine.module.forward_funcs[i] for i in index]
-    else:
-        layers = build_layers(pipe.spec, names, engine.device)
-        dtype = next(engine.module.parameters()).dtype  # DeepSpeed casts a bf16/fp16 stage's parameters
-        for p in (p for layer in layers for p in layer.parameters()):  # (not its buffers)
-            p.data = p.data.to(dtype)
-    return SpreadTowers(model=rc.model, towers=towers, engine=engine, layers=layers, dp=rc.parallel.dp)
 
 
 def _find_checkpoint(rc: RunConfig, stage_plan: StagePlan) -> Found | None:
