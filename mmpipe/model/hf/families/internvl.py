@@ -25,7 +25,7 @@ from mmpipe.model import carrier as C
 from mmpipe.model.attention import Segments, segments
 from mmpipe.model.hf.anyres import check_processor_settings
 from mmpipe.model.hf.configs import hf_config
-from mmpipe.model.hf.demo_kit import llm_config, perturb, qwen_tokenizer, save
+from mmpipe.model.hf.demo_kit import llm_config, qwen_tokenizer, save
 from mmpipe.model.hf.family import Demo, Family
 from mmpipe.model.hf.layers import HFLayer
 from mmpipe.model.hf.media import make_image_processor
