@@ -198,12 +198,12 @@ def test_an_image_the_processor_refuses_is_a_counted_skip(hf_checkpoints):
         make_record(raw, load_templater(rc), rc.model)
 
 
-@pytest.mark.parametrize("name", ["llava", "llava-onevision"])
+@pytest.mark.parametrize("name", ["llava", "llava-onevision", "internvl"])
 def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_path, hf_checkpoints):
     """A checkpoint of the layers as every rank loads them, saved in the pipeline's layout, exports
     to the very tensors of the source (OneVision's image_newline too), loads with the original
     class with no missing or unexpected key, and carries the source's tokenizer, chat template and
-    processor config (OneVision: the whole processor, which AutoProcessor loads back)."""
+    processor config (OneVision, InternVL: the whole processor, which AutoProcessor loads back)."""
     import transformers
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -226,8 +226,9 @@ def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_
     assert tok.chat_template == AutoTokenizer.from_pretrained(source).chat_template
     config = "preprocessor_config.json" if name == "llava" else "processor_config.json"
     assert (tmp_path / "out" / config).read_text() == (source / config).read_text()
-    if name == "llava-onevision":
-        assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == "LlavaOnevisionProcessor"
+    if name != "llava":
+        want = {"llava-onevision": "LlavaOnevisionProcessor", "internvl": "InternVLProcessor"}[name]
+        assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == want
 
 
 def test_export_errors_name_the_argument(capsys, tmp_path):

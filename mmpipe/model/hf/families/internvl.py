@@ -150,7 +150,7 @@ class InternVisionProj(HFLayer):
         side = int(round(positions ** 0.5))
         shuffled = skeleton(self.src).model.pixel_shuffle(h.reshape(n, side, side, width),
                                                           scale_factor=hf_config(self.src).downsample_ratio)
-        out = self.projector(shuffled.reshape(n, -1, shuffled.shape[-1]))
+        out = self.projector(shuffled.flatten(1, 2))
         slots[C.IMAGE] = out.reshape(-1, out.shape[-1])
 
 
