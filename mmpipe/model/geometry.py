@@ -548,13 +548,14 @@ def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> Sam
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     tracks = tuple(s for s in (video_track(v, m) for m in meta.videos) if s)  # audio tower clips too
+    markers = v.image_markers * len(meta.images) if v else 0  # InternVL's <img> / </img>: text
     clips = meta.audio_seconds + tracks
     return SampleFeatures(
         image_positions=sample_image_positions(v, meta.images) if v else (),
         image_tokens=sample_image_tokens(v, meta.images) if v else (),
         audio_positions=tuple(audio_positions(a, s) for s in clips) if a else (),
         audio_tokens=tuple(audio_tokens(a, s) for s in clips) if a else (),
-        text_tokens=meta.text_tokens + TRACK_MARKERS * len(tracks),
+        text_tokens=meta.text_tokens + TRACK_MARKERS * len(tracks) + markers,
         video_segments=tuple(seg for seg, _, _ in vids),
         video_tokens=tuple(tok for _, tok, _ in vids),
         image_windows=(tuple(n for h, w in meta.images for n in image_windows(v, h, w))

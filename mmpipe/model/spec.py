@@ -162,6 +162,9 @@ class VisionSpec:
     """`tiles`: fewest tiles of a grid (the image processor's min_patches)."""
     max_tiles: int = 12
     """`tiles`: most tiles of a grid, the thumbnail not counted (the image processor's max_patches)."""
+    image_markers: int = 0
+    """Text tokens the model's processor puts around each image's tokens (InternVL's `<img>` and
+    `</img>`: 2), which the templater adds and the planner counts as text; 0: none."""
 
     deepstack: tuple[int, ...] = ()
     """Qwen3-VL's DeepStack: the encoder blocks (0-based, rising) whose outputs, each through its
@@ -501,6 +504,8 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
 
 def _check_tiles(v: VisionSpec) -> None:
     """A dynamic-tile tower (InternVL): a tile grid bound, and whole merge units of whole patches."""
+    if v.image_markers not in (0, 2):
+        raise ValueError(f"model.vision.image_markers={v.image_markers!r} must be 0 or 2 (a start and an end token)")
     if not (isinstance(v.min_tiles, int) and isinstance(v.max_tiles, int) and 1 <= v.min_tiles <= v.max_tiles):
         raise ValueError(f"model.vision.min_tiles={v.min_tiles!r} and max_tiles={v.max_tiles!r} must be integers "
                          f"with 1 <= min_tiles <= max_tiles")

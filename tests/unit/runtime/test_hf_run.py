@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from itertools import islice
+from itertools import groupby, islice
 
 import pytest
 import torch
@@ -148,6 +148,10 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         assert mb.tokens == mb.carrier[0].shape[1] == f.llm_len, rec.key
         if spec.vision is not None:
             assert sample.input_ids.count(tok.image_id) == sum(f.image_tokens), rec.key
+        if spec.vision is not None and spec.vision.image_markers:  # InternVL: <img> image tokens </img>
+            runs = [(k, len(list(g))) for k, g in groupby(sample.input_ids)]
+            assert [runs[i - 1][0] == tok.wrap[0] and runs[i + 1][0] == tok.wrap[1]
+                    for i, (k, _) in enumerate(runs) if k == tok.image_id] == [True] * len(rec.meta.images)
         if spec.audio is not None:
             assert sample.input_ids.count(tok.audio_id) == sum(f.audio_tokens), rec.key
         if f.video_tokens:

@@ -7,8 +7,10 @@ An image is cut by transformers' GotOcr2ImageProcessor as InternVLProcessor call
 image's, plus a thumbnail when the grid has more than one tile (`geometry.image_tiles`). Every tile
 is one tower pass of a fixed size; its patches (the class token dropped) are pixel-shuffled by
 `downsample_ratio` into (side / patch / 2)^2 LLM tokens, and an image's tokens are its tiles' in
-order. The processor puts `<img>` and `</img>` around them: text tokens, which the chat template
-writes around the image's placeholder here (the demo's does).
+order. The chat template writes one `<IMG_CONTEXT>` per image (as the Hub's does) and the processor
+puts the image's tokens between `<img>` and `</img>`: mmpipe's templater does the same
+(VisionSpec.image_markers; the tokenizer's start_image_token / end_image_token), and the planner
+counts the two markers as text.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from mmpipe.model.spec import HFSource, ModelSpec, VisionSpec
 
 TOWER = "model.vision_tower"
 PROCESSOR = "GotOcr2ImageProcessor"
-TEMPLATE = (  # InternVL's ChatML (no default system message); an image is <img><IMG_CONTEXT></img> then a newline
+TEMPLATE = (  # InternVL's ChatML (no default system message); an image is <IMG_CONTEXT> and a newline
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<img><IMG_CONTEXT></img>\n{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% if c['type'] == 'image' %}<IMG_CONTEXT>\n{% elif c['type'] == 'text' %}{{ c['text'] }}"
     "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -89,7 +91,7 @@ def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any
         blocks=vc.num_hidden_layers, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_attention_heads,
         patch=_square(vc.patch_size, "patch_size", what), resize="tiles", image_size=side, merge=merge(config, what),
         cls_token=True, select="patches", proj=(text.hidden_size, text.hidden_size), channels=vc.num_channels,
-        min_tiles=int(proc.min_patches), max_tiles=int(proc.max_patches))
+        min_tiles=int(proc.min_patches), max_tiles=int(proc.max_patches), image_markers=2)
 
 
 def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
