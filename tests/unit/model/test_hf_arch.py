@@ -212,6 +212,12 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
      r"model\.config\.vision_config\.deepstack_visual_indexes=\[16, 8\]: mmpipe takes rising block indexes in "
      r"0\.\.26"),
     ({**QWEN3_VL_8B, "model_type": "qwen3_vl_moe"}, r"model_type 'qwen3_vl_moe' is not supported"),
+    ({**INTERNVL3_8B, "vision_feature_layer": -2}, r"model\.config\.vision_feature_layer=-2: only -1"),
+    ({**INTERNVL3_8B, "vision_feature_select_strategy": "full"},
+     r"vision_feature_select_strategy='full': only default \(the class token dropped\)"),
+    ({**INTERNVL3_8B, "downsample_ratio": 0.3}, r"downsample_ratio=0\.3: only 1 / an integer"),
+    ({**INTERNVL3_8B, "text_config": {"model_type": "gemma"}},
+     r"language model type 'gemma' is not supported; use one of qwen2, qwen3"),
 ])
 def test_unsupported_architectures_are_one_line_errors(config, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -259,12 +259,14 @@ def test_anyres_layers_equal_transformers(case, request):
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
 
 
-def test_internvl_layers_equal_transformers(internvl):
+@pytest.mark.parametrize("case", ["internvl", "internvl_qwen3"])
+def test_internvl_layers_equal_transformers(case, request):
     """InternVL's dynamic tiles: samples of two images of different grids, of one large image, of
     none and of three (a lone tile among them); every image's tiles and thumbnail one tower pass
-    each, pixel-shuffled; packed into one row and padded."""
+    each, pixel-shuffled; packed into one row and padded. InternVL 3 (Qwen2) and 3.5 (Qwen3, tied)."""
     from mmpipe.model.geometry import image_tiles
 
+    internvl = request.getfixturevalue(case)
     spec = spec_from_folder(internvl)
     samples = H.internvl_samples(spec, np.random.default_rng(6))
     tiles = [image_tiles(spec.vision, h, w) for sizes in H.INTERNVL_SIZES for h, w in sizes]

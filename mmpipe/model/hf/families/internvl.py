@@ -1,6 +1,6 @@
 """InternVL 3 / 3.5 (`InternVLForConditionalGeneration`): an InternViT tower (class token, learned
 positions of one tile, layer-scaled blocks) over InternVL's dynamic tiles, a 2x2 pixel shuffle, an
-MLP projector with a pre-norm, and a Qwen2 decoder (1-D RoPE).
+MLP projector with a pre-norm, and a Qwen2 (InternVL 3) or Qwen3 (InternVL 3.5) decoder (1-D RoPE).
 
 An image is cut by transformers' GotOcr2ImageProcessor as InternVLProcessor calls it
 (crop_to_patches=True): the grid of min_patches..max_patches tiles whose aspect is closest to the
@@ -212,7 +212,7 @@ def write_demo(root: Path, texts: list[str]) -> Path:
 
 FAMILY = Family(
     model_type="internvl", architecture="InternVLForConditionalGeneration", title="InternVL",
-    text_types=("qwen2",), towers={"vision": TOWER}, check=check, vision=vision, audio=None,
+    text_types=("qwen2", "qwen3"), towers={"vision": TOWER}, check=check, vision=vision, audio=None,
     image_processors=(PROCESSOR,), default_image_processor=default_image_processor, default_feature_extractor=None,
     video_processor=None, processor_settings=processor_settings, layer_parts=layer_parts, tower_layer=tower_layer,
     llm_block=None, positions=None, audio_in_video=False, outer=None, demo=Demo(name="internvl", write=write_demo))
