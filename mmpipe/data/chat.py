@@ -138,10 +138,11 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: Any, *, path: Path, chat_template: str, list_content: bool,
                  media: Sequence[MediaToken], pad_id: int, lead: Sequence[int],
-                 track: tuple[int, int] | None = None) -> None:
+                 track: tuple[int, int] | None = None, wrap: tuple[int, int] | None = None) -> None:
         """Use from_checkpoint, which probes the template for `list_content` and `media`; `track`:
         the <audio_bos> / <audio_eos> ids around an interleaved clip (Qwen2.5-Omni's
-        use_audio_in_video)."""
+        use_audio_in_video); `wrap`: the ids the model's processor puts around each image's tokens
+        (InternVL's <img> / </img>: model.vision.image_markers)."""
         self.tokenizer = tokenizer
         self.path = path
         self.chat_template = chat_template
@@ -150,6 +151,7 @@ class ChatTemplate:
         self.pad_id = pad_id
         self.lead = tuple(lead)
         self.track = track
+        self.wrap = wrap
         self.bos = tokenizer.bos_token
         self.fallbacks = 0
         self._fingerprint: str | None = None
@@ -204,12 +206,21 @@ class ChatTemplate:
                     f"checkpoint has no {kind} token (the model config has no {CONFIG_IDS[kind][0]} or "
                     f"{CONFIG_IDS[kind][1]}, the tokenizer no {kind}_token); add the token to the tokenizer "
                     f"as a special token and its id to the config")
+        wrap = None
+        if spec.vision is not None and spec.vision.image_markers:  # InternVLProcessor's <img> ... </img>
+            names = [getattr(tok, n, None) for n in ("start_image_token", "end_image_token")]
+            if not all(names):
+                raise ValueError(f"{where}: the model's processor puts a start and an end token around each image's "
+                                 f"tokens but the tokenizer names no start_image_token / end_image_token; add them "
+                                 f"(tokenizer_config.json's extra_special_tokens, as the checkpoint's processor reads)")
+            wrap = tuple(_check_token(tok, tok.convert_tokens_to_ids(t), k, where)
+                         for t, k in zip(names, ("image start", "image end")))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         plain = tok("a", add_special_tokens=False)["input_ids"]
         full = tok("a", add_special_tokens=True)["input_ids"]
         at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
         probe = cls(tok, path=folder, chat_template=template, list_content=True, media=[], pad_id=pad or 0,
-                    lead=full[:at])
+                    lead=full[:at], wrap=wrap)
         list_content = probe._probe_content(where)
         media = [MediaToken(kind=k, id=tid, text=tok.convert_ids_to_tokens(tid),
                             placed=list_content and probe._probe_placed(k, tid, where)) for k, tid in ids.items()]
@@ -221,7 +232,7 @@ class ChatTemplate:
                                  f"audio_end_token_id (Qwen2.5-Omni's <|audio_bos|> / <|audio_eos|>)")
             track = (_check_token(tok, bos, "audio start", where), _check_token(tok, eos, "audio end", where))
         out = cls(tok, path=folder, chat_template=template, list_content=list_content, media=media,
-                  pad_id=pad or 0, lead=full[:at], track=track)
+                  pad_id=pad or 0, lead=full[:at], track=track, wrap=wrap)
         out._probe_convention(where)
         return out
 
@@ -282,7 +293,8 @@ class ChatTemplate:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         vocab = backend.to_str() if backend is not None else json.dumps(self.tokenizer.get_vocab(), sort_keys=True)
         rules = {"rules": RULES_VERSION, "list": self.list_content, "lead": list(self.lead),
-                 "placed": sorted(k for k, m in self.media.items() if m.placed), "template": self.chat_template}
+                 "placed": sorted(k for k, m in self.media.items() if m.placed), "template": self.chat_template,
+                 **({"wrap": list(self.wrap)} if self.wrap else {})}
         digest = hashlib.sha256(vocab.encode())
         digest.update(json.dumps(rules, sort_keys=True).encode())
         return f"chat:{digest.hexdigest()[:16]}"
@@ -449,10 +461,13 @@ class ChatTemplate:
         return Templated(input_ids=out_ids, labels=out_labels, text_tokens=len(ids) - sum(seen.values()))
 
     def _media_ids(self, token: int, count: Any) -> list[int]:
-        """One placeholder's ids: `count` copies of its token, or for the runs of an interleaved
+        """One placeholder's ids: `count` copies of its token (an image's between the `wrap` markers,
+        as InternVLProcessor.replace_image_token puts them), or for the runs of an interleaved
         clip (geometry.interleaved_runs) <audio_bos>, each run's video or audio tokens, <audio_eos>:
         what Qwen2_5OmniProcessor.replace_video_with_audio_token puts in the clip's place."""
         if isinstance(count, int):
+            if self.wrap is not None and "image" in self.media and token == self.media["image"].id:
+                return [self.wrap[0], *[token] * count, self.wrap[1]]
             return [token] * count
         if self.track is None or "audio" not in self.media:
             raise SampleError(NO_ENCODER, f"{self.path} has no audio track markers (model.use_audio_in_video)")

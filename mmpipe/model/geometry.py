@@ -124,7 +124,7 @@ def resize_image(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
     """The (height, width) an image is resized to before patching."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image size {height}x{width} must be positive")
-    if v.resize in ("fixed", "anyres"):  # anyres: every tile is image_size square
+    if v.resize in ("fixed", "anyres", "tiles"):  # anyres, tiles: every tile is image_size square
         return v.image_size, v.image_size
     if v.resize == "smart":
         return smart_resize(height, width, factor=v.patch * v.merge, min_pixels=v.min_pixels,
@@ -177,6 +177,9 @@ def image_tokens(v: VisionSpec, height: int, width: int, *, alone: bool = True) 
     """LLM tokens of an image; `alone`: the only image of its sample (OneVision tiles only those)."""
     if v.resize == "anyres":
         return anyres_image(v, height, width, alone=alone).tokens
+    if v.resize == "tiles":
+        side = v.image_size // v.patch // v.merge
+        return image_tiles(v, height, width) * side * side
     if v.select == "default":  # LLaVA drops encoder position 0 (the class token, if there is one)
         return image_positions(v, height, width) - 1
     if v.select == "full":
@@ -186,7 +189,9 @@ def image_tokens(v: VisionSpec, height: int, width: int, *, alone: bool = True) 
 
 
 def image_passes(v: VisionSpec, height: int, width: int, *, alone: bool = True) -> int:
-    """Tower passes of an image (of image_positions each): its tiles for `anyres`, else 1."""
+    """Tower passes of an image (of image_positions each): its tiles for `anyres` and `tiles`, else 1."""
+    if v.resize == "tiles":
+        return image_tiles(v, height, width)
     return anyres_image(v, height, width, alone=alone).tiles if v.resize == "anyres" else 1
 
 
@@ -267,6 +272,45 @@ def anyres_image(v: VisionSpec, height: int, width: int, *, alone: bool = True) 
                 raise ValueError(f"an image of {height}x{width} shrinks to a {fh}x{fw} feature map, which the "
                                  f"model cannot interpolate to")
     return AnyresImage(tiles=1 + rows * cols, rows=rows, cols=cols, tokens=base + fh * (fw + 1))
+
+
+# ----------------------------------------------------------------------------- dynamic tiles
+# InternVL, as transformers 5's GotOcr2ImageProcessor cuts an image with crop_to_patches (what
+# InternVLProcessor asks of it): get_all_supported_aspect_ratios, get_optimal_tiled_canvas and
+# get_number_of_image_patches, written here because the planner imports no transformers;
+# tests/unit/model/test_hf_geometry.py holds them equal over many sizes.
+
+
+def tile_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
+    """The (cols, rows) grids of min_tiles..max_tiles tiles, by tile count (stable: columns, then rows)."""
+    grids = [(c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1)
+             if min_tiles <= c * r <= max_tiles]
+    return sorted(grids, key=lambda g: g[0] * g[1])
+
+
+def tile_grid(v: VisionSpec, height: int, width: int) -> tuple[int, int]:
+    """(cols, rows) of the grid an image is cut into: the aspect closest to the image's; on a tie
+    the later (larger) grid while the image's area exceeds half the grid's."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size {height}x{width} must be positive")
+    aspect, area, tile = width / height, width * height, v.image_size * v.image_size
+    best, best_diff = (1, 1), math.inf
+    for cols, rows in tile_grids(v.min_tiles, v.max_tiles):
+        diff = abs(aspect - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and area > 0.5 * tile * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+def image_tiles(v: VisionSpec, height: int, width: int) -> int:
+    """Tower passes of an image under a `tiles` tower: its grid's tiles, plus the thumbnail when
+    the grid has more than one (one tile when max_tiles is 1)."""
+    if v.max_tiles <= 1:
+        return 1
+    cols, rows = tile_grid(v, height, width)
+    return 1 if cols * rows == 1 else cols * rows + 1
 
 
 def audio_samples(a: AudioSpec, seconds: float) -> int:
@@ -504,13 +548,14 @@ def features(spec: ModelSpec, meta: SampleMeta, *, where: str = "sample") -> Sam
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     tracks = tuple(s for s in (video_track(v, m) for m in meta.videos) if s)  # audio tower clips too
+    markers = v.image_markers * len(meta.images) if v else 0  # InternVL's <img> / </img>: text
     clips = meta.audio_seconds + tracks
     return SampleFeatures(
         image_positions=sample_image_positions(v, meta.images) if v else (),
         image_tokens=sample_image_tokens(v, meta.images) if v else (),
         audio_positions=tuple(audio_positions(a, s) for s in clips) if a else (),
         audio_tokens=tuple(audio_tokens(a, s) for s in clips) if a else (),
-        text_tokens=meta.text_tokens + TRACK_MARKERS * len(tracks),
+        text_tokens=meta.text_tokens + TRACK_MARKERS * len(tracks) + markers,
         video_segments=tuple(seg for seg, _, _ in vids),
         video_tokens=tuple(tok for _, tok, _ in vids),
         image_windows=(tuple(n for h, w in meta.images for n in image_windows(v, h, w))

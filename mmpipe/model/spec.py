@@ -119,7 +119,12 @@ class VisionSpec:
     `smart`: transformers' Qwen2-VL `smart_resize`, exactly (as `native`, but a side may round
     to 0 before the area clamp, and an aspect ratio over 200 is refused); `anyres`: LLaVA-NeXT /
     OneVision tiles: the image at image_size x image_size plus a grid of image_size tiles of the
-    `grid_pinpoints` resolution that fits it best, each tile a tower pass (model/geometry.py)."""
+    `grid_pinpoints` resolution that fits it best, each tile a tower pass (model/geometry.py);
+    `tiles`: InternVL's dynamic tiles (transformers' GotOcr2ImageProcessor with crop_to_patches):
+    the image resized to the grid of min_tiles..max_tiles image_size tiles whose aspect is
+    closest to its own, plus a thumbnail of the whole image when the grid has more than one
+    tile, each tile a tower pass whose patches (less the class token) merge x merge into LLM
+    tokens (InternVL's pixel shuffle)."""
     image_size: int = 336
     """Side of a `fixed` resize."""
     min_pixels: int = 4 * 28 * 28
@@ -153,6 +158,13 @@ class VisionSpec:
     anyres_single: bool = False
     """`anyres`: only a sample's lone image is tiled; every image of a sample with several is one
     tile, padded to a square (OneVision's multi-image rule, transformers' `batch_num_images`)."""
+    min_tiles: int = 1
+    """`tiles`: fewest tiles of a grid (the image processor's min_patches)."""
+    max_tiles: int = 12
+    """`tiles`: most tiles of a grid, the thumbnail not counted (the image processor's max_patches)."""
+    image_markers: int = 0
+    """Text tokens the model's processor puts around each image's tokens (InternVL's `<img>` and
+    `</img>`: 2), which the templater adds and the planner counts as text; 0: none."""
 
     deepstack: tuple[int, ...] = ()
     """Qwen3-VL's DeepStack: the encoder blocks (0-based, rising) whose outputs, each through its
@@ -178,10 +190,13 @@ class VisionSpec:
                 not isinstance(i, int) or not 0 <= i < self.blocks for i in self.deepstack):
             raise ValueError(f"model.vision.deepstack={list(self.deepstack)} must be rising block indexes in "
                              f"0..{self.blocks - 1}")
-        if self.resize not in ("fixed", "native", "smart", "anyres"):
-            raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed, native, smart or anyres")
+        if self.resize not in ("fixed", "native", "smart", "anyres", "tiles"):
+            raise ValueError(f"model.vision.resize={self.resize!r} is unknown; use fixed, native, smart, anyres or "
+                             f"tiles")
         if self.resize == "anyres":
             _check_anyres(self)
+        if self.resize == "tiles":
+            _check_tiles(self)
         if self.select not in ("patches", "default", "full"):
             raise ValueError(f"model.vision.select={self.select!r} is unknown; use patches, default or full")
         if self.select != "patches" and self.merge != 1:
@@ -485,6 +500,19 @@ def _dataclass_from(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
         return cls(**kwargs)
     except TypeError as err:  # a required field is missing
         raise ValueError(f"{prefix}: {err}") from None
+
+
+def _check_tiles(v: VisionSpec) -> None:
+    """A dynamic-tile tower (InternVL): a tile grid bound, and whole merge units of whole patches."""
+    if v.image_markers not in (0, 2):
+        raise ValueError(f"model.vision.image_markers={v.image_markers!r} must be 0 or 2 (a start and an end token)")
+    if not (isinstance(v.min_tiles, int) and isinstance(v.max_tiles, int) and 1 <= v.min_tiles <= v.max_tiles):
+        raise ValueError(f"model.vision.min_tiles={v.min_tiles!r} and max_tiles={v.max_tiles!r} must be integers "
+                         f"with 1 <= min_tiles <= max_tiles")
+    side = v.image_size // v.patch
+    if v.image_size % v.patch or side % v.merge or v.select != "patches":
+        raise ValueError(f"model.vision: a tiles tower needs whole patches (image_size={v.image_size}, "
+                         f"patch={v.patch}) whose {side} a side merge={v.merge} divides, and select=patches")
 
 
 def _check_anyres(v: VisionSpec) -> None:

@@ -247,7 +247,7 @@ def _layer_figures(m: ModelSpec, kind: str) -> tuple[int, float, float, int, boo
         h = v.hidden
         if kind == "vision.embed":
             conv = v.channels * v.patch * v.patch * h
-            fixed = v.resize in ("fixed", "anyres")  # a learned table of one tile's positions
+            fixed = v.resize in ("fixed", "anyres", "tiles")  # a learned table of one tile's positions
             pos = ((v.image_size // v.patch) ** 2 + int(v.cls_token)) * h if fixed else 0
             return conv + h + pos + v.position_table * h, 2.0 * conv, 0.0, h, False
         if kind in ("vision.block", "vision.window"):

@@ -155,6 +155,11 @@ class Reference:
             else:
                 self.processor = Qwen2_5OmniProcessor(
                     **parts, feature_extractor=WhisperFeatureExtractor.from_pretrained(folders[kind]))
+        elif kind == "internvl":  # the folder's whole processor (InternVLProcessor: <img> tiles' tokens </img>)
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(folders[kind])
+            assert type(self.processor).__name__ == "InternVLProcessor", type(self.processor)
         elif kind == "qwen3-vl":
             from transformers import Qwen3VLProcessor
 
@@ -182,6 +187,10 @@ class Reference:
                                  return_tensors="pt")
             return out["input_ids"][0].tolist(), {k: out.get(k) for k in ("pixel_values", "image_sizes",
                                                                           "batch_num_images", "pixel_values_videos")}
+        if self.kind == "internvl":  # each <IMG_CONTEXT> expanded to its tiles' tokens, every tile's pixels
+            n = text.count("<IMG_CONTEXT>")
+            out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values")}
         if self.kind == "qwen2-audio":
             n = text.count("<|AUDIO|>")
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
@@ -281,7 +290,8 @@ class Reference:
                "llava-next": "LlavaNextForConditionalGeneration",
                "llava-onevision": "LlavaOnevisionForConditionalGeneration",
                "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
-               "qwen2.5-omni": "Qwen2_5OmniThinkerForConditionalGeneration"}[self.kind]
+               "qwen2.5-omni": "Qwen2_5OmniThinkerForConditionalGeneration",
+               "internvl": "InternVLForConditionalGeneration"}[self.kind]
         cls = getattr(transformers, cls)
         model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")
         with torch.device("meta"):

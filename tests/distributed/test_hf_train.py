@@ -49,6 +49,8 @@ CASES = {  # model: its overrides (one launch each)
     # samples; the tower spread (plan.encoders): each stage encodes its share of the tiles
     "llava-onevision-spread": ["parallel.pp=2", "train.steps=1", "plan.encoders=spread"],
     "llava-next": ["parallel.pp=3", "train.steps=1"],  # a middle stage carries the tiles' states and image sizes
+    # InternVL's tiles and thumbnails, the cut inside the tower: stage 1 gets every tile's states
+    "internvl": ["parallel.pp=2", "train.steps=1", "plan.stages=[vision.embed:vision.block.0,vision.block.1:llm.head]"],
     # block 0's DeepStack state crosses stages 0 -> 1 before its merger; the two merged features enter
     # llm.block.0 and llm.block.1, on different stages, so one crosses stages 1 -> 2 (and its gradient back)
     "qwen3-vl": ["parallel.pp=3", "train.steps=1",

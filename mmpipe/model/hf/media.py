@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from mmpipe.model import layout
-from mmpipe.model.geometry import anyres_image, audio_frames, image_grid, image_positions
+from mmpipe.model.geometry import anyres_image, audio_frames, image_grid, image_positions, image_tiles, tile_grid
 from mmpipe.model.hf.family import families
 from mmpipe.model.spec import HFSource, ModelSpec
 
@@ -39,11 +39,13 @@ class ImageInput:
 
     pixels: np.ndarray
     """float32: [C, S, S] (LLaVA towers), [tiles, C, S, S] (LLaVA-NeXT / OneVision: the whole
-    image, then the grid row by row) or [patches, C * T * p * p] (Qwen2-VL)."""
+    image, then the grid row by row; InternVL: the grid row by row, then the thumbnail) or
+    [patches, C * T * p * p] (Qwen2-VL)."""
     grid: tuple[int, ...]
     """Patch grid: (rows, cols) for LLaVA towers, (t, rows, cols) for Qwen2-VL; for LLaVA-NeXT /
     OneVision (tiles, grid rows, grid cols, height, width): its tower passes, its tile grid (0, 0
-    without one) and the image's size, which the model unpads to (`image_sizes`)."""
+    without one) and the image's size, which the model unpads to (`image_sizes`); for InternVL
+    (tiles, grid cols, grid rows)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,6 +133,8 @@ def preprocess_images(spec: ModelSpec, images: Sequence[bytes | Image.Image | np
         return []
     if spec.hf is None or spec.vision is None:
         raise ValueError(f"model {spec.name} has no Hugging Face vision tower")
+    if spec.vision.resize == "tiles":
+        return [_preprocess_tiles(spec, image) for image in images]
     if spec.vision.resize != "anyres":
         return [preprocess_image(spec, image) for image in images]
     imgs = [_pil(image) for image in images]
@@ -150,13 +154,28 @@ def preprocess_images(spec: ModelSpec, images: Sequence[bytes | Image.Image | np
     return result
 
 
+def _preprocess_tiles(spec: ModelSpec, image: bytes | Image.Image | np.ndarray) -> ImageInput:
+    """InternVL: an image cut into its tiles (and thumbnail) as InternVLProcessor asks the image
+    processor to (crop_to_patches=True, its processor-level default); checked against the geometry."""
+    v, img = spec.vision, _pil(image)
+    out = image_processor(spec.hf)(images=[img], crop_to_patches=True, return_tensors="np")
+    pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+    tiles = image_tiles(v, img.height, img.width)
+    if pixels.shape[0] != tiles or pixels.shape[-2:] != (v.image_size, v.image_size):
+        raise ValueError(f"the image processor made {pixels.shape[0]} tiles of {tuple(pixels.shape[-2:])} px of a "
+                         f"{img.height}x{img.width} image but the model's geometry says {tiles} of {v.image_size} px; "
+                         f"the processor config and the spec disagree")
+    cols, rows = tile_grid(v, img.height, img.width) if tiles > 1 else (1, 1)
+    return ImageInput(pixels=pixels, grid=(tiles, cols, rows))
+
+
 def preprocess_image(spec: ModelSpec, image: bytes | Image.Image | np.ndarray) -> ImageInput:
     """An image (encoded bytes, PIL image, or uint8 [H, W, 3]) through the checkpoint's image
     processor, as its sample's only image. Raises ValueError if its patch grid is not the one the
     planner counted."""
     if spec.hf is None or spec.vision is None:
         raise ValueError(f"model {spec.name} has no Hugging Face vision tower")
-    if spec.vision.resize == "anyres":
+    if spec.vision.resize in ("anyres", "tiles"):
         return preprocess_images(spec, [image])[0]
     img = _pil(image)
     out = image_processor(spec.hf)(images=[img], return_tensors="np")
@@ -239,9 +258,9 @@ def sample_clips(spec: ModelSpec, input_ids: Sequence[int], clips: Sequence[Audi
 
 def image_segments(spec: ModelSpec, grid: Sequence[Sequence[int]]) -> list[int]:
     """The attention segments (tower passes) of a micro-batch's images from the IMAGE_GRID slot:
-    every tile of a LLaVA-NeXT / OneVision image is one, of image_positions each."""
+    every tile of a LLaVA-NeXT / OneVision / InternVL image is one, of image_positions each."""
     v = spec.vision
-    if v is None or v.resize != "anyres":
+    if v is None or v.resize not in ("anyres", "tiles"):
         return layout.image_segments(grid)
     return [image_positions(v, v.image_size, v.image_size)] * sum(int(g[0]) for g in grid)
 
@@ -250,7 +269,8 @@ def carrier_media(spec: ModelSpec, images: Sequence[ImageInput], clips: Sequence
                   videos: Sequence[Any] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The carrier's media slots of a micro-batch: (pixels, grid, features, frames).
 
-    LLaVA: pixels [N, C, S, S], grid [N, 2]; LLaVA-NeXT / OneVision: every tile [T, C, S, S],
+    LLaVA: pixels [N, C, S, S], grid [N, 2]; InternVL: every tile [T, C, S, S], grid [N, 3] (tiles,
+    cols, rows); LLaVA-NeXT / OneVision: every tile [T, C, S, S],
     grid [N, 5] (tiles, rows, cols, height, width), then OneVision's videos, every frame a tile,
     a row (frames, 0, 0, S, S) each; Qwen2-VL: pixels [patches, C*T*p*p] of all
     images in order and then of all videos (VideoInput) in order, grid_thw [images + videos, 3]
@@ -265,7 +285,7 @@ def carrier_media(spec: ModelSpec, images: Sequence[ImageInput], clips: Sequence
             videos = [ImageInput(pixels=vid.pixels, grid=(vid.grid[0], 0, 0, v.image_size, v.image_size))
                       for vid in videos]
         images = [*images, *videos]  # same patch layout: [t*rows*cols, C*T*p*p] with grid (t, rows, cols)
-    if images and v is not None and v.resize == "anyres":  # every tile of every image, in order
+    if images and v is not None and v.resize in ("anyres", "tiles"):  # every tile of every image, in order
         pixels = torch.from_numpy(np.concatenate([img.pixels for img in images]))
         grid = torch.tensor([img.grid for img in images], dtype=torch.long)
     elif images:
@@ -274,9 +294,9 @@ def carrier_media(spec: ModelSpec, images: Sequence[ImageInput], clips: Sequence
         else:
             pixels = torch.from_numpy(np.concatenate([img.pixels for img in images]))
         grid = torch.tensor([img.grid for img in images], dtype=torch.long)
-    elif v is not None and v.resize in ("fixed", "anyres"):
+    elif v is not None and v.resize in ("fixed", "anyres", "tiles"):
         pixels = torch.zeros((0, v.channels, v.image_size, v.image_size))
-        grid = torch.zeros((0, 5 if v.resize == "anyres" else 2), dtype=torch.long)
+        grid = torch.zeros((0, {"anyres": 5, "tiles": 3}.get(v.resize, 2)), dtype=torch.long)
     else:
         width = v.channels * v.temporal_patch * v.patch ** 2 if v is not None else 0
         pixels, grid = torch.zeros((0, width)), torch.zeros((0, 3), dtype=torch.long)

@@ -45,6 +45,18 @@ def llava_onevision(hf_root):
 
 
 @pytest.fixture(scope="session")
+def internvl(hf_root):
+    """InternVL: InternViT (28-px tiles, 2x2 pixel shuffle) + Qwen2, 1..6 tiles and the thumbnail."""
+    return H.write_internvl(hf_root, seed=18)
+
+
+@pytest.fixture(scope="session")
+def internvl_qwen3(hf_root):
+    """InternVL 3.5: the same tower + Qwen3 (q/k norms, head_dim 16) with tied embeddings."""
+    return H.write_internvl(hf_root, seed=19, llm="qwen3", tie=True)
+
+
+@pytest.fixture(scope="session")
 def qwen2_vl(hf_root):
     return H.write_qwen2_vl(hf_root, seed=14)
 

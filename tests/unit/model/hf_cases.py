@@ -19,6 +19,7 @@ from PIL import Image
 from transformers import (
     AutoImageProcessor,
     CLIPVisionConfig,
+    InternVLForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -52,7 +53,8 @@ CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen
            "qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_audio": Qwen2AudioForConditionalGeneration,
            "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration,
            "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-           "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration}
+           "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration, "internvl": InternVLForConditionalGeneration,
+           "internvl_qwen3": InternVLForConditionalGeneration}
 """The transformers class of each checkpoint fixture (tests/unit/model/conftest.py)."""
 VOCAB, IMAGE, AUDIO, VSTART, VEND, VIDEO = 300, 290, 291, 292, 293, 294
 ASTART, AEND = 295, 296  # Qwen2.5-Omni's audio bos / eos
@@ -132,6 +134,35 @@ def write_llava_onevision(root: Path, *, seed: int) -> Path:
     model.save_pretrained(folder)
     LlavaOnevisionImageProcessor(size={"height": 28, "width": 28},
                                  image_grid_pinpoints=ONEVISION_PINPOINTS).save_pretrained(folder)
+    return folder
+
+
+def write_internvl(root: Path, *, seed: int, llm: str = "qwen2", tie: bool = False) -> Path:
+    """InternViT (28-px tiles of 7-px patches, 2 layers, biased q/k/v, layer norms; 2x2 pixel shuffle:
+    4 tokens a tile) + Qwen2 (InternVL 3) or Qwen3 with q/k norms (InternVL 3.5), 1..6 tiles and the
+    thumbnail; the class token and position table (drawn as zeros) perturbed too."""
+    from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLVisionConfig, Qwen3Config
+
+    from mmpipe.model.hf.families.internvl import perturb_tower
+
+    torch.manual_seed(seed)
+    vc = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=28, patch_size=7, attention_bias=True)
+    if llm == "qwen3":
+        text = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, tie_word_embeddings=tie)
+    else:
+        text = _llm("qwen2", hidden_size=48, intermediate_size=96, tie_word_embeddings=tie)
+    cfg = InternVLConfig(vision_config=vc, text_config=text, image_token_id=IMAGE, image_seq_length=4,
+                         downsample_ratio=0.5, tie_word_embeddings=tie)
+    model = InternVLForConditionalGeneration(cfg)
+    perturb(model, seed)
+    perturb_tower(model, seed)
+    folder = root / f"internvl-{llm}"
+    model.save_pretrained(folder)
+    GotOcr2ImageProcessor(size={"height": 28, "width": 28}, crop_to_patches=True, min_patches=1,
+                          max_patches=6).save_pretrained(folder)
     return folder
 
 
@@ -547,6 +578,35 @@ def processed_images(folder, images: list[bytes]):
     picks by default: torchvision) makes of the images."""
     proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     return proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+
+
+INTERNVL_SIZES = [[(40, 60), (90, 33)], [(120, 200)], [], [(20, 50), (28, 28), (31, 170)]]
+"""Images (height, width) of each sample of the InternVL parity case: two of different grids in one
+sample, a large one (a 2x3 grid and the thumbnail), a text-only sample, three in one sample (a 1x2
+grid, a lone tile, a 1x6 strip)."""
+
+
+def internvl_samples(spec, rng):
+    """Samples of INTERNVL_SIZES, each image <img> (VSTART), its tiles' tokens by the geometry,
+    </img> (VEND), as InternVLProcessor expands it."""
+    from mmpipe.model.geometry import sample_image_tokens
+
+    out = []
+    for k, sizes in enumerate(INTERNVL_SIZES):
+        pieces = [text(rng, 3)]
+        for n in sample_image_tokens(spec.vision, tuple(sizes)):
+            pieces += [[VSTART] + [IMAGE] * n + [VEND], text(rng, int(rng.integers(2, 6)))]
+        pieces.append(text(rng, 8))
+        out.append(sample(f"s{k}", pieces, images=[random_image(rng, h, w) for h, w in sizes]))
+    return out
+
+
+def internvl_pixels(folder, samples):
+    """pixel_values of all samples' images as InternVLProcessor makes them: the folder's image
+    processor (its default backend) with crop_to_patches=True, every image's tiles in order."""
+    proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for s in samples for b in s.images]
+    return proc(images=images, crop_to_patches=True, return_tensors="pt")
 
 
 # ----------------------------------------------------------------------------- OneVision video

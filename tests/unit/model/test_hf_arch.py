@@ -139,6 +139,45 @@ def test_qwen3_vl_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers(
     assert cost.cut_bwd_bytes[names.index("vision.block.9"), 0] == 0
 
 
+INTERNVL3_8B = {  # OpenGVLab/InternVL3-8B-hf's config.json figures
+    "model_type": "internvl", "image_token_id": 151667, "image_seq_length": 256, "downsample_ratio": 0.5,
+    "vision_feature_layer": -1, "vision_feature_select_strategy": "default", "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen2", "vocab_size": 151674, "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6},
+    "vision_config": {"model_type": "internvl_vision", "hidden_size": 1024, "intermediate_size": 4096,
+                      "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": [448, 448],
+                      "patch_size": [14, 14], "attention_bias": True, "norm_type": "layer_norm"},
+}
+INTERNVL_PROCESSOR = {"image_processor_type": "GotOcr2ImageProcessorFast", "size": {"height": 448, "width": 448},
+                      "crop_to_patches": False, "min_patches": 1, "max_patches": 12}
+
+
+def test_internvl3_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers():
+    """The preset states the Hub config; the model has InternVL3-8B's 7.9 B parameters and the
+    planner prices the tower, the projector and the decoder at the transformers model's own counts
+    (the tower's class token, layer scales and the projector's norm aside: under 0.1 %)."""
+    from mmpipe.planner.cost import build_cost_model
+    from mmpipe.planner.hardware import hardware_from_dict
+
+    ours = spec_from_config(INTERNVL3_8B, name="internvl3-8b", image_processor=INTERNVL_PROCESSOR)
+    preset = _preset("internvl3-8b")
+    _same_figures(ours.vision, preset.vision, ("blocks", "hidden", "mlp", "heads", "patch", "merge", "image_size",
+                                               "resize", "cls_token", "min_tiles", "max_tiles", "proj"))
+    _same_figures(ours.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len",
+                                         "tie_embeddings"))
+    assert preset.vision.proj_in == 4096 and preset.vision.max_tiles == 12
+    meta = SampleMeta(text_tokens=10, images=((448, 448), (1080, 1920)))
+    assert features(preset, meta).image_tokens == (256, 9 * 256)  # one tile; a 4x2 grid and the thumbnail
+    counts = layer_params(preset)
+    assert 7.9e9 < sum(counts.values()) < 8.0e9
+    hw = hardware_from_dict(yaml.safe_load((CONF_DIR / "hardware/h100.yaml").read_text()))
+    cost = build_cost_model(model=preset, hardware=hw, trainable=("vision.proj", "llm"))
+    priced = {l.name: l.params for l in cost.layers}
+    for name in ("vision.embed", "vision.block.0", "vision.proj", "llm.embed", "llm.block.0", "llm.head"):
+        assert priced[name] == pytest.approx(counts[name], rel=1e-3), name
+
+
 def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
     spec = spec_from_config(LLAVA_15_7B, name="llava-1.5-7b")
     counts = layer_params(spec)
@@ -173,6 +212,12 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
      r"model\.config\.vision_config\.deepstack_visual_indexes=\[16, 8\]: mmpipe takes rising block indexes in "
      r"0\.\.26"),
     ({**QWEN3_VL_8B, "model_type": "qwen3_vl_moe"}, r"model_type 'qwen3_vl_moe' is not supported"),
+    ({**INTERNVL3_8B, "vision_feature_layer": -2}, r"model\.config\.vision_feature_layer=-2: only -1"),
+    ({**INTERNVL3_8B, "vision_feature_select_strategy": "full"},
+     r"vision_feature_select_strategy='full': only default \(the class token dropped\)"),
+    ({**INTERNVL3_8B, "downsample_ratio": 0.3}, r"downsample_ratio=0\.3: only 1 / an integer"),
+    ({**INTERNVL3_8B, "text_config": {"model_type": "gemma"}},
+     r"language model type 'gemma' is not supported; use one of qwen2, qwen3"),
 ])
 def test_unsupported_architectures_are_one_line_errors(config, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -292,6 +292,74 @@ def test_anyres_pixels_and_placeholders_are_the_processors(case, request):
             assert not out["pixel_values"][i][img.grid[0]:].any()  # past its own tiles, only the batch's padding
 
 
+# ----------------------------------------------------------------------------- InternVL
+
+
+def _internvl_processor(spec, images=None):
+    """transformers' own InternVLProcessor around `images` (an image processor; default: the spec's),
+    with a word-level tokenizer whose <img>, </img> and <IMG_CONTEXT> are VSTART, VEND and IMAGE."""
+    from transformers import InternVLProcessor, InternVLVideoProcessor
+
+    names = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+             "video_token": "<video>"}
+    vocab = {f"w{i}": i for i in range(280)} | {"<img>": H.VSTART, "</img>": H.VEND, "<IMG_CONTEXT>": H.IMAGE,
+                                                "<video>": H.VIDEO, "<pad>": 0}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", extra_special_tokens=names)
+    side = spec.vision.image_size // spec.vision.patch // spec.vision.merge
+    return InternVLProcessor(image_processor=images or image_processor(spec.hf), tokenizer=tok,
+                             video_processor=InternVLVideoProcessor(), image_seq_length=side * side)
+
+
+def test_internvl_tiles_and_tokens_are_the_processors(internvl):
+    """For 500-odd sizes, under the 8B preset (448-px tiles, 1..12) and the tiny folder (28-px tiles,
+    1..6): the geometry's tower passes are the image processor's tiles and its LLM tokens, with the
+    <img> and </img> around them, InternVLProcessor's placeholder count; the planner prices each tile
+    as a tower pass of the class token and its patches."""
+    from mmpipe.model.geometry import image_tiles
+
+    from .test_hf_arch import _preset
+
+    rng = np.random.default_rng(8)
+    for spec in (_preset("internvl3-8b"), spec_from_folder(internvl)):
+        v = spec.vision
+        sizes = sorted({tuple(int(x) for x in np.exp(rng.uniform(0, np.log(5000), 2))) for _ in range(500)}
+                       | {(v.image_size * r, v.image_size * c) for r in range(1, 5) for c in range(1, 5)})
+        counts = _internvl_processor(spec)._get_num_multimodal_tokens(image_sizes=sizes)
+        assert [image_tiles(v, h, w) for h, w in sizes] == counts["num_image_patches"]
+        assert [image_tokens(v, h, w) + 2 for h, w in sizes] == counts["num_image_tokens"]
+        assert len(set(counts["num_image_patches"])) >= 6  # many grids, the lone tile among them
+        f = features(spec, SampleMeta(text_tokens=5, images=((1080, 1920), (300, 400))))
+        side = v.image_size // v.patch
+        assert f.image_positions == (side * side + 1,) * sum(image_tiles(v, h, w) for h, w in ((1080, 1920),
+                                                                                               (300, 400)))
+        assert f.image_tokens == tuple(image_tiles(v, h, w) * side * side // 4 for h, w in ((1080, 1920),
+                                                                                           (300, 400)))
+
+
+def test_internvl_pixels_and_placeholders_are_the_processors(internvl):
+    """InternVLProcessor around the folder's image processor as AutoImageProcessor loads it: each
+    image's run of <IMG_CONTEXT> tokens is the geometry's count between <img> and </img>, and
+    preprocess_images gives its pixel values, tile for tile."""
+    from transformers import AutoImageProcessor
+
+    spec = spec_from_folder(internvl)
+    v = spec.vision
+    images = AutoImageProcessor.from_pretrained(internvl, local_files_only=True)  # as a user loads it
+    proc = _internvl_processor(spec, images)
+    rng = np.random.default_rng(12)
+    for sizes in ([(40, 60)], [(200, 31)], [(16, 18)], [(130, 197)], [(40, 60), (90, 33), (120, 200)]):
+        imgs = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+        out = proc(text=[" w5 ".join(["<IMG_CONTEXT>"] * len(imgs))], images=imgs, return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        runs = [len(list(g)) for k, g in itertools.groupby(ids) if k == H.IMAGE]
+        assert runs == [image_tokens(v, h, w) for h, w in sizes], sizes
+        assert ids.count(H.VSTART) == ids.count(H.VEND) == len(sizes)
+        ours = np.concatenate([img.pixels for img in preprocess_images(spec, imgs)])
+        np.testing.assert_array_equal(ours, out["pixel_values"].numpy())
+
+
 # ----------------------------------------------------------------------------- Qwen2.5-VL and Qwen2.5-Omni
 
 

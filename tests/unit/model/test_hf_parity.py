@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 from transformers import (
+    InternVLForConditionalGeneration,
     LlavaForConditionalGeneration,
     LlavaNextForConditionalGeneration,
     LlavaOnevisionForConditionalGeneration,
@@ -255,6 +256,26 @@ def test_anyres_layers_equal_transformers(case, request):
     hf = H.load_reference(ANYRES[case], folder)
     out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples),
              labels=H.padded(samples, "labels"), **inputs)
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
+
+
+@pytest.mark.parametrize("case", ["internvl", "internvl_qwen3"])
+def test_internvl_layers_equal_transformers(case, request):
+    """InternVL's dynamic tiles: samples of two images of different grids, of one large image, of
+    none and of three (a lone tile among them); every image's tiles and thumbnail one tower pass
+    each, pixel-shuffled; packed into one row and padded. InternVL 3 (Qwen2) and 3.5 (Qwen3, tied)."""
+    from mmpipe.model.geometry import image_tiles
+
+    internvl = request.getfixturevalue(case)
+    spec = spec_from_folder(internvl)
+    samples = H.internvl_samples(spec, np.random.default_rng(6))
+    tiles = [image_tiles(spec.vision, h, w) for sizes in H.INTERNVL_SIZES for h, w in sizes]
+    assert 1 in tiles and len(set(tiles)) >= 4, tiles  # a lone tile and grids of several sizes
+    inputs = H.internvl_pixels(internvl, samples)
+    assert list(inputs["num_patches"]) == tiles  # the processor's tiles are the geometry's
+    hf = H.load_reference(InternVLForConditionalGeneration, internvl)
+    out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples),
+             labels=H.padded(samples, "labels"), pixel_values=inputs["pixel_values"])
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
 
 

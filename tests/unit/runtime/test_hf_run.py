@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from itertools import islice
+from itertools import groupby, islice
 
 import pytest
 import torch
@@ -148,6 +148,10 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         assert mb.tokens == mb.carrier[0].shape[1] == f.llm_len, rec.key
         if spec.vision is not None:
             assert sample.input_ids.count(tok.image_id) == sum(f.image_tokens), rec.key
+        if spec.vision is not None and spec.vision.image_markers:  # InternVL: <img> image tokens </img>
+            runs = [(k, len(list(g))) for k, g in groupby(sample.input_ids)]
+            assert [runs[i - 1][0] == tok.wrap[0] and runs[i + 1][0] == tok.wrap[1]
+                    for i, (k, _) in enumerate(runs) if k == tok.image_id] == [True] * len(rec.meta.images)
         if spec.audio is not None:
             assert sample.input_ids.count(tok.audio_id) == sum(f.audio_tokens), rec.key
         if f.video_tokens:
@@ -198,12 +202,12 @@ def test_an_image_the_processor_refuses_is_a_counted_skip(hf_checkpoints):
         make_record(raw, load_templater(rc), rc.model)
 
 
-@pytest.mark.parametrize("name", ["llava", "llava-onevision"])
+@pytest.mark.parametrize("name", ["llava", "llava-onevision", "internvl"])
 def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_path, hf_checkpoints):
     """A checkpoint of the layers as every rank loads them, saved in the pipeline's layout, exports
     to the very tensors of the source (OneVision's image_newline too), loads with the original
     class with no missing or unexpected key, and carries the source's tokenizer, chat template and
-    processor config (OneVision: the whole processor, which AutoProcessor loads back)."""
+    processor config (OneVision, InternVL: the whole processor, which AutoProcessor loads back)."""
     import transformers
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -226,8 +230,9 @@ def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_
     assert tok.chat_template == AutoTokenizer.from_pretrained(source).chat_template
     config = "preprocessor_config.json" if name == "llava" else "processor_config.json"
     assert (tmp_path / "out" / config).read_text() == (source / config).read_text()
-    if name == "llava-onevision":
-        assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == "LlavaOnevisionProcessor"
+    if name != "llava":
+        want = {"llava-onevision": "LlavaOnevisionProcessor", "internvl": "InternVLProcessor"}[name]
+        assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == want
 
 
 def test_export_errors_name_the_argument(capsys, tmp_path):

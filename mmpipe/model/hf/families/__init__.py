@@ -6,6 +6,7 @@ in. A new family that needs no new capability is a new file here building a `Fam
 """
 
 from mmpipe.model.hf.families import (
+    internvl,
     llava,
     llava_next,
     llava_onevision,
@@ -18,5 +19,6 @@ from mmpipe.model.hf.families import (
 from mmpipe.model.hf.family import Family, register
 
 FAMILIES: tuple[Family, ...] = tuple(register(module.FAMILY) for module in (
-    llava, qwen2_vl, qwen2_audio, llava_next, llava_onevision, qwen3_vl, qwen2_5_vl, qwen2_5_omni))
+    llava, qwen2_vl, qwen2_audio, llava_next, llava_onevision, qwen3_vl, qwen2_5_vl, qwen2_5_omni,
+    internvl))
 """Every family, registered (family.REGISTRY) in this order."""
