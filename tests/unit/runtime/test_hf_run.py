@@ -72,7 +72,8 @@ def test_an_unsupported_checkpoint_is_a_one_line_error(capsys, tmp_path):
         f"LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2AudioForConditionalGeneration, "
         f"LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, "
         f"Qwen3VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
-        f"Qwen2_5OmniThinkerForConditionalGeneration, or model=compose of a CLIP/SigLIP vision model or a Whisper "
+        f"Qwen2_5OmniThinkerForConditionalGeneration, InternVLForConditionalGeneration, "
+        f"or model=compose of a CLIP/SigLIP vision model or a Whisper "
         f"encoder with a llama/mistral/qwen2 causal LM")
     LlavaConfig(vision_feature_layer=[-2, -5]).save_pretrained(tmp_path / "layers")
     assert main(["train", "model=hf", f"model.path={tmp_path / 'layers'}"]) == 2
