@@ -146,6 +146,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     every = cases(args.steps)
     chosen = args.only.split(",") if args.only else list(every)
+    unknown = [n for n in chosen if n not in every]
+    if unknown:
+        ap.error(f"--only: no case named {', '.join(unknown)}; the cases are: {', '.join(every)}")
     t0 = time.perf_counter()
     for name in chosen:
         code, s = run_case(name, every[name], out)

@@ -360,29 +360,8 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
         loads = layer_loads(cost, T, S2)
         cand = balanced_partition(loads, pp, cost.usable_bytes) or plan
 
-        streams = [[mb_streams(table, r, packing=True) for r in rep if r] for rep in reps]
-
-        def score(p: StagePlan, streams: list = streams) -> float:
-            # what evaluate_step gives for these fixed micro-batches, on the fast paths
-            # (1F1B makespan, exact in-flight windows): this is the search's inner loop
-            key = (p.stages, p.recompute)
-            s = costed.get(key)
-            if s is None:
-                s = costed[key] = stage_costs(cost, p.stages, p.recompute)
-            hw = cost.hardware
-            total = 0.0
-            for step in streams:
-                slowest = 0.0
-                for T, S2 in step:
-                    m = T.shape[0]
-                    span = makespan(make_schedule("1f1b", pp, m), *stage_times(s, T, S2))
-                    tr = (s.transient[:, None, :] * T[None, :, :]).max(axis=2)
-                    if np.any(window_peaks(s.act @ T.T, tr) + s.static > cost.usable_bytes * (1 + 1e-9)):
-                        return np.inf
-                    slowest = max(slowest, hw.replica_seconds(span, m))
-                total += hw.step_seconds(slowest)
-            return total
-
+        score = _fixed_batches_time(cost, costed, pp, [[mb_streams(table, r, packing=True) for r in rep if r]
+                                                       for rep in reps])
         for start in (cand, plan):
             p, _ = hill_climb(start, score, blocks=True)
             t = replan(p)
@@ -399,16 +378,54 @@ def data_aware_stages(cost: CostModel, table: SampleTable, steps: Sequence[Seque
     best_plan, _ = hill_climb(best_plan, replan, rounds=2, steps=(1,), blocks=True)
     first_free = StagePlan(stages=best_plan.stages, recompute=(False,) + best_plan.recompute[1:])
     if _first_stage_tight(cost, table, steps, first_free, dp):
-        # the trial plans rank partitions within a fraction of a percent of each other where
-        # memory binds on the first stage (their single start, no shaping, no targeted
-        # search); the last choice among the best few is made with each step's own plan
-        ranked = sorted(replanned.items(), key=lambda kv: kv[1])
-        finalists = [StagePlan(stages=k[0], recompute=k[1]) for k, t in ranked[:FINALISTS]
-                     if np.isfinite(t) and t <= (1.0 + FINAL_SPREAD) * ranked[0][1]]
-        if len(finalists) > 1:
-            best_plan = min(finalists, key=lambda p: planned_steps_time(
-                cost, table, steps, p, dp=dp, micro_batches=micro_batches, labels=labels, thorough=True))
+        best_plan = _final_choice(cost, table, steps, replanned, best_plan, dp=dp, micro_batches=micro_batches,
+                                  labels=labels)
     return recompute_only_where_needed(best_plan, replan)
+
+
+def _fixed_batches_time(cost: CostModel, costed: dict[tuple, StageCosts], pp: int,
+                        streams: list) -> Callable[[StagePlan], float]:
+    """The simulated time of fixed micro-batches (`streams`: per step, per replica, the packed
+    token and square matrices) on a partition: what evaluate_step gives for them, on the fast
+    paths (1F1B makespan, exact in-flight windows); inf where memory does not hold. This is the
+    partition search's inner loop; `costed` caches each partition's stage costs across calls."""
+    hw = cost.hardware
+
+    def score(p: StagePlan) -> float:
+        key = (p.stages, p.recompute)
+        s = costed.get(key)
+        if s is None:
+            s = costed[key] = stage_costs(cost, p.stages, p.recompute)
+        total = 0.0
+        for step in streams:
+            slowest = 0.0
+            for T, S2 in step:
+                m = T.shape[0]
+                span = makespan(make_schedule("1f1b", pp, m), *stage_times(s, T, S2))
+                tr = (s.transient[:, None, :] * T[None, :, :]).max(axis=2)
+                if np.any(window_peaks(s.act @ T.T, tr) + s.static > cost.usable_bytes * (1 + 1e-9)):
+                    return np.inf
+                slowest = max(slowest, hw.replica_seconds(span, m))
+            total += hw.step_seconds(slowest)
+        return total
+
+    return score
+
+
+def _final_choice(cost: CostModel, table: SampleTable, steps: Sequence[Sequence[int]],
+                  replanned: dict[tuple, float], best: StagePlan, *, dp: int, micro_batches: int,
+                  labels: Sequence[str] | None) -> StagePlan:
+    """Where memory binds on the first stage, the trial plans rank partitions within a fraction
+    of a percent of each other (their single start, no shaping, no targeted search): the last
+    choice among the best few trial partitions (`replanned`: partition -> trial time) is made
+    with each step's own plan."""
+    ranked = sorted(replanned.items(), key=lambda kv: kv[1])
+    finalists = [StagePlan(stages=k[0], recompute=k[1]) for k, t in ranked[:FINALISTS]
+                 if np.isfinite(t) and t <= (1.0 + FINAL_SPREAD) * ranked[0][1]]
+    if len(finalists) < 2:
+        return best
+    return min(finalists, key=lambda p: planned_steps_time(
+        cost, table, steps, p, dp=dp, micro_batches=micro_batches, labels=labels, thorough=True))
 
 
 def recompute_only_where_needed(plan: StagePlan, time: Callable[[StagePlan], float]) -> StagePlan:

@@ -24,6 +24,8 @@ packing only where the simulator finds it faster.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from mmpipe.planner.memory import in_flight_counts
@@ -72,33 +74,14 @@ def refine_bins(work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.nd
     rows = np.arange(n)
     left = max_steps if max_steps is not None else 2 * n
     while left > 0:
-        own = G[rows, where]
-        # half the change of the objective sum |e|^2 for i: j -> k is
-        # w_i.(e_k - e_j) + |w_i|^2 (e_j loses w_i, e_k gains it)
-        mv = G - own[:, None] + ww[:, None]
-        mv[rows, where] = np.inf
-        mv[sizes[where] < 2] = np.inf
-        best_k = np.argmin(mv, axis=1)
-        best = mv[rows, best_k]
-        # i: j -> k and i': k -> j with d = w_i - w_i': d.(e_k - e_j) + |d|^2, and
-        # d.e_k = G[i, k] - G[i', k], d.e_j = G[i, j] - G[i', j]
-        sw = G[:, where]
-        sw += sw.T
-        sw += pair
-        sw -= own[None, :]  # own[i] is the same along a row: taken off after the argmin
-        sw[where[:, None] == where[None, :]] = np.inf
-        best_i2 = np.argmin(sw, axis=1)
-        best_sw = sw[rows, best_i2] - own
-        use = best_sw < best
-        best = np.where(use, best_sw, best)
-        partner = np.where(use, best_i2, -1)
-        best_k = np.where(use, where[best_i2], best_k)
+        best, best_k, partner = _best_edits(G, pair, ww, where, sizes, rows)
         # each sample's best edit, best first; edits on disjoint pairs of micro-batches change
         # disjoint terms of the objective, so several are applied per pricing
         good = np.flatnonzero(best < -1e-12)
         if good.size == 0:
             break
         good = good[np.argsort(best[good], kind="stable")]
+        deltas = None
         if tight:
             # every candidate's change of every window at once; those that break memory
             # against the windows as they stand are dropped before the loop
@@ -106,17 +89,75 @@ def refine_bins(work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.nd
                                     partner[good])
             ok = ~(win[None] + deltas > room[None]).any(axis=(1, 2))
             good, deltas = good[ok], deltas[ok]
+        edits = _Edits(bins, where, sizes, e, w, win if tight else None, room if tight else None, deltas)
+        touched, done = edits.apply(good, best_k, partner)
+        left -= done
+        if not touched:
+            break
+        cols = sorted(touched)
+        G[:, cols] = w @ e[cols].T
+    return bins
+
+
+def _best_edits(G: np.ndarray, pair: np.ndarray, ww: np.ndarray, where: np.ndarray, sizes: np.ndarray,
+                rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sample's best single edit, priced in one pass: (change of the objective, the
+    micro-batch it goes to, the sample it swaps with or -1 for a move)."""
+    own = G[rows, where]
+    # half the change of the objective sum |e|^2 for i: j -> k is
+    # w_i.(e_k - e_j) + |w_i|^2 (e_j loses w_i, e_k gains it)
+    mv = G - own[:, None] + ww[:, None]
+    mv[rows, where] = np.inf
+    mv[sizes[where] < 2] = np.inf
+    best_k = np.argmin(mv, axis=1)
+    best = mv[rows, best_k]
+    # i: j -> k and i': k -> j with d = w_i - w_i': d.(e_k - e_j) + |d|^2, and
+    # d.e_k = G[i, k] - G[i', k], d.e_j = G[i, j] - G[i', j]
+    sw = G[:, where]
+    sw += sw.T
+    sw += pair
+    sw -= own[None, :]  # own[i] is the same along a row: taken off after the argmin
+    sw[where[:, None] == where[None, :]] = np.inf
+    best_i2 = np.argmin(sw, axis=1)
+    best_sw = sw[rows, best_i2] - own
+    use = best_sw < best
+    best = np.where(use, best_sw, best)
+    partner = np.where(use, best_i2, -1)
+    best_k = np.where(use, where[best_i2], best_k)
+    return best, best_k, partner
+
+
+@dataclass
+class _Edits:
+    """The packing's state that one round of edits changes in place: the bins, each sample's
+    micro-batch, the micro-batch sizes, the deviations from the shares and (memory bound) the
+    in-flight windows with each candidate's change of them."""
+
+    bins: list[list[int]]
+    where: np.ndarray
+    sizes: np.ndarray
+    e: np.ndarray
+    w: np.ndarray
+    win: np.ndarray | None
+    room: np.ndarray | None
+    deltas: np.ndarray | None
+
+    def apply(self, good: np.ndarray, best_k: np.ndarray, partner: np.ndarray) -> tuple[set[int], int]:
+        """Apply the candidates in order, at most one edit per micro-batch pair a round.
+        Returns the micro-batches touched and the number of edits made."""
+        bins, where, sizes, e, w = self.bins, self.where, self.sizes, self.e, self.w
         touched: set[int] = set()
+        done = 0
         for c, i in enumerate(good.tolist()):
             dst, i2 = int(best_k[i]), int(partner[i])
             src = int(where[i])
             if src in touched or dst in touched or (i2 < 0 and sizes[src] < 2):
                 continue
-            if tight:
-                d = deltas[c]
-                if touched and (win + d > room).any():  # windows moved by this round's edits
+            if self.deltas is not None:
+                d = self.deltas[c]
+                if touched and (self.win + d > self.room).any():  # windows moved by this round's edits
                     continue
-                win += d
+                self.win += d
             bins[src].remove(i)
             bins[dst].append(i)
             where[i] = dst
@@ -132,12 +173,8 @@ def refine_bins(work: np.ndarray, act: np.ndarray, tr: np.ndarray, budget: np.nd
                 sizes[src] -= 1
                 sizes[dst] += 1
             touched.update((src, dst))
-            left -= 1
-        if not touched:
-            break
-        cols = sorted(touched)
-        G[:, cols] = w @ e[cols].T
-    return bins
+            done += 1
+        return touched, done
 
 
 def _window_deltas(act: np.ndarray, tr: np.ndarray, member: np.ndarray, eye: np.ndarray,
