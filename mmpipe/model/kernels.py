@@ -309,10 +309,23 @@ def segment_block_mask(stream: Stream, *, causal: bool, window: int | None, devi
 def _flex_attention(compiled: bool):
     """FlexAttention compiled (CUDA: its fused Triton kernel), or as is (CPU: torch's unfused
     reference, forward only, keeping the score matrix; tests). Compiled with the sequence length
-    dynamic from the first call: one compile (forward and backward) serves every micro-batch
-    length, where a static first compile was followed by a dynamic recompile at the second length
-    (5-25 s into step 2 on an H200). The compile happens in the first step (there is no warm-up
-    before step 1); the on-disk cache (launcher.cache_dir) keeps it for the next launch."""
+    dynamic from the first call, and without duck sizing: one compile (forward and backward)
+    serves every micro-batch length of two tiles or more. Duck sizing gives sizes that happen to
+    be equal one symbol, so the first call's tile count equal to the number of key/value heads
+    (or the head size) becomes a guard, and the next length recompiles: the 5-25 s recompile seen
+    in step 2 on an H200 (tests/unit/model/test_attention.py counts the graphs on CPU). A
+    micro-batch of one tile (128 positions or fewer) still compiles once more: torch specializes
+    sizes of 1. The compile happens in the first step (there is no warm-up before step 1); the
+    on-disk cache (launcher.cache_dir) keeps it for the next launch."""
+    from torch.fx.experimental import _config as shape_config
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+    if not compiled:
+        return flex_attention
+    kernel = torch.compile(flex_attention, dynamic=True)
+
+    def attend(*args, **kwargs):
+        with shape_config.patch(use_duck_shape=False):  # read when a call is traced, not at guard checks
+            return kernel(*args, **kwargs)
+
+    return attend

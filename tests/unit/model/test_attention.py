@@ -122,6 +122,33 @@ def test_flex_block_mask_from_segment_lengths_is_torchs_own(lengths, causal):
                                rtol=0, atol=1e-6)
 
 
+def test_compiled_flex_attention_compiles_once_for_every_length_of_two_tiles_or_more():
+    """A run's micro-batches have many packed lengths: the compiled FlexAttention must trace once
+    and serve them all, not recompile at the second length (step 2 on a GPU). The first length
+    has 2 tiles, as many as the key/value heads, the trap duck sizing falls into. Forward only
+    (CPU FlexAttention has no backward), through torch's CPU compiler."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    attend = kernels._flex_attention.__wrapped__(True)  # a fresh compiled function, not the cached one
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for lengths in ((100, 156), (300, 212), (384, 640, 20), (129, 2, 400)):
+        stream = _stream(lengths)
+        q = torch.randn(1, 4, stream.total, 16, generator=g)
+        k, v = (torch.randn(1, 2, stream.total, 16, generator=g) for _ in range(2))
+        mask = kernels.segment_block_mask(stream, causal=True, window=None, device=torch.device("cpu"))
+        with torch.no_grad():
+            outs.append((attend(q, k, v, block_mask=mask, enable_gqa=True), (q, k, v, stream)))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    out, (q, k, v, stream) = outs[-1]  # and the compiled kernel attends as the reference does
+    with torch.no_grad():
+        ref = kernels.packed("eager", q, k, v, stream, causal=True, window=None, scale=None, dropout=0.0)
+    torch.testing.assert_close(out.transpose(1, 2), ref, rtol=0, atol=2e-5)
+    torch._dynamo.reset()
+
+
 def test_grouped_query_attention_keeps_its_few_key_value_heads_for_backward():
     """What SDPA saves for backward on the packed path: K and V with their 2 heads, never
     repeated to the query's 8 (which would keep 4x their memory per layer)."""
