@@ -164,7 +164,11 @@ class VisionSpec:
     """`tiles`: most tiles of a grid, the thumbnail not counted (the image processor's max_patches)."""
     image_markers: int = 0
     """Text tokens the model's processor puts around each image's tokens (InternVL's `<img>` and
-    `</img>`: 2), which the templater adds and the planner counts as text; 0: none."""
+    `</img>`: 2; Gemma 3's "\\n\\n", <start_of_image>, <end_of_image>, "\\n\\n": 4), which the
+    templater adds and the planner counts as text; 0: none."""
+    pooled: bool = False
+    """The merge x merge patches are averaged into one token (Gemma 3's average pool) rather than
+    concatenated: the projector's input width is `hidden`, not hidden * merge**2."""
 
     deepstack: tuple[int, ...] = ()
     """Qwen3-VL's DeepStack: the encoder blocks (0-based, rising) whose outputs, each through its
@@ -218,7 +222,7 @@ class VisionSpec:
 
     @property
     def proj_in(self) -> int:
-        return self.hidden * self.merge * self.merge
+        return self.hidden if self.pooled else self.hidden * self.merge * self.merge
 
     def windowed(self, block: int) -> bool:
         """Whether block `block` attends within windows (not over the whole image)."""
