@@ -73,7 +73,7 @@ def test_an_unsupported_checkpoint_is_a_one_line_error(capsys, tmp_path):
         f"LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, "
         f"Qwen3VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
         f"Qwen2_5OmniThinkerForConditionalGeneration, InternVLForConditionalGeneration, "
-        f"or model=compose of a CLIP/SigLIP vision model or a Whisper "
+        f"Gemma3ForConditionalGeneration, or model=compose of a CLIP/SigLIP vision model or a Whisper "
         f"encoder with a llama/mistral/qwen2 causal LM")
     LlavaConfig(vision_feature_layer=[-2, -5]).save_pretrained(tmp_path / "layers")
     assert main(["train", "model=hf", f"model.path={tmp_path / 'layers'}"]) == 2
@@ -149,9 +149,11 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         assert mb.tokens == mb.carrier[0].shape[1] == f.llm_len, rec.key
         if spec.vision is not None:
             assert sample.input_ids.count(tok.image_id) == sum(f.image_tokens), rec.key
-        if spec.vision is not None and spec.vision.image_markers:  # InternVL: <img> image tokens </img>
-            runs = [(k, len(list(g))) for k, g in groupby(sample.input_ids)]
-            assert [runs[i - 1][0] == tok.wrap[0] and runs[i + 1][0] == tok.wrap[1]
+        if spec.vision is not None and spec.vision.image_markers:  # InternVL: <img> image tokens </img>; Gemma 3:
+            runs = [(k, len(list(g))) for k, g in groupby(sample.input_ids)]  # <start_of_image> .. <end_of_image>
+            wrap = tok.wrap or tuple(tok.tokenizer.convert_tokens_to_ids([tok.tokenizer.boi_token,
+                                                                          tok.tokenizer.eoi_token]))
+            assert [runs[i - 1][0] == wrap[0] and runs[i + 1][0] == wrap[1]
                     for i, (k, _) in enumerate(runs) if k == tok.image_id] == [True] * len(rec.meta.images)
         if spec.audio is not None:
             assert sample.input_ids.count(tok.audio_id) == sum(f.audio_tokens), rec.key
@@ -203,12 +205,12 @@ def test_an_image_the_processor_refuses_is_a_counted_skip(hf_checkpoints):
         make_record(raw, load_templater(rc), rc.model)
 
 
-@pytest.mark.parametrize("name", ["llava", "llava-onevision", "internvl"])
+@pytest.mark.parametrize("name", ["llava", "llava-onevision", "internvl", "gemma3"])
 def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_path, hf_checkpoints):
     """A checkpoint of the layers as every rank loads them, saved in the pipeline's layout, exports
     to the very tensors of the source (OneVision's image_newline too), loads with the original
     class with no missing or unexpected key, and carries the source's tokenizer, chat template and
-    processor config (OneVision, InternVL: the whole processor, which AutoProcessor loads back)."""
+    processor config (OneVision, InternVL, Gemma 3: the whole processor, which AutoProcessor loads back)."""
     import transformers
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -232,7 +234,8 @@ def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_
     config = "preprocessor_config.json" if name == "llava" else "processor_config.json"
     assert (tmp_path / "out" / config).read_text() == (source / config).read_text()
     if name != "llava":
-        want = {"llava-onevision": "LlavaOnevisionProcessor", "internvl": "InternVLProcessor"}[name]
+        want = {"llava-onevision": "LlavaOnevisionProcessor", "internvl": "InternVLProcessor",
+                "gemma3": "Gemma3Processor"}[name]
         assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == want
 
 
