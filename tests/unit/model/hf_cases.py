@@ -179,6 +179,8 @@ def write_gemma3(root: Path, *, seed: int) -> Path:
     projector's matrix (drawn as zeros) moved off their initial values."""
     from transformers import Gemma3Config, Gemma3ImageProcessor, Gemma3TextConfig
 
+    from mmpipe.model.hf.families.gemma3 import perturb_projector
+
     torch.manual_seed(seed)
     text = Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -192,9 +194,7 @@ def write_gemma3(root: Path, *, seed: int) -> Path:
                        boi_token_id=VSTART, eoi_token_id=VEND)
     model = Gemma3ForConditionalGeneration(cfg)
     perturb(model, seed)
-    with torch.no_grad():  # the projector's matrix, drawn as zeros
-        w = model.model.multi_modal_projector.mm_input_projection_weight
-        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
+    perturb_projector(model, seed)
     folder = root / "gemma3"
     model.save_pretrained(folder)
     Gemma3ImageProcessor(size={"height": 56, "width": 56}, image_mean=[0.5] * 3,

@@ -179,6 +179,14 @@ def llm_block(spec: ModelSpec, index: int, parts: dict[str, nn.Module]) -> nn.Mo
 # ----------------------------------------------------------------------------- demo
 
 
+def perturb_projector(model: nn.Module, seed: int) -> None:
+    """The projector's matrix is drawn as zeros (transformers' _init_weights): draw it, so that the image
+    features, and with them the tower's gradients, are not zero."""
+    w = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
+
+
 def write_demo(root: Path, texts: list[str]) -> Path:
     """A 2-layer SigLIP (28-px images of 7-px patches pooled 2x2: 4 tokens an image) + a 4-layer Gemma 3
     decoder (sliding and full layers, an 8-token window); the processor (Gemma3Processor) saved whole."""
@@ -206,7 +214,9 @@ def write_demo(root: Path, texts: list[str]) -> Path:
                             image_size=28, patch_size=7, vision_use_head=False)
     cfg = Gemma3Config(text_config=text, vision_config=vc, mm_tokens_per_image=4, image_token_id=ids["image"],
                        boi_token_id=ids["boi"], eoi_token_id=ids["eoi"])
-    folder = save(Gemma3ForConditionalGeneration(cfg), tok, TEMPLATE, root / "gemma3", 53)
+    model = Gemma3ForConditionalGeneration(cfg)
+    perturb_projector(model, 53)
+    folder = save(model, tok, TEMPLATE, root / "gemma3", 53)
     image = Gemma3ImageProcessor(size={"height": 28, "width": 28}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     Gemma3Processor(image_processor=image, tokenizer=tok, image_seq_length=4,
                     chat_template=TEMPLATE).save_pretrained(folder)
