@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -220,12 +221,18 @@ def block_allowed(blocks: torch.Tensor, *, window: int | None) -> torch.Tensor:
 
 def _sdpa_loop(query, key, value, stream: Stream, *, causal, window, scale, dropout, blocks=None) -> torch.Tensor:
     parts, start = [], 0
-    for n in stream.lengths:
+    masks = None
+    if blocks is not None:  # one explicit mask per segment (causal or same block, and the window), made once
+        masks = stream.derived.get(("sdpa_block_masks", window, str(query.device)))  # per micro-batch
+        if masks is None:
+            bounds = [0, *itertools.accumulate(stream.lengths)]
+            masks = [block_allowed(blocks[a:b].to(query.device), window=window) for a, b in zip(bounds, bounds[1:])]
+            stream.derived[("sdpa_block_masks", window, str(query.device))] = masks
+    for i, n in enumerate(stream.lengths):
         sl = slice(start, start + n)
-        if blocks is not None and n > 1:  # an explicit mask: causal or same block (and the window)
-            parts.append(sdpa(query[:, :, sl], key[:, :, sl], value[:, :, sl],
-                              mask=block_allowed(blocks[sl], window=window), causal=False, scale=scale,
-                              dropout=dropout))
+        if masks is not None and n > 1:
+            parts.append(sdpa(query[:, :, sl], key[:, :, sl], value[:, :, sl], mask=masks[i], causal=False,
+                              scale=scale, dropout=dropout))
             start += n
             continue
         windowed = causal and window is not None and n > window
