@@ -55,10 +55,19 @@ def flex_importable() -> bool:
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
-def check(name: str, *, precision: str) -> None:
-    """Refuse, in one line before launch, a kernel this machine or this precision cannot run."""
+FLASH_BLOCKS = ("train.attention=flash cannot attend bidirectionally inside an image (Gemma 3's image blocks): "
+                "flash-attn's varlen kernel is causal or not per call; use train.attention=auto (FlexAttention) "
+                "or flex")
+"""The one-line refusal of flash-attn for a model with image blocks (attention.Segments.blocks)."""
+
+
+def check(name: str, *, precision: str, blocks: bool = False) -> None:
+    """Refuse, in one line before launch, a kernel this machine or this precision cannot run, or one
+    that cannot mask the model's image blocks (`blocks`: VisionSpec.image_blocks)."""
     if name not in KERNELS:
         raise ValueError(f"train.attention={name!r} is unknown; use one of {', '.join(KERNELS)}")
+    if name == "flash" and blocks:
+        raise ValueError(FLASH_BLOCKS)
     cuda = torch.cuda.is_available()
     if name == "flash":
         if not flash_importable():
@@ -110,9 +119,7 @@ def resolve(name: str, query: torch.Tensor, *, dropout: float, blocks: bool = Fa
             return "flash"
         name = "flex" if query.is_cuda else "sdpa"
     if name == "flash" and blocks:
-        raise ValueError("train.attention=flash cannot attend bidirectionally inside an image (Gemma 3's image "
-                         "blocks): flash-attn's varlen kernel is causal or not per call; use train.attention=auto "
-                         "(FlexAttention) or flex")
+        raise ValueError(FLASH_BLOCKS)
     if name == "flash" and (not query.is_cuda or query.dtype not in HALF):
         raise ValueError(f"train.attention=flash got {query.dtype} tensors on {query.device}; flash-attn runs "
                          f"bf16/fp16 on CUDA only: set train.precision=bf16 or use train.attention=auto")
@@ -121,24 +128,25 @@ def resolve(name: str, query: torch.Tensor, *, dropout: float, blocks: bool = Fa
     return name
 
 
-def describe(name: str, *, cuda: bool, precision: str) -> str:
-    """What `name` runs on this machine at this precision (for the start-up line)."""
+def describe(name: str, *, cuda: bool, precision: str, blocks: bool = False) -> str:
+    """What `name` runs on this machine at this precision (for the start-up line); `blocks`: the
+    model has image blocks, which `auto` never gives flash-attn."""
     if name == "auto":
-        if cuda and precision != "fp32" and flash_importable():
+        if cuda and precision != "fp32" and flash_importable() and not blocks:
             return "auto: flash-attn varlen"
         return "auto: FlexAttention, document mask" if cuda else "auto: SDPA per segment"
     return {"flash": "flash-attn varlen", "flex": "FlexAttention, document mask", "sdpa": "SDPA per segment",
             "eager": "eager, dense block-diagonal mask"}[name]
 
 
-def compiles(name: str, *, cuda: bool, precision: str, dropout: float = 0.0) -> bool:
+def compiles(name: str, *, cuda: bool, precision: str, dropout: float = 0.0, blocks: bool = False) -> bool:
     """Whether the choice `name` runs packed rows through a kernel compiled per sequence length
     on this machine (FlexAttention on CUDA): where plan.ladder=auto pads micro-batches to a few
     lengths. flash-attn's varlen kernel and SDPA take any length without a compile."""
     if not cuda or dropout > 0:  # no CUDA: SDPA; attention dropout: flex runs sdpa (`resolve`)
         return False
     if name == "auto":
-        return not (precision != "fp32" and flash_importable())
+        return blocks or not (precision != "fp32" and flash_importable())
     return name == "flex"
 
 

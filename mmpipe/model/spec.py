@@ -169,6 +169,9 @@ class VisionSpec:
     pooled: bool = False
     """The merge x merge patches are averaged into one token (Gemma 3's average pool) rather than
     concatenated: the projector's input width is `hidden`, not hidden * merge**2."""
+    image_blocks: bool = False
+    """The LLM attends bidirectionally inside each image's run of tokens (Gemma 3; attention.Segments.
+    blocks): flash-attn cannot run it, `train.attention=auto` picks FlexAttention on CUDA."""
 
     deepstack: tuple[int, ...] = ()
     """Qwen3-VL's DeepStack: the encoder blocks (0-based, rising) whose outputs, each through its
@@ -385,6 +388,11 @@ def layer_names(spec: ModelSpec) -> list[str]:
     names.extend(f"llm.block.{i}" for i in range(spec.llm.blocks))
     names += ["llm.norm", "llm.head"]
     return names
+
+
+def image_blocks(spec: ModelSpec) -> bool:
+    """Whether the spec's LLM attends bidirectionally inside each image (VisionSpec.image_blocks)."""
+    return spec.vision is not None and spec.vision.image_blocks
 
 
 def is_trainable(layer: str, trainable: tuple[str, ...]) -> bool:

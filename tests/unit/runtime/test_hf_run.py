@@ -118,6 +118,16 @@ def test_the_tokenizer_must_be_the_models(capsys, hf_checkpoints):
                      r"id \d+ \(image_token_id of its config\)", _error(capsys))
 
 
+def test_gemma3_under_flash_attn_is_a_one_line_error_before_launch(capsys, tmp_path, hf_checkpoints):
+    """flash-attn cannot mask Gemma 3's bidirectional image blocks: refused by name before any rank starts,
+    on any machine (the model's blocks are checked before the package and the GPU)."""
+    assert main(["train", *model_overrides("gemma3", hf_checkpoints), "train.attention=flash",
+                 f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    assert _error(capsys) == ("mmpipe train: error: train.attention=flash cannot attend bidirectionally inside an "
+                              "image (Gemma 3's image blocks): flash-attn's varlen kernel is causal or not per call; "
+                              "use train.attention=auto (FlexAttention) or flex")
+
+
 VIDEO_MODELS = ("qwen2-vl", "llava-onevision", "qwen2.5-vl", "qwen2.5-omni+track")
 """The cases whose shipped video samples are trained (the rest skip them as `no encoder`)."""
 

@@ -87,7 +87,8 @@ def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any
     return VisionSpec(
         blocks=vc.num_hidden_layers, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_attention_heads,
         patch=vc.patch_size, resize="fixed", image_size=fixed_side(ip, vc, what), merge=pool(config, what),
-        pooled=True, select="patches", proj=(text.hidden_size,), channels=vc.num_channels, image_markers=4)
+        pooled=True, select="patches", proj=(text.hidden_size,), channels=vc.num_channels, image_markers=4,
+        image_blocks=True)
 
 
 def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
