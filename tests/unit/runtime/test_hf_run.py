@@ -128,6 +128,37 @@ def test_gemma3_under_flash_attn_is_a_one_line_error_before_launch(capsys, tmp_p
                               "use train.attention=auto (FlexAttention) or flex")
 
 
+def test_gemma3_templated_ids_are_gemma3processors(hf_checkpoints):
+    """The templater's ids of a two-round conversation with images next to text, to a turn's edge and to
+    each other are Gemma3Processor's (the folder's own, AutoProcessor) on the chat template's render: the
+    "\\n\\n" around each image tokenized with the text beside it; labels on the answers only."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from mmpipe.data.template import IGNORE, Turn
+
+    rc = load(model_overrides("gemma3", hf_checkpoints), job="test")
+    tok = load_templater(rc)
+    proc = AutoProcessor.from_pretrained(hf_checkpoints["gemma3"])
+    turns = [Turn(role="human", text="<image>\nWhat is it?"), Turn(role="gpt", text="a line"),
+             Turn(role="human", text="And these <image><image> two?\n\nSay."), Turn(role="gpt", text="two lines")]
+    n = rc.model.vision.merge ** -2 * (rc.model.vision.image_size // rc.model.vision.patch) ** 2
+    ours = tok.template(turns, image_tokens=[int(n)] * 3)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a line"}]},
+            {"role": "user", "content": [{"type": "text", "text": "And these "}, {"type": "image"}, {"type": "image"},
+                                         {"type": "text", "text": " two?\n\nSay."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "two lines"}]}]
+    text = proc.tokenizer.apply_chat_template(msgs, tokenize=False)
+    images = [Image.new("RGB", (30, 20), (40 * i, 90, 200)) for i in range(3)]
+    out = proc(text=text, images=images, add_special_tokens=not text.startswith(proc.tokenizer.bos_token))
+    assert ours.input_ids == out["input_ids"][0]
+    boi = proc.tokenizer.convert_tokens_to_ids(proc.tokenizer.boi_token)
+    assert ours.input_ids.count(boi) == 3 and ours.input_ids.count(tok.image_id) == 3 * n
+    answers = proc.tokenizer.decode([y for y in ours.labels if y != IGNORE])
+    assert "a line" in answers and "two lines" in answers and "What" not in answers
+
+
 VIDEO_MODELS = ("qwen2-vl", "llava-onevision", "qwen2.5-vl", "qwen2.5-omni+track")
 """The cases whose shipped video samples are trained (the rest skip them as `no encoder`)."""
 
