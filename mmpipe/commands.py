@@ -116,6 +116,7 @@ def _check_pipeline(rc: RunConfig) -> None:
     the backend's devices, the attention kernel."""
     from mmpipe.machine import detect
     from mmpipe.model.kernels import check as check_kernel
+    from mmpipe.model.spec import image_blocks
     from mmpipe.runtime.dsconfig import load_user_config, require_tested_deepspeed
     from mmpipe.runtime.host import precision_problem
     from mmpipe.runtime.preflight import check_backend, check_gpus
@@ -128,7 +129,7 @@ def _check_pipeline(rc: RunConfig) -> None:
     problem = precision_problem(rc.train.precision, rc.launcher.backend)  # DeepSpeed's refusal, before launch
     if problem:
         raise ValueError(problem)
-    check_kernel(rc.train.attention, precision=rc.train.precision)
+    check_kernel(rc.train.attention, precision=rc.train.precision, blocks=image_blocks(rc.model))
 
 
 def quiet_env(rc: RunConfig) -> dict[str, str]:

@@ -138,11 +138,16 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: Any, *, path: Path, chat_template: str, list_content: bool,
                  media: Sequence[MediaToken], pad_id: int, lead: Sequence[int],
-                 track: tuple[int, int] | None = None, wrap: tuple[int, int] | None = None) -> None:
+                 track: tuple[int, int] | None = None, wrap: tuple[int, int] | None = None,
+                 boi: tuple[str, str] | None = None) -> None:
         """Use from_checkpoint, which probes the template for `list_content` and `media`; `track`:
         the <audio_bos> / <audio_eos> ids around an interleaved clip (Qwen2.5-Omni's
         use_audio_in_video); `wrap`: the ids the model's processor puts around each image's tokens
-        (InternVL's <img> / </img>: model.vision.image_markers)."""
+        (InternVL's <img> / </img>: model.vision.image_markers); `boi`: (the text the template writes
+        for an image, what the model's processor writes in its place around one image token) (Gemma 3's
+        <start_of_image> -> "\\n\\n<start_of_image><image_soft_token><end_of_image>\\n\\n": the text is
+        tokenized as Gemma3Processor tokenizes it, and its 4 text tokens around the image token are
+        counted as model.vision.image_markers, not as text_tokens)."""
         self.tokenizer = tokenizer
         self.path = path
         self.chat_template = chat_template
@@ -152,6 +157,8 @@ class ChatTemplate:
         self.lead = tuple(lead)
         self.track = track
         self.wrap = wrap
+        self.boi = boi
+        self.inline_markers = 4 if boi is not None else 0
         self.bos = tokenizer.bos_token
         self.fallbacks = 0
         self._fingerprint: str | None = None
@@ -207,7 +214,7 @@ class ChatTemplate:
                     f"{CONFIG_IDS[kind][1]}, the tokenizer no {kind}_token); add the token to the tokenizer "
                     f"as a special token and its id to the config")
         wrap = None
-        if spec.vision is not None and spec.vision.image_markers:  # InternVLProcessor's <img> ... </img>
+        if spec.vision is not None and spec.vision.image_markers == 2:  # InternVLProcessor's <img> ... </img>
             names = [getattr(tok, n, None) for n in ("start_image_token", "end_image_token")]
             if not all(names):
                 raise ValueError(f"{where}: the model's processor puts a start and an end token around each image's "
@@ -215,14 +222,25 @@ class ChatTemplate:
                                  f"(tokenizer_config.json's extra_special_tokens, as the checkpoint's processor reads)")
             wrap = tuple(_check_token(tok, tok.convert_tokens_to_ids(t), k, where)
                          for t, k in zip(names, ("image start", "image end")))
+        boi = None
+        if spec.vision is not None and spec.vision.image_markers == 4:  # Gemma3Processor's text around an image
+            names = [getattr(tok, n, None) for n in ("boi_token", "eoi_token")]
+            if not all(names) or "image" not in ids:
+                raise ValueError(f"{where}: the model's processor writes <start_of_image> and <end_of_image> "
+                                 f"around each image's tokens but the tokenizer names no boi_token / eoi_token; add "
+                                 f"them (tokenizer_config.json's extra_special_tokens, as Gemma 3's tokenizer has)")
+            for t, k in zip(names, ("image start", "image end")):
+                _check_token(tok, tok.convert_tokens_to_ids(t), k, where)
+            image = tok.convert_ids_to_tokens(ids["image"])
+            boi = (names[0], f"\n\n{names[0]}{image}{names[1]}\n\n")
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         plain = tok("a", add_special_tokens=False)["input_ids"]
         full = tok("a", add_special_tokens=True)["input_ids"]
         at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
         probe = cls(tok, path=folder, chat_template=template, list_content=True, media=[], pad_id=pad or 0,
-                    lead=full[:at], wrap=wrap)
+                    lead=full[:at], wrap=wrap, boi=boi)
         list_content = probe._probe_content(where)
-        media = [MediaToken(kind=k, id=tid, text=tok.convert_ids_to_tokens(tid),
+        media = [MediaToken(kind=k, id=tid, text=boi[0] if boi and k == "image" else tok.convert_ids_to_tokens(tid),
                             placed=list_content and probe._probe_placed(k, tid, where)) for k, tid in ids.items()]
         track = None
         if video is not None and video.audio_in_video:  # the processor's markers around a clip and its track
@@ -232,7 +250,7 @@ class ChatTemplate:
                                  f"audio_end_token_id (Qwen2.5-Omni's <|audio_bos|> / <|audio_eos|>)")
             track = (_check_token(tok, bos, "audio start", where), _check_token(tok, eos, "audio end", where))
         out = cls(tok, path=folder, chat_template=template, list_content=list_content, media=media,
-                  pad_id=pad or 0, lead=full[:at], track=track, wrap=wrap)
+                  pad_id=pad or 0, lead=full[:at], track=track, wrap=wrap, boi=boi)
         out._probe_convention(where)
         return out
 
@@ -294,7 +312,7 @@ class ChatTemplate:
         vocab = backend.to_str() if backend is not None else json.dumps(self.tokenizer.get_vocab(), sort_keys=True)
         rules = {"rules": RULES_VERSION, "list": self.list_content, "lead": list(self.lead),
                  "placed": sorted(k for k, m in self.media.items() if m.placed), "template": self.chat_template,
-                 **({"wrap": list(self.wrap)} if self.wrap else {})}
+                 **({"wrap": list(self.wrap)} if self.wrap else {}), **({"boi": list(self.boi)} if self.boi else {})}
         digest = hashlib.sha256(vocab.encode())
         digest.update(json.dumps(rules, sort_keys=True).encode())
         return f"chat:{digest.hexdigest()[:16]}"
@@ -358,9 +376,9 @@ class ChatTemplate:
             if ti[:len(pi)] == pi and full_ids[:len(ti)] == ti:
                 span = range(len(pi), len(ti))
             else:  # the tokenizer merged across a boundary: label by characters
-                offsets = offsets or self.tokenizer(full, add_special_tokens=False,
+                offsets = offsets or self.tokenizer(self._inline(full), add_special_tokens=False,
                                                     return_offsets_mapping=True)["offset_mapping"]
-                span = [i for i, (a, b) in enumerate(offsets) if a < len(t) and b > len(p)]
+                span = [i for i, (a, b) in enumerate(offsets) if a < len(self._inline(t)) and b > len(self._inline(p))]
                 self._note_fallback(j)
             if not span:
                 raise SampleError(EMPTY_ANSWER, f"turn {j}: the chat template of {self.path} renders no tokens "
@@ -380,7 +398,7 @@ class ChatTemplate:
         if n_media != placeholders:
             raise SampleError(PLACEHOLDER_MISMATCH, f"the rendered conversation holds {n_media} media tokens for "
                                                     f"{placeholders} placeholders (a media token in the text itself?)")
-        return len(self._lead(full)) + len(ids) - n_media
+        return len(self._lead(full)) + len(ids) - n_media - self.inline_markers * ids.count(self.image_id or -1)
 
     def __repr__(self) -> str:
         return f"ChatTemplate(path={str(self.path)!r}, fingerprint={self.fingerprint!r})"
@@ -419,7 +437,13 @@ class ChatTemplate:
         return [out] if isinstance(out, str) else list(out)
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
+        texts = [self._inline(t) for t in texts]
         return [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _inline(self, text: str) -> str:
+        """A render as the model's processor tokenizes it: Gemma 3's image text in place of each
+        <start_of_image> (`boi`); unchanged for every other model."""
+        return text.replace(self.boi[0], self.boi[1]) if self.boi is not None else text
 
     def _lead(self, render: str) -> tuple[int, ...]:
         # The processors tokenize with the tokenizer's special tokens unless the render starts
@@ -458,7 +482,8 @@ class ChatTemplate:
                 raise SampleError(PLACEHOLDER_MISMATCH, f"the rendered conversation holds {n} {token} token(s) for "
                                                         f"{len(counts[kind])} {kind}(s) (a media token in the text "
                                                         f"itself, or a template that drops media items?)")
-        return Templated(input_ids=out_ids, labels=out_labels, text_tokens=len(ids) - sum(seen.values()))
+        return Templated(input_ids=out_ids, labels=out_labels,
+                         text_tokens=len(ids) - sum(seen.values()) - self.inline_markers * seen.get("image", 0))
 
     def _media_ids(self, token: int, count: Any) -> list[int]:
         """One placeholder's ids: `count` copies of its token (an image's between the `wrap` markers,

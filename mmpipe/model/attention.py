@@ -47,6 +47,12 @@ class Segments:
     """Causal attention inside each segment (the LLM) or bidirectional (encoders)."""
     mask: torch.Tensor | None = None
     """Additive [B, 1, T, T] mask for the dense path."""
+    blocks: torch.Tensor | None = None
+    """Causal rows only: a block id of every position of the packed row [T] (int; -1 outside any
+    block). Positions of one block (and one segment) also attend to each other forward: Gemma 3's
+    image tokens, bidirectional inside each image (transformers' `block_sequence_ids`). A sliding
+    window still bounds how far back a query sees, not how far forward inside its block. None:
+    plain causal. The dense path takes blocks already folded into `mask`."""
 
 
 _CURRENT: ContextVar[Segments | None] = ContextVar("mmpipe_segments", default=None)
@@ -84,8 +90,10 @@ def segment_attention(  # module, kwargs: transformers' AttentionInterface signa
                          f"layout packs {stream.total} positions in one row; the carrier's LAYOUT slot does not "
                          f"belong to this micro-batch")
     window = sliding_window if seg.causal else None
-    out = kernels.packed(kernels.resolve(kernel, query, dropout=dropout), query, key, value, stream,
-                         causal=seg.causal, window=window, scale=scaling, dropout=dropout)
+    blocks = seg.blocks if seg.causal else None
+    out = kernels.packed(kernels.resolve(kernel, query, dropout=dropout, blocks=blocks is not None), query, key,
+                         value, stream, causal=seg.causal, window=window, scale=scaling, dropout=dropout,
+                         blocks=blocks)
     return out.contiguous(), None
 
 
@@ -93,8 +101,9 @@ def _dense(query, key, value, seg: Segments | None, attention_mask, *, kernel, d
            sliding_window) -> torch.Tensor:
     mask = seg.mask if seg is not None and seg.mask is not None else attention_mask
     if sliding_window and mask is not None and mask.shape[-1] > sliding_window:
-        # padded rows start every sample at index 0, so index distance is position distance
-        mask = mask + kernels.window_mask(mask.shape[-1], sliding_window, mask.dtype, mask.device)
+        # padded rows start every sample at index 0, so index distance is position distance; the
+        # window bounds keys behind a query only (the mask is causal, or causal or same-block)
+        mask = mask + kernels.window_mask(mask.shape[-1], sliding_window, mask.dtype, mask.device, causal=False)
     causal = bool(is_causal) and mask is None
     if kernel == "eager":
         if causal:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -54,10 +55,19 @@ def flex_importable() -> bool:
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
-def check(name: str, *, precision: str) -> None:
-    """Refuse, in one line before launch, a kernel this machine or this precision cannot run."""
+FLASH_BLOCKS = ("train.attention=flash cannot attend bidirectionally inside an image (Gemma 3's image blocks): "
+                "flash-attn's varlen kernel is causal or not per call; use train.attention=auto (FlexAttention) "
+                "or flex")
+"""The one-line refusal of flash-attn for a model with image blocks (attention.Segments.blocks)."""
+
+
+def check(name: str, *, precision: str, blocks: bool = False) -> None:
+    """Refuse, in one line before launch, a kernel this machine or this precision cannot run, or one
+    that cannot mask the model's image blocks (`blocks`: VisionSpec.image_blocks)."""
     if name not in KERNELS:
         raise ValueError(f"train.attention={name!r} is unknown; use one of {', '.join(KERNELS)}")
+    if name == "flash" and blocks:
+        raise ValueError(FLASH_BLOCKS)
     cuda = torch.cuda.is_available()
     if name == "flash":
         if not flash_importable():
@@ -101,12 +111,15 @@ def using(name: str) -> Iterator[None]:
         use(before)
 
 
-def resolve(name: str, query: torch.Tensor, *, dropout: float) -> str:
-    """The kernel a packed call runs under the choice `name`."""
+def resolve(name: str, query: torch.Tensor, *, dropout: float, blocks: bool = False) -> str:
+    """The kernel a packed call runs under the choice `name`; `blocks`: the call has bidirectional
+    blocks (Gemma 3's images), which flash-attn's causal varlen kernel cannot mask."""
     if name == "auto":
-        if query.is_cuda and query.dtype in HALF and flash_importable():
+        if query.is_cuda and query.dtype in HALF and flash_importable() and not blocks:
             return "flash"
         name = "flex" if query.is_cuda else "sdpa"
+    if name == "flash" and blocks:
+        raise ValueError(FLASH_BLOCKS)
     if name == "flash" and (not query.is_cuda or query.dtype not in HALF):
         raise ValueError(f"train.attention=flash got {query.dtype} tensors on {query.device}; flash-attn runs "
                          f"bf16/fp16 on CUDA only: set train.precision=bf16 or use train.attention=auto")
@@ -115,24 +128,25 @@ def resolve(name: str, query: torch.Tensor, *, dropout: float) -> str:
     return name
 
 
-def describe(name: str, *, cuda: bool, precision: str) -> str:
-    """What `name` runs on this machine at this precision (for the start-up line)."""
+def describe(name: str, *, cuda: bool, precision: str, blocks: bool = False) -> str:
+    """What `name` runs on this machine at this precision (for the start-up line); `blocks`: the
+    model has image blocks, which `auto` never gives flash-attn."""
     if name == "auto":
-        if cuda and precision != "fp32" and flash_importable():
+        if cuda and precision != "fp32" and flash_importable() and not blocks:
             return "auto: flash-attn varlen"
         return "auto: FlexAttention, document mask" if cuda else "auto: SDPA per segment"
     return {"flash": "flash-attn varlen", "flex": "FlexAttention, document mask", "sdpa": "SDPA per segment",
             "eager": "eager, dense block-diagonal mask"}[name]
 
 
-def compiles(name: str, *, cuda: bool, precision: str, dropout: float = 0.0) -> bool:
+def compiles(name: str, *, cuda: bool, precision: str, dropout: float = 0.0, blocks: bool = False) -> bool:
     """Whether the choice `name` runs packed rows through a kernel compiled per sequence length
     on this machine (FlexAttention on CUDA): where plan.ladder=auto pads micro-batches to a few
     lengths. flash-attn's varlen kernel and SDPA take any length without a compile."""
     if not cuda or dropout > 0:  # no CUDA: SDPA; attention dropout: flex runs sdpa (`resolve`)
         return False
     if name == "auto":
-        return not (precision != "fp32" and flash_importable())
+        return blocks or not (precision != "fp32" and flash_importable())
     return name == "flex"
 
 
@@ -142,16 +156,22 @@ def compiles(name: str, *, cuda: bool, precision: str, dropout: float = 0.0) -> 
 
 
 def packed(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, stream: Stream, *,
-           causal: bool, window: int | None, scale: float | None, dropout: float) -> torch.Tensor:
-    """Attention inside each segment of `stream` with the resolved `kernel`."""
+           causal: bool, window: int | None, scale: float | None, dropout: float,
+           blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention inside each segment of `stream` with the resolved `kernel`; `blocks` (causal only):
+    a block id per position, -1 outside any; a block's positions also see each other forward
+    (attention.Segments.blocks)."""
     if kernel == "flash":
+        if blocks is not None:
+            raise ValueError("flash-attn cannot mask bidirectional image blocks; resolve() picks another kernel")
         return _flash(query, key, value, stream, causal=causal, window=window, scale=scale, dropout=dropout)
     if kernel == "flex":
-        return _flex(query, key, value, stream, causal=causal, window=window, scale=scale)
+        return _flex(query, key, value, stream, causal=causal, window=window, scale=scale, blocks=blocks)
     if kernel == "eager":
-        mask = _document_mask(stream, causal=causal, window=window, dtype=query.dtype)
+        mask = _document_mask(stream, causal=causal, window=window, dtype=query.dtype, blocks=blocks)
         return eager(query, key, value, mask, scale=scale, dropout=dropout)
-    return _sdpa_loop(query, key, value, stream, causal=causal, window=window, scale=scale, dropout=dropout)
+    return _sdpa_loop(query, key, value, stream, causal=causal, window=window, scale=scale, dropout=dropout,
+                      blocks=blocks)
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask: torch.Tensor | None,
@@ -185,19 +205,44 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def window_mask(n: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def window_mask(n: int, window: int, dtype: torch.dtype, device: torch.device, *, causal: bool = True) -> torch.Tensor:
     """Additive [n, n] causal mask of a sliding window: query q sees keys q-window < k <= q
-    (transformers' `sliding_window_overlay` on a causal mask)."""
+    (transformers' `sliding_window_overlay` on a causal mask); `causal=False`: the window's lower
+    bound only (k > q - window), for a mask that is causal already or causal-or-same-block."""
     q = torch.arange(n, device=device)[:, None]
     k = torch.arange(n, device=device)[None, :]
     mask = torch.zeros((n, n), dtype=dtype, device=device)
-    return mask.masked_fill_((k > q) | (k <= q - window), torch.finfo(dtype).min)
+    hidden = k <= q - window
+    return mask.masked_fill_(hidden | (k > q) if causal else hidden, torch.finfo(dtype).min)
 
 
-def _sdpa_loop(query, key, value, stream: Stream, *, causal, window, scale, dropout) -> torch.Tensor:
+def block_allowed(blocks: torch.Tensor, *, window: int | None) -> torch.Tensor:
+    """Boolean [n, n] of one causal segment with image blocks: causal or same block (id >= 0), and
+    with a window, k > q - window (transformers' Gemma 3 masks: blockwise_overlay OR'd into the
+    causal mask, sliding_window_overlay AND'd on top)."""
+    i = torch.arange(blocks.shape[0], device=blocks.device)
+    allowed = (i[None, :] <= i[:, None]) | ((blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0))
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    return allowed
+
+
+def _sdpa_loop(query, key, value, stream: Stream, *, causal, window, scale, dropout, blocks=None) -> torch.Tensor:
     parts, start = [], 0
-    for n in stream.lengths:
+    masks = None
+    if blocks is not None:  # one explicit mask per segment (causal or same block, and the window), made once
+        masks = stream.derived.get(("sdpa_block_masks", window, str(query.device)))  # per micro-batch
+        if masks is None:
+            bounds = [0, *itertools.accumulate(stream.lengths)]
+            masks = [block_allowed(blocks[a:b].to(query.device), window=window) for a, b in zip(bounds, bounds[1:])]
+            stream.derived[("sdpa_block_masks", window, str(query.device))] = masks
+    for i, n in enumerate(stream.lengths):
         sl = slice(start, start + n)
+        if masks is not None and n > 1:
+            parts.append(sdpa(query[:, :, sl], key[:, :, sl], value[:, :, sl], mask=masks[i], causal=False,
+                              scale=scale, dropout=dropout))
+            start += n
+            continue
         windowed = causal and window is not None and n > window
         parts.append(sdpa(query[:, :, sl], key[:, :, sl], value[:, :, sl],
                           mask=window_mask(n, window, query.dtype, query.device) if windowed else None,
@@ -206,15 +251,19 @@ def _sdpa_loop(query, key, value, stream: Stream, *, causal, window, scale, drop
     return (torch.cat(parts, dim=2) if parts else query).transpose(1, 2)
 
 
-def _document_mask(stream: Stream, *, causal: bool, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+def _document_mask(stream: Stream, *, causal: bool, window: int | None, dtype: torch.dtype,
+                   blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Additive [T, T] block-diagonal mask of the stream's segments (the dense reference)."""
     doc = stream.document_ids()
     i = torch.arange(doc.shape[0], device=doc.device)
     allowed = doc[:, None] == doc[None, :]
     if causal:
-        allowed &= i[None, :] <= i[:, None]
-        if window is not None:
-            allowed &= i[:, None] - i[None, :] < window
+        if blocks is not None:
+            allowed &= block_allowed(blocks, window=window)
+        else:
+            allowed &= i[None, :] <= i[:, None]
+            if window is not None:
+                allowed &= i[:, None] - i[None, :] < window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=doc.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
@@ -235,22 +284,25 @@ whether it is skipped, computed whole, or computed under the mask; packed length
 multiples of it (the planner's length ladder) leave no ragged tail tile."""
 
 
-def _flex(query, key, value, stream: Stream, *, causal, window, scale) -> torch.Tensor:
-    key_ = ("flex_block_mask", causal, window, str(query.device))
+def _flex(query, key, value, stream: Stream, *, causal, window, scale, blocks=None) -> torch.Tensor:
+    key_ = ("flex_block_mask", causal, window, str(query.device), blocks is not None)
     block_mask = stream.derived.get(key_)
     if block_mask is None:
-        block_mask = segment_block_mask(stream, causal=causal, window=window, device=query.device)
+        block_mask = segment_block_mask(stream, causal=causal, window=window, device=query.device, blocks=blocks)
         stream.derived[key_] = block_mask
     out = _flex_attention(query.is_cuda)(query, key, value, block_mask=block_mask, scale=scale,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2)
 
 
-def _segment_mask_mod(doc: torch.Tensor, *, causal: bool, window: int | None):
+def _segment_mask_mod(doc: torch.Tensor, *, causal: bool, window: int | None, blocks: torch.Tensor | None = None):
     def same_segment(_b, _h, q_idx, kv_idx):
         ok = doc[q_idx] == doc[kv_idx]
         if causal:
-            ok = ok & (kv_idx <= q_idx)
+            seen = kv_idx <= q_idx
+            if blocks is not None:
+                seen = seen | ((blocks[q_idx] == blocks[kv_idx]) & (blocks[q_idx] >= 0))
+            ok = ok & seen
             if window is not None:
                 ok = ok & (q_idx - kv_idx < window)
         return ok
@@ -258,7 +310,8 @@ def _segment_mask_mod(doc: torch.Tensor, *, causal: bool, window: int | None):
     return same_segment
 
 
-def segment_block_mask(stream: Stream, *, causal: bool, window: int | None, device: torch.device):
+def segment_block_mask(stream: Stream, *, causal: bool, window: int | None, device: torch.device,
+                       blocks: torch.Tensor | None = None):
     """FlexAttention's BlockMask of the stream's segments (document mask, causal or not).
 
     torch's create_block_mask finds the tiles by evaluating the mask over the whole [T, T] grid:
@@ -266,13 +319,16 @@ def segment_block_mask(stream: Stream, *, causal: bool, window: int | None, devi
     T x T tensor. The tiles of a document mask follow from the segment lengths alone, so they are
     computed here on the host from `stream.lengths` (no compile, no device sync, O(tiles)) and
     handed over with BlockMask.from_kv_blocks; the mask function only decides inside the tiles
-    the segments cut. A sliding window takes create_block_mask's path."""
+    the segments cut. A sliding window, or image blocks (`blocks`: attention.Segments.blocks), take
+    create_block_mask's path."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     doc = stream.document_ids()
-    mask_mod = _segment_mask_mod(doc, causal=causal, window=window)
+    if blocks is not None:
+        blocks = blocks.to(device=doc.device, dtype=torch.int32)
+    mask_mod = _segment_mask_mod(doc, causal=causal, window=window, blocks=blocks if causal else None)
     n = stream.total
-    if window is not None and causal:
+    if (window is not None or blocks is not None) and causal:
         return create_block_mask(mask_mod, None, None, n, n, device=device, _compile=device.type == "cuda")
     tiles = -(-n // FLEX_BLOCK)
     starts = torch.arange(tiles) * FLEX_BLOCK
@@ -293,14 +349,14 @@ def segment_block_mask(stream: Stream, *, causal: bool, window: int | None, devi
         full = full & below
     partial = touching & ~full
 
-    def blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tile_lists(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         count = m.sum(dim=1, dtype=torch.int32)
         order = torch.argsort((~m).to(torch.int8), dim=1, stable=True).to(torch.int32)  # chosen tiles first
         return (count[None, None].to(device, non_blocking=True),
                 order[None, None].contiguous().to(device, non_blocking=True))
 
-    kv_num, kv_idx = blocks(partial)
-    full_num, full_idx = blocks(full)
+    kv_num, kv_idx = tile_lists(partial)
+    full_num, full_idx = tile_lists(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(n, n))
 

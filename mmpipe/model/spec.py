@@ -164,7 +164,14 @@ class VisionSpec:
     """`tiles`: most tiles of a grid, the thumbnail not counted (the image processor's max_patches)."""
     image_markers: int = 0
     """Text tokens the model's processor puts around each image's tokens (InternVL's `<img>` and
-    `</img>`: 2), which the templater adds and the planner counts as text; 0: none."""
+    `</img>`: 2; Gemma 3's "\\n\\n", <start_of_image>, <end_of_image>, "\\n\\n": 4), which the
+    templater adds and the planner counts as text; 0: none."""
+    pooled: bool = False
+    """The merge x merge patches are averaged into one token (Gemma 3's average pool) rather than
+    concatenated: the projector's input width is `hidden`, not hidden * merge**2."""
+    image_blocks: bool = False
+    """The LLM attends bidirectionally inside each image's run of tokens (Gemma 3; attention.Segments.
+    blocks): flash-attn cannot run it, `train.attention=auto` picks FlexAttention on CUDA."""
 
     deepstack: tuple[int, ...] = ()
     """Qwen3-VL's DeepStack: the encoder blocks (0-based, rising) whose outputs, each through its
@@ -218,7 +225,7 @@ class VisionSpec:
 
     @property
     def proj_in(self) -> int:
-        return self.hidden * self.merge * self.merge
+        return self.hidden if self.pooled else self.hidden * self.merge * self.merge
 
     def windowed(self, block: int) -> bool:
         """Whether block `block` attends within windows (not over the whole image)."""
@@ -381,6 +388,11 @@ def layer_names(spec: ModelSpec) -> list[str]:
     names.extend(f"llm.block.{i}" for i in range(spec.llm.blocks))
     names += ["llm.norm", "llm.head"]
     return names
+
+
+def image_blocks(spec: ModelSpec) -> bool:
+    """Whether the spec's LLM attends bidirectionally inside each image (VisionSpec.image_blocks)."""
+    return spec.vision is not None and spec.vision.image_blocks
 
 
 def is_trainable(layer: str, trainable: tuple[str, ...]) -> bool:

@@ -233,8 +233,9 @@ def describe_precision(engine) -> str:
 
 
 def describe_training(train: TrainConfig, dp: int, engine, basic: torch.optim.Optimizer, *,
-                      mmpipe_clips: bool) -> str:
-    """One start-up line: precision, ZeRO stage, optimizer and clipping as they took effect."""
+                      mmpipe_clips: bool, blocks: bool = False) -> str:
+    """One start-up line: precision, ZeRO stage, optimizer and clipping as they took effect (`blocks`:
+    the model's image blocks, which the `auto` kernel runs without flash-attn)."""
     precision = describe_precision(engine)
     stage = engine.zero_optimization_stage()
     zero = f"ZeRO-{stage}"
@@ -248,7 +249,8 @@ def describe_training(train: TrainConfig, dp: int, engine, basic: torch.optim.Op
     clip = "off"
     if train.grad_clip > 0:
         clip = f"global norm {train.grad_clip:g} ({'mmpipe' if mmpipe_clips else 'DeepSpeed'})"
-    attention = kernels.describe(train.attention, cuda=str(engine.device).startswith("cuda"), precision=train.precision)
+    attention = kernels.describe(train.attention, cuda=str(engine.device).startswith("cuda"), precision=train.precision,
+                                 blocks=blocks)
     line = f"precision: {precision} | {zero} | optimizer: {opt} | clipping: {clip} | attention: {attention}"
     if isinstance(basic, torch.optim.AdamW) and basic.defaults.get("fused"):
         line += f"\nAdamW: torch's fused kernel ({ADAMW_WHY})"

@@ -12,7 +12,7 @@ from mmpipe.config import RunConfig, plan_problem
 from mmpipe.data.skips import SkipCounter
 from mmpipe.model import kernels
 from mmpipe.model.geometry import SampleFeatures, features
-from mmpipe.model.spec import ModelSpec, layer_names
+from mmpipe.model.spec import ModelSpec, image_blocks, layer_names
 from mmpipe.planner.api import (
     PAST_TOP_GROWTH,
     Ladder,
@@ -113,7 +113,7 @@ def choose_ladder(rc: RunConfig, tokenizer, chosen: ChosenStages) -> Ladder | No
     compiles per length (model/kernels.py `compiles`), spanning the packed lengths the planner
     makes on the first steps of the data (workload_sample). Every rank derives the same ladder."""
     compiles = kernels.compiles(rc.train.attention, cuda=torch.cuda.is_available(), precision=rc.train.precision,
-                                dropout=rc.model.llm.attention_dropout)
+                                dropout=rc.model.llm.attention_dropout, blocks=image_blocks(rc.model))
     steps: list[list[SampleFeatures]] = []
     if rc.plan.ladder == "auto" and compiles:
         per_step = rc.train.global_batch // (1 if rc.plan.across_replicas else rc.parallel.dp)

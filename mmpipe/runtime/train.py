@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mmpipe.config import RunConfig, eval_interval, hardware_spec
 from mmpipe.measure import WARMUP_STEPS, throughput, timed_records
-from mmpipe.model.spec import layer_names
+from mmpipe.model.spec import image_blocks, layer_names
 from mmpipe.paths import resolve_path
 from mmpipe.planner.api import HardwareSpec, StagePlan, StepCalibration
 from mmpipe.runtime.batch import MicroBatch
@@ -195,7 +195,8 @@ def build_pipeline(rc: RunConfig, tok, stage_plan: StagePlan) -> _Pipeline:
         load = {"rank": dist.get_rank(), "stage": engine.stage_id, **load_report(layer_names(rc.model)[a:b])}
     write_stage_file(Path(rc.run_dir), dist.get_rank(), engine.stage_id, engine.grid.data_parallel_id, module,
                       load=load)
-    describe = describe_training(t, rc.parallel.dp, engine, optimizer, mmpipe_clips=clip is not None)
+    describe = describe_training(t, rc.parallel.dp, engine, optimizer, mmpipe_clips=clip is not None,
+                                 blocks=image_blocks(rc.model))
     return _Pipeline(engine=engine, scheduler=scheduler, clip=clip, describe=describe, first=engine.is_first_stage(),
                      last=engine.is_last_stage(), dp_rank=engine.grid.data_parallel_id,
                      dp_group=engine.grid.get_data_parallel_group(), load=load, spec=pspec)

@@ -160,6 +160,11 @@ class Reference:
 
             self.processor = AutoProcessor.from_pretrained(folders[kind])
             assert type(self.processor).__name__ == "InternVLProcessor", type(self.processor)
+        elif kind == "gemma3":  # the folder's whole processor (Gemma3Processor: \n\n<boi> image tokens <eoi>\n\n)
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(folders[kind])
+            assert type(self.processor).__name__ == "Gemma3Processor", type(self.processor)
         elif kind == "qwen3-vl":
             from transformers import Qwen3VLProcessor
 
@@ -191,6 +196,13 @@ class Reference:
             n = text.count("<IMG_CONTEXT>")
             out = self.processor(text=text, images=images[:n] or None, return_tensors="pt")
             return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values")}
+        if self.kind == "gemma3":  # each <start_of_image> expanded; token_type_ids mark the image tokens; no
+            # second <bos> after the template's own (ProcessorMixin.apply_chat_template's rule)
+            n = text.count(self.tok.boi_token)
+            out = self.processor(text=text, images=images[:n] or None, return_tensors="pt",
+                                 add_special_tokens=not text.startswith(self.tok.bos_token))
+            return out["input_ids"][0].tolist(), {"pixel_values": out.get("pixel_values"),
+                                                  "token_type_ids": out["token_type_ids"][0].tolist()}
         if self.kind == "qwen2-audio":
             n = text.count("<|AUDIO|>")
             out = self.processor(text=text, audio=clips[:n] or None, sampling_rate=16000, return_tensors="pt")
@@ -258,6 +270,9 @@ class Reference:
         if self.kind in ("qwen2-vl", "qwen2.5-vl"):  # text 0, image 1, video 2 (what the Qwen-VL processors return)
             image, video_ = (self.tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
             out["mm_token_type_ids"] = (out["input_ids"] == image).int() + 2 * (out["input_ids"] == video_).int()
+        if self.kind == "gemma3":  # the processor's token types (the image tokens), padded as text
+            types = [s["token_type_ids"] for s in samples]
+            out["token_type_ids"] = torch.tensor([x + [0] * (t - len(x)) for x in types])
         if self.kind == "qwen3-vl":  # the processor's own token types, padded as text
             types = [s["mm_token_type_ids"] for s in samples]
             out["mm_token_type_ids"] = torch.tensor([x + [0] * (t - len(x)) for x in types], dtype=torch.int32)
@@ -291,7 +306,7 @@ class Reference:
                "llava-onevision": "LlavaOnevisionForConditionalGeneration",
                "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
                "qwen2.5-omni": "Qwen2_5OmniThinkerForConditionalGeneration",
-               "internvl": "InternVLForConditionalGeneration"}[self.kind]
+               "internvl": "InternVLForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}[self.kind]
         cls = getattr(transformers, cls)
         model = cls.from_pretrained(folder or self.folders[self.kind], attn_implementation="eager")
         with torch.device("meta"):

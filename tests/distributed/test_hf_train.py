@@ -7,8 +7,10 @@ a Qwen2 causal LM with tied embeddings + a projector from another folder), LLaVA
 step holds clips of 7 to 20 frames, images and text from the shipped video mix), LLaVA-NeXT (pp=3),
 Qwen3-VL (pp=3, cut between the tower's DeepStack blocks and between the decoder layers that add the
 DeepStack features), Qwen2.5-VL (pp=2, cut between a full-attention and a
-windowed vision block) and the Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on
-different stages): one SGD step through the pipeline gives the loss of the transformers model's own
+windowed vision block), the Qwen2.5-Omni thinker (pp=3, the vision and the audio tower on
+different stages) and Gemma 3 (pp=2, the cut between a sliding and a full decoder layer; the reference
+gets Gemma3Processor's token_type_ids, so each image attends bidirectionally on both sides): one SGD
+step through the pipeline gives the loss of the transformers model's own
 forward on the same samples (`train.record_samples=true` says which), and the same updated
 parameters as its own backward and step, read back through `mmpipe export` (so the export loads with
 the original class). The reference builds its inputs from the raw tar members with the checkpoint's
@@ -51,6 +53,8 @@ CASES = {  # model: its overrides (one launch each)
     "llava-next": ["parallel.pp=3", "train.steps=1"],  # a middle stage carries the tiles' states and image sizes
     # InternVL's tiles and thumbnails, the cut inside the tower: stage 1 gets every tile's states
     "internvl": ["parallel.pp=2", "train.steps=1", "plan.stages=[vision.embed:vision.block.0,vision.block.1:llm.head]"],
+    # Gemma 3: the cut between a sliding and a full decoder layer, each image a bidirectional block on both stages
+    "gemma3": ["parallel.pp=2", "train.steps=1", "plan.stages=[vision.embed:llm.block.0,llm.block.1:llm.head]"],
     # block 0's DeepStack state crosses stages 0 -> 1 before its merger; the two merged features enter
     # llm.block.0 and llm.block.1, on different stages, so one crosses stages 1 -> 2 (and its gradient back)
     "qwen3-vl": ["parallel.pp=3", "train.steps=1",

@@ -63,6 +63,49 @@ def test_cuda_kernels_agree_with_the_dense_reference(dtype, causal, window):
         assert errs[0] < out_tol and max(errs[1:]) < grad_tol, (kernel, errs)
 
 
+def _image_blocks(n: int) -> torch.Tensor:
+    """Gemma 3's image blocks over the LENGTHS row: 300-position blocks (longer than WINDOW, across 128-tile
+    edges) filling a segment, at a segment's start, inside one and at its end; -1 elsewhere."""
+    out = torch.full((n,), -1, dtype=torch.long, device="cuda")
+    for k, a in enumerate((0, 301, 1000, 1500, 3402 - 300)):
+        out[a:a + 300] = k
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
+def test_image_blocks_agree_with_the_dense_reference_on_cuda(dtype, window):
+    """Segments.blocks (Gemma 3's bidirectional images): compiled FlexAttention (create_block_mask over the
+    blocks' mask function) and SDPA per segment (an explicit mask) against the eager dense reference; flash
+    is refused under the blocks and `auto` runs FlexAttention."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t = sum(LENGTHS)
+    master = [torch.randn(1, h, t, DIM, device="cuda", generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    grad_out = torch.randn(1, t, HEADS, DIM, device="cuda", generator=g)
+    stream = layout.read(layout.encode(LENGTHS, [], []).cuda()).llm
+    blocks = _image_blocks(t)
+
+    def attend(kernel, q, k, v):
+        for x in (q, k, v):
+            x.grad = None
+        with kernels.using(kernel), segments(Segments(stream=stream, causal=True, blocks=blocks)):
+            out, _ = segment_attention(torch.nn.Module(), q, k, v, None, scaling=DIM ** -0.5, sliding_window=window)
+        out.backward(grad_out.to(out.dtype))
+        return out.float(), [x.grad.float() for x in (q, k, v)]
+
+    ref, ref_grads = attend("eager", *[x.clone().requires_grad_() for x in master])
+    out_tol, grad_tol = (5e-3, 5e-3) if dtype == torch.float32 else (2e-2, 5e-2)
+    for kernel in ("flex", "sdpa"):
+        out, grads = attend(kernel, *[x.to(dtype).requires_grad_() for x in master])
+        errs = [_rel(out, ref)] + [_rel(a, b) for a, b in zip(grads, ref_grads)]
+        print(f"\nblocks {kernel} {dtype} window={window}: out {errs[0]:.1e}, grads {max(errs[1:]):.1e}")
+        assert errs[0] < out_tol and max(errs[1:]) < grad_tol, (kernel, errs)
+    q = master[0].to(torch.bfloat16)
+    assert kernels.resolve("auto", q, dropout=0.0, blocks=True) == "flex"
+    with pytest.raises(ValueError, match="train.attention=flash cannot attend bidirectionally"):
+        kernels.resolve("flash", q, dropout=0.0, blocks=True)
+
+
 def _tiny_micro_batch(spec):
     from tests.unit.model.test_model import FakeSample
 

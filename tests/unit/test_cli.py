@@ -50,8 +50,9 @@ def test_help_lists_commands_and_config_groups(capsys):
     out = capsys.readouterr().out
     for command in ("train", "plan", "simulate", "profile", "bench", "shards", "bench-data", "report", "export"):
         assert f"\n  {command} " in out
-    assert ("model: compose, hf, internvl3-8b, llava-1.5-7b, llava-next-mistral-7b, llava-onevision-qwen2-7b, omni-7b, "
-            "qwen2-audio-7b, qwen2-vl-7b, qwen2.5-omni-7b, qwen2.5-vl-7b, qwen3-vl-8b, tiny") in out
+    assert ("model: compose, gemma3-12b, hf, internvl3-8b, llava-1.5-7b, llava-next-mistral-7b, "
+            "llava-onevision-qwen2-7b, omni-7b, qwen2-audio-7b, qwen2-vl-7b, qwen2.5-omni-7b, qwen2.5-vl-7b, "
+            "qwen3-vl-8b, tiny") in out
     assert ("recipes: llava-lora, llava-next-lora, llava-next-sft, llava-stage1, llava-stage2, onevision-lora, "
             "onevision-sft, plan-qwen2-vl-h100, plan-qwen2.5-omni-h100, qwen2-audio-lora, qwen2-vl-lora, qwen2-vl-sft, "
             "qwen2.5-omni-lora, qwen2.5-omni-sft, qwen2.5-vl-lora, qwen2.5-vl-sft, qwen3-vl-lora, qwen3-vl-sft, "

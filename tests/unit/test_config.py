@@ -164,7 +164,7 @@ def test_readme_stage_override_lines_compose():
     ("data.pth=x", "data.pth=x: no such config key; did you mean data.path?"),
     # a misspelt section (issue 34: it said `"trian=?": no such config key`): as typed, the nearest key
     ("trian.steps=3", "mmpipe train: error: trian.steps=3: no such config key; did you mean train.steps?\n"),
-    ("model=qwen3", "model=qwen3: no such model config; available: compose, hf, internvl3-8b, llava-1.5-7b"),
+    ("model=qwen3", "model=qwen3: no such model config; available: compose, gemma3-12b, hf, internvl3-8b"),
     # a key cut short names the key it starts (difflib alone offered train.lr)
     ("train.zero=1", "train.zero=1: no such config key; did you mean train.zero_stage?"),
 ])

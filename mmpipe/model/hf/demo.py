@@ -5,8 +5,8 @@ shipped shards' conversations with a chat template in its family's format (our o
 the processor config, all in one folder. Nothing is downloaded.
 
     folders = write_all(tmp)   # {"llava", "qwen2-vl", "qwen2-audio", "llava-next", "llava-onevision", "qwen3-vl",
-                               #  "qwen2.5-vl", "qwen2.5-omni", "internvl", "compose-vision", "compose-llm",
-                               #  "compose-projector"}
+                               #  "qwen2.5-vl", "qwen2.5-omni", "internvl", "gemma3", "compose-vision",
+                               #  "compose-llm", "compose-projector"}
 
 Each family's writer is its `Family.demo` (families/); what they share is demo_kit.py; the
 composition's unimodal folders are written here. The test suite trains and compares these; a

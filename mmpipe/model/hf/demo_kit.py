@@ -76,6 +76,29 @@ def llama_tokenizer(texts: list[str], vocab: int = 600):
                                    pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
 
 
+GEMMA_NAMED = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+"""Gemma 3's named image tokens (Gemma3Processor reads the tokenizer's image_token, boi_token, eoi_token)."""
+
+
+def gemma_tokenizer(texts: list[str], vocab: int = 600):
+    """A SentencePiece-style BPE (Metaspace, newline runs kept whole) with Gemma 3's specials: <bos> before
+    every text, <start_of_turn> / <end_of_turn>, and the named image tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n+", behavior="isolated"),
+                                               pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")])
+    t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", *GEMMA_NAMED.values()]
+    t.train_from_iterator([*texts, *["\n\n"] * 500], trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                                          show_progress=False))
+    t.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                     special_tokens=[("<bos>", t.token_to_id("<bos>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                   pad_token="<pad>", extra_special_tokens=dict(GEMMA_NAMED))
+
+
 def qwen_tokenizer(texts: list[str], extra: tuple[str, ...] = (), named: dict[str, str] | None = None,
                    vocab: int = 700):
     """A byte-level BPE with Qwen's specials (pad <|endoftext|>, end of turn <|im_end|>)."""

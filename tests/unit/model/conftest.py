@@ -57,6 +57,12 @@ def internvl_qwen3(hf_root):
 
 
 @pytest.fixture(scope="session")
+def gemma3(hf_root):
+    """Gemma 3: SigLIP (56-px images, 16 tokens each) + a 4-layer Gemma 3 decoder, sliding and full layers."""
+    return H.write_gemma3(hf_root, seed=20)
+
+
+@pytest.fixture(scope="session")
 def qwen2_vl(hf_root):
     return H.write_qwen2_vl(hf_root, seed=14)
 

@@ -19,6 +19,7 @@ from PIL import Image
 from transformers import (
     AutoImageProcessor,
     CLIPVisionConfig,
+    Gemma3ForConditionalGeneration,
     InternVLForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
@@ -54,7 +55,7 @@ CLASSES = {"llava_clip_llama": LlavaForConditionalGeneration, "llava_siglip_qwen
            "llava_next": LlavaNextForConditionalGeneration, "llava_onevision": LlavaOnevisionForConditionalGeneration,
            "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
            "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration, "internvl": InternVLForConditionalGeneration,
-           "internvl_qwen3": InternVLForConditionalGeneration}
+           "internvl_qwen3": InternVLForConditionalGeneration, "gemma3": Gemma3ForConditionalGeneration}
 """The transformers class of each checkpoint fixture (tests/unit/model/conftest.py)."""
 VOCAB, IMAGE, AUDIO, VSTART, VEND, VIDEO = 300, 290, 291, 292, 293, 294
 ASTART, AEND = 295, 296  # Qwen2.5-Omni's audio bos / eos
@@ -163,6 +164,41 @@ def write_internvl(root: Path, *, seed: int, llm: str = "qwen2", tie: bool = Fal
     model.save_pretrained(folder)
     GotOcr2ImageProcessor(size={"height": 28, "width": 28}, crop_to_patches=True, min_patches=1,
                           max_patches=6).save_pretrained(folder)
+    return folder
+
+
+GEMMA3_WINDOW = 8
+"""The Gemma 3 case's sliding window: shorter than its samples and than an image's 16 tokens."""
+
+
+def write_gemma3(root: Path, *, seed: int) -> Path:
+    """SigLIP (56-px images of 7-px patches, 2 layers; its pooling head left out, as Gemma 3's) pooled 2x2
+    into 16 tokens an image + a Gemma 3 decoder of 4 layers (sliding, full, sliding, full; an 8-token
+    window; a local rope base of 100 and a linearly scaled global one; q/k norms; query_pre_attn_scalar
+    12, not head_dim), tied embeddings. Every RMSNorm (Gemma's x * (1 + w), drawn as zeros) and the
+    projector's matrix (drawn as zeros) moved off their initial values."""
+    from transformers import Gemma3Config, Gemma3ImageProcessor, Gemma3TextConfig
+
+    from mmpipe.model.hf.families.gemma3 import perturb_projector
+
+    torch.manual_seed(seed)
+    text = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=GEMMA3_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}})
+    vc = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            image_size=56, patch_size=7, vision_use_head=False)
+    cfg = Gemma3Config(text_config=text, vision_config=vc, mm_tokens_per_image=16, image_token_id=IMAGE,
+                       boi_token_id=VSTART, eoi_token_id=VEND)
+    model = Gemma3ForConditionalGeneration(cfg)
+    perturb(model, seed)
+    perturb_projector(model, seed)
+    folder = root / "gemma3"
+    model.save_pretrained(folder)
+    Gemma3ImageProcessor(size={"height": 56, "width": 56}, image_mean=[0.5] * 3,
+                         image_std=[0.5] * 3).save_pretrained(folder)
     return folder
 
 
@@ -607,6 +643,28 @@ def internvl_pixels(folder, samples):
     proc = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     images = [Image.open(io.BytesIO(b)).convert("RGB") for s in samples for b in s.images]
     return proc(images=images, crop_to_patches=True, return_tensors="pt")
+
+
+GEMMA3_SIZES = [[(40, 60), (90, 33)], [(120, 200)], [], [(20, 50), (56, 56), (31, 170)]]
+"""Images (height, width) of each sample of the Gemma 3 parity case: two in one sample, one, none,
+three (every image resized to 56 px: one tower pass, 16 tokens)."""
+NEWLINES = 11
+"""The Gemma 3 case's "\\n\\n" text token around each image."""
+
+
+def gemma3_samples(spec, rng):
+    """Samples of GEMMA3_SIZES, each image "\\n\\n" <start_of_image> (VSTART), its tokens by the
+    geometry, <end_of_image> (VEND) "\\n\\n", as Gemma3Processor expands <start_of_image>."""
+    from mmpipe.model.geometry import sample_image_tokens
+
+    out = []
+    for k, sizes in enumerate(GEMMA3_SIZES):
+        pieces = [text(rng, 3)]
+        for n in sample_image_tokens(spec.vision, tuple(sizes)):
+            pieces += [[NEWLINES, VSTART] + [IMAGE] * n + [VEND, NEWLINES], text(rng, int(rng.integers(2, 6)))]
+        pieces.append(text(rng, 14))
+        out.append(sample(f"s{k}", pieces, images=[random_image(rng, h, w) for h, w in sizes]))
+    return out
 
 
 # ----------------------------------------------------------------------------- OneVision video

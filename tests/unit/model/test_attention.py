@@ -335,3 +335,61 @@ def test_a_sliding_window_decoder_gives_one_loss_under_every_cpu_kernel(llava_cl
     print(f"\nmistral window 8: {losses}")
     ref = losses["sdpa", True]
     assert all(v == pytest.approx(ref, rel=1e-6) for v in losses.values()), losses
+
+
+BLOCKS = [(0, 3), (8, 13), (22, 32), (33, 34), (45, 55)]
+"""Image blocks [start, end) of the LENGTHS row (Gemma 3's images): one that fills its segment's head, one
+longer than WINDOW, one that ends its segment, a one-position block, and one inside the longest segment."""
+
+
+def _blocks() -> torch.Tensor:
+    out = torch.full((sum(LENGTHS),), -1, dtype=torch.long)
+    for k, (a, b) in enumerate(BLOCKS):
+        out[a:b] = k
+    return out
+
+
+def _block_reference(q, k, v, *, window: int | None) -> torch.Tensor:
+    """Dense float64 attention of transformers' Gemma 3 masks: same segment and (causal or same block),
+    and with a window k > q - window."""
+    q, k, v = (x.double() for x in (q, k, v))
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    doc = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    blocks, i = _blocks(), torch.arange(doc.shape[0])
+    seen = (i[None, :] <= i[:, None]) | ((blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0))
+    allowed = (doc[:, None] == doc[None, :]) & seen
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
+def _attend_blocks(kernel: str, q, k, v, *, window: int | None) -> torch.Tensor:
+    with kernels.using(kernel), segments(Segments(stream=_stream(LENGTHS), causal=True, blocks=_blocks())):
+        out, _ = segment_attention(torch.nn.Module(), q, k, v, None, scaling=q.shape[-1] ** -0.5,
+                                   sliding_window=window)
+    return out
+
+
+@UNFUSED_FLEX
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
+def test_image_blocks_attend_both_ways_under_every_kernel(window):
+    """Segments.blocks (Gemma 3's images): sdpa and eager in output and gradients, flex forward (CPU),
+    equal the dense reference; a block longer than the window sees its whole self forward, the window
+    bounding only the keys behind a query; flash-attn is refused by name."""
+    ref_in = _qkv(4, 2)
+    ref = _block_reference(*ref_in, window=window)
+    ref.backward(torch.ones_like(ref))
+    for kernel in (*CPU_KERNELS, "flex"):
+        q, k, v = _qkv(4, 2) if kernel != "flex" else (x.detach() for x in _qkv(4, 2))
+        with torch.set_grad_enabled(kernel != "flex"):
+            out = _attend_blocks(kernel, q, k, v, window=window)
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+        if kernel != "flex":
+            out.backward(torch.ones_like(out))
+            for x, r in zip((q, k, v), ref_in):
+                torch.testing.assert_close(x.grad.double(), r.grad.double(), rtol=0, atol=2e-5)
+    causal = _reference(*(x.detach() for x in _qkv(4, 2)), causal=True, window=window)
+    assert (causal - ref).abs().max() > 1e-3  # the blocks matter
+    with pytest.raises(ValueError, match="train.attention=flash cannot attend bidirectionally"):
+        kernels.resolve("flash", ref, dropout=0.0, blocks=True)

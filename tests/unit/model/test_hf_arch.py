@@ -178,6 +178,71 @@ def test_internvl3_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers
         assert priced[name] == pytest.approx(counts[name], rel=1e-3), name
 
 
+GEMMA3_12B = {  # google/gemma-3-12b-it's config.json figures
+    "model_type": "gemma3", "image_token_index": 262144, "boi_token_index": 255999, "eoi_token_index": 256000,
+    "mm_tokens_per_image": 256,
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
+                    "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+                      "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14,
+                      "vision_use_head": False},
+}
+GEMMA3_PROCESSOR = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 896, "width": 896},
+                    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": None}
+
+
+def test_gemma3_12b_preset_is_its_hub_config_and_the_planner_prices_its_layers():
+    """The preset states the Hub config (its layer types and rope bases are transformers' defaults of it);
+    the model has Gemma 3 12B's 12.2 B parameters (the tied head once) and the planner prices the tower, the
+    projector and the embedding at the transformers model's counts, a decoder block within 2 % (the planner's
+    attention is hidden / heads = 240 wide, Gemma's heads 256)."""
+    from mmpipe.model.hf.configs import hf_config
+    from mmpipe.planner.cost import build_cost_model
+    from mmpipe.planner.hardware import hardware_from_dict
+
+    ours = spec_from_config(GEMMA3_12B, name="gemma3-12b", image_processor=GEMMA3_PROCESSOR)
+    preset = _preset("gemma3-12b")
+    _same_figures(ours.vision, preset.vision, ("blocks", "hidden", "mlp", "heads", "patch", "merge", "image_size",
+                                               "resize", "pooled", "image_markers", "proj"))
+    _same_figures(ours.llm, preset.llm, ("blocks", "hidden", "mlp", "heads", "kv_heads", "vocab", "max_seq_len",
+                                         "tie_embeddings"))
+    for spec in (ours, preset):
+        text = hf_config(spec.hf).text_config
+        assert text.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+        assert text.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+        assert text.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert preset.vision.proj_in == 1152 and preset.vision.merge == 4
+    meta = SampleMeta(text_tokens=10, images=((448, 448), (1080, 1920)))
+    assert features(preset, meta).image_tokens == (256, 256)
+    counts = layer_params(preset)
+    assert 12.1e9 < sum(counts.values()) - counts["llm.head"] < 12.3e9
+    hw = hardware_from_dict(yaml.safe_load((CONF_DIR / "hardware/h100.yaml").read_text()))
+    cost = build_cost_model(model=preset, hardware=hw, trainable=("vision.proj", "llm"))
+    priced = {l.name: l.params for l in cost.layers}
+    for name in ("vision.embed", "vision.block.0", "vision.proj", "llm.embed", "llm.head"):
+        assert priced[name] == pytest.approx(counts[name], rel=1e-3), name
+    assert priced["llm.block.0"] == pytest.approx(counts["llm.block.0"], rel=2e-2)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"vision_config": {**GEMMA3_12B["vision_config"], "model_type": "clip_vision_model"}},
+     r"Gemma 3's vision tower 'clip_vision_model' is not supported"),
+    ({"mm_tokens_per_image": 200}, r"model\.config\.mm_tokens_per_image=200: the projector pools"),
+    ({"text_config": {**GEMMA3_12B["text_config"], "final_logit_softcapping": 30.0}},
+     r"model\.config\.text_config\.final_logit_softcapping=30\.0: .* set it to null"),
+])
+def test_gemma3_configs_mmpipe_cannot_run_are_one_line_errors(change, message):
+    with pytest.raises(ValueError, match=message):
+        spec_from_config({**GEMMA3_12B, **change}, name="g", image_processor=GEMMA3_PROCESSOR)
+
+
+def test_gemma3_pan_and_scan_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"image_processor\.do_pan_and_scan=true: pan-and-scan crops are not "
+                                         r"supported"):
+        spec_from_config(GEMMA3_12B, name="g", image_processor={**GEMMA3_PROCESSOR, "do_pan_and_scan": True})
+
+
 def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
     spec = spec_from_config(LLAVA_15_7B, name="llava-1.5-7b")
     counts = layer_params(spec)

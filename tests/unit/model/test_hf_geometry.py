@@ -360,6 +360,60 @@ def test_internvl_pixels_and_placeholders_are_the_processors(internvl):
         np.testing.assert_array_equal(ours, out["pixel_values"].numpy())
 
 
+# ----------------------------------------------------------------------------- Gemma 3
+
+
+def _gemma3_processor(folder):
+    """transformers' own Gemma3Processor around the folder's image processor (as AutoImageProcessor loads
+    it) and the demo's Gemma tokenizer ("\\n\\n" one token, as Gemma's), its image tokens the folder's."""
+    from transformers import AutoImageProcessor, Gemma3Processor
+
+    from mmpipe.model.hf.demo_kit import gemma_tokenizer
+
+    tok = gemma_tokenizer(["hello world, what is it", "\n\n"])
+    config = json.loads((folder / "config.json").read_text())  # the processor's ids are the tokenizer's
+    return Gemma3Processor(image_processor=AutoImageProcessor.from_pretrained(folder, local_files_only=True),
+                           tokenizer=tok, image_seq_length=config["mm_tokens_per_image"]), tok
+
+
+def test_gemma3_tokens_pixels_and_blocks_are_the_processors(gemma3):
+    """Gemma3Processor (pan-and-scan off, its default): every image, whatever its size, is one tower pass of
+    the fixed side and image_seq_length image tokens, the geometry's count (the 12B preset's 256 too), with
+    the four text tokens "\\n\\n" <start_of_image> ... <end_of_image> "\\n\\n" around them
+    (VisionSpec.image_markers); its token_type_ids are the image tokens, the blocks mmpipe finds; and
+    preprocess_images gives its pixel values."""
+    from mmpipe.model.hf.families.gemma3 import image_blocks
+    from mmpipe.model.hf.media import preprocess_images
+
+    from .test_hf_arch import _preset
+
+    preset = _preset("gemma3-12b").vision
+    assert {image_tokens(preset, h, w) for h, w in ((16, 18), (896, 896), (1080, 1920), (4000, 300))} == {256}
+    spec = spec_from_folder(gemma3)
+    v = spec.vision
+    proc, tok = _gemma3_processor(gemma3)
+    sizes = [(40, 60), (200, 31), (16, 18), (130, 197)]
+    counts = proc._get_num_multimodal_tokens(image_sizes=sizes)
+    assert counts["num_image_tokens"] == [image_tokens(v, h, w) for h, w in sizes] == [16] * 4
+    assert counts["num_image_patches"] == [1] * 4
+    rng = np.random.default_rng(13)
+    for group in ([(40, 60)], [(200, 31), (16, 18), (130, 197)]):
+        imgs = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in group]
+        text = "hello" + "world".join([tok.boi_token] * len(imgs)) + "what is it"
+        out = proc(text=[text], images=imgs, return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        runs = [len(list(g)) for k, g in itertools.groupby(ids) if k == tok.image_token_id]
+        assert runs == [image_tokens(v, h, w) for h, w in group]
+        plain = tok(text.replace(tok.boi_token, ""))["input_ids"]
+        assert len(ids) == len(plain) + sum(image_tokens(v, h, w) + v.image_markers for h, w in group)
+        types = out["token_type_ids"][0]
+        assert torch.equal(types.bool(), out["input_ids"][0] == tok.image_token_id)
+        blocks = image_blocks(out["input_ids"], tok.image_token_id)[0]
+        assert sorted(set(blocks.tolist()) - {-1}) == list(range(len(group)))
+        ours = np.stack([img.pixels for img in preprocess_images(spec, imgs)])
+        np.testing.assert_array_equal(ours, out["pixel_values"].numpy())
+
+
 # ----------------------------------------------------------------------------- Qwen2.5-VL and Qwen2.5-Omni
 
 

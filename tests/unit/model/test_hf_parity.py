@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 from transformers import (
+    Gemma3ForConditionalGeneration,
     InternVLForConditionalGeneration,
     LlavaForConditionalGeneration,
     LlavaNextForConditionalGeneration,
@@ -276,6 +277,25 @@ def test_internvl_layers_equal_transformers(case, request):
     hf = H.load_reference(InternVLForConditionalGeneration, internvl)
     out = hf(input_ids=H.padded(samples, "input_ids"), attention_mask=H.mask(samples),
              labels=H.padded(samples, "labels"), pixel_values=inputs["pixel_values"])
+    H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
+
+
+def test_gemma3_layers_equal_transformers(gemma3):
+    """Gemma 3: samples of two images, of one, of none and of three; every image one 16-token block,
+    bidirectional inside (token_type_ids as Gemma3Processor makes them: the image tokens), longer than the
+    sliding window, which the samples are longer than too; sliding and full layers with their own rope
+    bases; packed into one row and padded."""
+    spec = spec_from_folder(gemma3)
+    samples = H.gemma3_samples(spec, np.random.default_rng(7))
+    assert spec.vision.pooled and spec.vision.merge == 2 and spec.vision.image_markers == 4
+    assert min(len(s.input_ids) for s in samples) > H.GEMMA3_WINDOW
+    images = [b for s in samples for b in s.images]
+    inputs = H.processed_images(gemma3, images)
+    assert inputs["pixel_values"].shape[-2:] == (56, 56)
+    ids = H.padded(samples, "input_ids")
+    hf = H.load_reference(Gemma3ForConditionalGeneration, gemma3)
+    out = hf(input_ids=ids, attention_mask=H.mask(samples), labels=H.padded(samples, "labels"),
+             token_type_ids=(ids == H.IMAGE).long(), pixel_values=inputs["pixel_values"])
     H.compare(spec, build_layers(spec, seed=0), hf, out.loss, samples)
 
 

@@ -73,7 +73,7 @@ def test_an_unsupported_checkpoint_is_a_one_line_error(capsys, tmp_path):
         f"LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, "
         f"Qwen3VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
         f"Qwen2_5OmniThinkerForConditionalGeneration, InternVLForConditionalGeneration, "
-        f"or model=compose of a CLIP/SigLIP vision model or a Whisper "
+        f"Gemma3ForConditionalGeneration, or model=compose of a CLIP/SigLIP vision model or a Whisper "
         f"encoder with a llama/mistral/qwen2 causal LM")
     LlavaConfig(vision_feature_layer=[-2, -5]).save_pretrained(tmp_path / "layers")
     assert main(["train", "model=hf", f"model.path={tmp_path / 'layers'}"]) == 2
@@ -118,6 +118,47 @@ def test_the_tokenizer_must_be_the_models(capsys, hf_checkpoints):
                      r"id \d+ \(image_token_id of its config\)", _error(capsys))
 
 
+def test_gemma3_under_flash_attn_is_a_one_line_error_before_launch(capsys, tmp_path, hf_checkpoints):
+    """flash-attn cannot mask Gemma 3's bidirectional image blocks: refused by name before any rank starts,
+    on any machine (the model's blocks are checked before the package and the GPU)."""
+    assert main(["train", *model_overrides("gemma3", hf_checkpoints), "train.attention=flash",
+                 f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    assert _error(capsys) == ("mmpipe train: error: train.attention=flash cannot attend bidirectionally inside an "
+                              "image (Gemma 3's image blocks): flash-attn's varlen kernel is causal or not per call; "
+                              "use train.attention=auto (FlexAttention) or flex")
+
+
+def test_gemma3_templated_ids_are_gemma3processors(hf_checkpoints):
+    """The templater's ids of a two-round conversation with images next to text, to a turn's edge and to
+    each other are Gemma3Processor's (the folder's own, AutoProcessor) on the chat template's render: the
+    "\\n\\n" around each image tokenized with the text beside it; labels on the answers only."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from mmpipe.data.template import IGNORE, Turn
+
+    rc = load(model_overrides("gemma3", hf_checkpoints), job="test")
+    tok = load_templater(rc)
+    proc = AutoProcessor.from_pretrained(hf_checkpoints["gemma3"])
+    turns = [Turn(role="human", text="<image>\nWhat is it?"), Turn(role="gpt", text="a line"),
+             Turn(role="human", text="And these <image><image> two?\n\nSay."), Turn(role="gpt", text="two lines")]
+    n = rc.model.vision.merge ** -2 * (rc.model.vision.image_size // rc.model.vision.patch) ** 2
+    ours = tok.template(turns, image_tokens=[int(n)] * 3)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a line"}]},
+            {"role": "user", "content": [{"type": "text", "text": "And these "}, {"type": "image"}, {"type": "image"},
+                                         {"type": "text", "text": " two?\n\nSay."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "two lines"}]}]
+    text = proc.tokenizer.apply_chat_template(msgs, tokenize=False)
+    images = [Image.new("RGB", (30, 20), (40 * i, 90, 200)) for i in range(3)]
+    out = proc(text=text, images=images, add_special_tokens=not text.startswith(proc.tokenizer.bos_token))
+    assert ours.input_ids == out["input_ids"][0]
+    boi = proc.tokenizer.convert_tokens_to_ids(proc.tokenizer.boi_token)
+    assert ours.input_ids.count(boi) == 3 and ours.input_ids.count(tok.image_id) == 3 * n
+    answers = proc.tokenizer.decode([y for y in ours.labels if y != IGNORE])
+    assert "a line" in answers and "two lines" in answers and "What" not in answers
+
+
 VIDEO_MODELS = ("qwen2-vl", "llava-onevision", "qwen2.5-vl", "qwen2.5-omni+track")
 """The cases whose shipped video samples are trained (the rest skip them as `no encoder`)."""
 
@@ -149,9 +190,11 @@ def test_plan_and_runtime_agree_on_every_sample(name, hf_checkpoints):
         assert mb.tokens == mb.carrier[0].shape[1] == f.llm_len, rec.key
         if spec.vision is not None:
             assert sample.input_ids.count(tok.image_id) == sum(f.image_tokens), rec.key
-        if spec.vision is not None and spec.vision.image_markers:  # InternVL: <img> image tokens </img>
-            runs = [(k, len(list(g))) for k, g in groupby(sample.input_ids)]
-            assert [runs[i - 1][0] == tok.wrap[0] and runs[i + 1][0] == tok.wrap[1]
+        if spec.vision is not None and spec.vision.image_markers:  # InternVL: <img> image tokens </img>; Gemma 3:
+            runs = [(k, len(list(g))) for k, g in groupby(sample.input_ids)]  # <start_of_image> .. <end_of_image>
+            wrap = tok.wrap or tuple(tok.tokenizer.convert_tokens_to_ids([tok.tokenizer.boi_token,
+                                                                          tok.tokenizer.eoi_token]))
+            assert [runs[i - 1][0] == wrap[0] and runs[i + 1][0] == wrap[1]
                     for i, (k, _) in enumerate(runs) if k == tok.image_id] == [True] * len(rec.meta.images)
         if spec.audio is not None:
             assert sample.input_ids.count(tok.audio_id) == sum(f.audio_tokens), rec.key
@@ -203,12 +246,12 @@ def test_an_image_the_processor_refuses_is_a_counted_skip(hf_checkpoints):
         make_record(raw, load_templater(rc), rc.model)
 
 
-@pytest.mark.parametrize("name", ["llava", "llava-onevision", "internvl"])
+@pytest.mark.parametrize("name", ["llava", "llava-onevision", "internvl", "gemma3"])
 def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_path, hf_checkpoints):
     """A checkpoint of the layers as every rank loads them, saved in the pipeline's layout, exports
     to the very tensors of the source (OneVision's image_newline too), loads with the original
     class with no missing or unexpected key, and carries the source's tokenizer, chat template and
-    processor config (OneVision, InternVL: the whole processor, which AutoProcessor loads back)."""
+    processor config (OneVision, InternVL, Gemma 3: the whole processor, which AutoProcessor loads back)."""
     import transformers
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -232,7 +275,8 @@ def test_export_right_after_loading_is_the_source_bit_for_bit(name, capsys, tmp_
     config = "preprocessor_config.json" if name == "llava" else "processor_config.json"
     assert (tmp_path / "out" / config).read_text() == (source / config).read_text()
     if name != "llava":
-        want = {"llava-onevision": "LlavaOnevisionProcessor", "internvl": "InternVLProcessor"}[name]
+        want = {"llava-onevision": "LlavaOnevisionProcessor", "internvl": "InternVLProcessor",
+                "gemma3": "Gemma3Processor"}[name]
         assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == want
 
 

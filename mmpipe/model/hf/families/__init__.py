@@ -6,6 +6,7 @@ in. A new family that needs no new capability is a new file here building a `Fam
 """
 
 from mmpipe.model.hf.families import (
+    gemma3,
     internvl,
     llava,
     llava_next,
@@ -20,5 +21,5 @@ from mmpipe.model.hf.family import Family, register
 
 FAMILIES: tuple[Family, ...] = tuple(register(module.FAMILY) for module in (
     llava, qwen2_vl, qwen2_audio, llava_next, llava_onevision, qwen3_vl, qwen2_5_vl, qwen2_5_omni,
-    internvl))
+    internvl, gemma3))
 """Every family, registered (family.REGISTRY) in this order."""
