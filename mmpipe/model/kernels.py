@@ -296,18 +296,29 @@ def _flex(query, key, value, stream: Stream, *, causal, window, scale, blocks=No
 
 
 def _segment_mask_mod(doc: torch.Tensor, *, causal: bool, window: int | None, blocks: torch.Tensor | None = None):
-    def same_segment(_b, _h, q_idx, kv_idx):
+    if blocks is not None and causal:
+        return _block_mask_mod(doc, blocks, window=window)
+
+    def same_segment(_b, _h, q_idx, kv_idx):  # the graph every family without image blocks compiles
         ok = doc[q_idx] == doc[kv_idx]
         if causal:
-            seen = kv_idx <= q_idx
-            if blocks is not None:
-                seen = seen | ((blocks[q_idx] == blocks[kv_idx]) & (blocks[q_idx] >= 0))
-            ok = ok & seen
+            ok = ok & (kv_idx <= q_idx)
             if window is not None:
                 ok = ok & (q_idx - kv_idx < window)
         return ok
 
     return same_segment
+
+
+def _block_mask_mod(doc: torch.Tensor, blocks: torch.Tensor, *, window: int | None):
+    def same_segment_causal_or_block(_b, _h, q_idx, kv_idx):
+        seen = (kv_idx <= q_idx) | ((blocks[q_idx] == blocks[kv_idx]) & (blocks[q_idx] >= 0))
+        ok = (doc[q_idx] == doc[kv_idx]) & seen
+        if window is not None:
+            ok = ok & (q_idx - kv_idx < window)
+        return ok
+
+    return same_segment_causal_or_block
 
 
 def segment_block_mask(stream: Stream, *, causal: bool, window: int | None, device: torch.device,
@@ -373,7 +384,7 @@ def _flex_attention(compiled: bool):
     micro-batch of one tile (128 positions or fewer) still compiles once more: torch specializes
     sizes of 1. The compile happens in the first step (there is no warm-up before step 1); the
     on-disk cache (launcher.cache_dir) keeps it for the next launch."""
-    from torch.fx.experimental import _config as shape_config
+    import torch.fx.experimental._config  # torch's shape settings: no public switch for duck sizing
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
@@ -381,7 +392,8 @@ def _flex_attention(compiled: bool):
     kernel = torch.compile(flex_attention, dynamic=True)
 
     def attend(*args, **kwargs):
-        with shape_config.patch(use_duck_shape=False):  # read when a call is traced, not at guard checks
+        # read when a call is traced, not when its guards are checked
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
             return kernel(*args, **kwargs)
 
     return attend
