@@ -75,6 +75,11 @@ def check(config: PretrainedConfig, what: str) -> None:
     k = merge(config, what)
     if side % patch or (side // patch) % k:
         raise ValueError(f"{what}: image_size {side} is not whole {patch}-px patches in whole {k}x{k} merge units")
+    n, ratio, width = side // patch, config.downsample_ratio, vc.hidden_size
+    if n % ratio or int(n * ratio) * k != n or int(width / ratio ** 2) != width * k * k:
+        raise ValueError(f"{what}.downsample_ratio={ratio!r}: transformers' pixel_shuffle cannot fold a tile of "
+                         f"{n}x{n} patches by it in floating point ({n} % {ratio!r} != 0); use a ratio of 1 / a "
+                         f"power of two, e.g. 0.5 (InternVL's)")
 
 
 def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any] | None, what: str,
