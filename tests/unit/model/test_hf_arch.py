@@ -295,22 +295,31 @@ def test_an_anyres_processor_that_cuts_other_grids_is_refused():
         spec_from_config(group["config"], name="x", image_processor=other)
 
 
-def test_a_folder_whose_processor_counts_other_placeholders_is_refused(hf_checkpoints, tmp_path):
-    """processor_config.json's num_image_tokens (OneVision) must be what the model makes (16 per
-    tile of the demo checkpoint); the folder as written loads."""
+@pytest.mark.parametrize("name,key,want", [("llava-onevision", "num_image_tokens", 16),
+                                           ("internvl", "image_seq_length", 4)])
+def test_a_folder_whose_processor_counts_other_placeholders_is_refused(name, key, want, hf_checkpoints, tmp_path):
+    """processor_config.json's num_image_tokens (OneVision) / image_seq_length (InternVL) must be what
+    the model makes (16 per tile / 4 per tile of the demo checkpoints); the folder as written loads.
+    InternVL's key left out is InternVLProcessor's default, 256 placeholders a tile: refused too."""
     import json
     import shutil
 
     from mmpipe.model.hf.arch import spec_from_folder
 
-    folder = tmp_path / "ov"
-    shutil.copytree(hf_checkpoints["llava-onevision"], folder)
-    assert spec_from_folder(folder).vision.anyres_max == 4
+    folder = tmp_path / name
+    shutil.copytree(hf_checkpoints[name], folder)
+    assert spec_from_folder(folder).vision is not None
     settings = json.loads((folder / "processor_config.json").read_text())
-    (folder / "processor_config.json").write_text(json.dumps({**settings, "num_image_tokens": 25}))
-    with pytest.raises(ValueError, match=r"processor_config\.json has num_image_tokens=25 but the model's config makes "
-                                         r"it 16; .* set num_image_tokens to 16"):
+    (folder / "processor_config.json").write_text(json.dumps({**settings, key: 25}))
+    with pytest.raises(ValueError, match=rf"processor_config\.json has {key}=25 but the model's config makes "
+                                         rf"it {want}; .* set {key} to {want}"):
         spec_from_folder(folder)
+    if name == "internvl":
+        (folder / "processor_config.json").write_text(json.dumps({k: v for k, v in settings.items() if k != key}))
+        with pytest.raises(ValueError, match=r"processor_config\.json leaves image_seq_length out, so "
+                                             r"InternVLProcessor puts its default 256 placeholders per tile, but the "
+                                             r"model's config makes 4: set image_seq_length to 4"):
+            spec_from_folder(folder)
 
 
 # Qwen/Qwen2.5-VL-7B-Instruct's config.json and preprocessor figures; Qwen/Qwen2.5-Omni-7B's

@@ -36,6 +36,7 @@ from mmpipe.model.spec import HFSource, ModelSpec, VisionSpec
 
 TOWER = "model.vision_tower"
 PROCESSOR = "GotOcr2ImageProcessor"
+PROCESSOR_SEQ_LENGTH = 256  # InternVLProcessor's image_seq_length default
 TEMPLATE = (  # InternVL's ChatML (no default system message); an image is <IMG_CONTEXT> and a newline
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
@@ -107,10 +108,16 @@ def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
 
 
 def processor_settings(settings: Mapping[str, Any], config: PretrainedConfig, what: str) -> None:
-    """InternVLProcessor puts image_seq_length placeholders per tile."""
+    """InternVLProcessor puts image_seq_length placeholders per tile (its default, 256, where the file
+    leaves the key out)."""
     vc = config.vision_config
     side = _square(vc.image_size, "image_size", what) // _square(vc.patch_size, "patch_size", what)
-    check_processor_settings(settings, {"image_seq_length": (side // merge(config, what)) ** 2}, what)
+    want = (side // merge(config, what)) ** 2
+    if "image_seq_length" not in settings and want != PROCESSOR_SEQ_LENGTH:
+        raise ValueError(f"{what}: processor_config.json leaves image_seq_length out, so InternVLProcessor puts its "
+                         f"default {PROCESSOR_SEQ_LENGTH} placeholders per tile, but the model's config makes "
+                         f"{want}: set image_seq_length to {want}")
+    check_processor_settings(settings, {"image_seq_length": want}, what)
 
 
 def layer_parts(config: PretrainedConfig, comp: str, kind: str, i: str) -> tuple[tuple[str, str], ...]:
