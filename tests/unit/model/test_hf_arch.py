@@ -219,6 +219,8 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
     ({**INTERNVL3_8B, "downsample_ratio": 1 / 3,  # 24 patches a tile: whole 3x3 units, but 24 % (1/3) != 0
       "vision_config": {**INTERNVL3_8B["vision_config"], "image_size": [336, 336]}},
      r"downsample_ratio=0\.333\d*: transformers' pixel_shuffle cannot fold a tile of 24x24 patches"),
+    ({**INTERNVL3_8B, "vision_config": {**INTERNVL3_8B["vision_config"], "patch_size": [14, 16]}},
+     r"model\.config\.vision_config\.patch_size=\[14, 16\]: only square patches are supported"),
     ({**INTERNVL3_8B, "text_config": {"model_type": "gemma"}},
      r"language model type 'gemma' is not supported; use one of qwen2, qwen3"),
 ])

@@ -48,7 +48,8 @@ TEMPLATE = (  # InternVL's ChatML (no default system message); an image is <IMG_
 def _square(value: Any, name: str, what: str) -> int:
     pair = list(value) if isinstance(value, (list, tuple)) else [value, value]
     if len(pair) != 2 or pair[0] != pair[1]:
-        raise ValueError(f"{what}.vision_config.{name}={value!r}: only square {name.split('_')[0]}s are supported")
+        raise ValueError(f"{what}.vision_config.{name}={value!r}: only square "
+                         f"{ {'image_size': 'tiles', 'patch_size': 'patches'}[name]} are supported")
     return int(pair[0])
 
 
