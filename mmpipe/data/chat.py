@@ -215,6 +215,13 @@ class ChatTemplate:
                                  f"(tokenizer_config.json's extra_special_tokens, as the checkpoint's processor reads)")
             wrap = tuple(_check_token(tok, tok.convert_tokens_to_ids(t), k, where)
                          for t, k in zip(names, ("image start", "image end")))
+            context = getattr(tok, "context_image_token", None)  # the token InternVLProcessor repeats
+            if context and tok.convert_tokens_to_ids(context) != ids.get("image"):
+                want = tok.convert_tokens_to_ids(context)
+                raise ValueError(f"{where}: the model config's image_token_id={ids.get('image')} "
+                                 f"({tok.convert_ids_to_tokens(ids['image']) if 'image' in ids else None!r}) is not "
+                                 f"the tokenizer's context_image_token {context!r} ({want}), the token the model's "
+                                 f"processor repeats for an image's features; set image_token_id to {want}")
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         plain = tok("a", add_special_tokens=False)["input_ids"]
         full = tok("a", add_special_tokens=True)["input_ids"]
