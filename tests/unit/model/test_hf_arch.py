@@ -176,6 +176,10 @@ def test_internvl3_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers
     priced = {l.name: l.params for l in cost.layers}
     for name in ("vision.embed", "vision.block.0", "vision.proj", "llm.embed", "llm.block.0", "llm.head"):
         assert priced[name] == pytest.approx(counts[name], rel=1e-3), name
+    with pytest.raises(ValueError, match=r"cuts 224x224 tiles but the vision tower's image_size is 448; .*: set "
+                                         r"the image processor's size to \{height: 448, width: 448\}$"):
+        spec_from_config(INTERNVL3_8B, name="x", image_processor={**INTERNVL_PROCESSOR,
+                                                                  "size": {"height": 224, "width": 224}})
 
 
 def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():

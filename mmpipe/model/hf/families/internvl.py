@@ -93,7 +93,8 @@ def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any
     size = (proc.size.height, proc.size.width)
     if size != (side, side):
         raise ValueError(f"{what}: the image processor cuts {size[0]}x{size[1]} tiles but the vision tower's "
-                         f"image_size is {side}; the tower has the positions of one {side}-px tile")
+                         f"image_size is {side}; the tower has the positions of one {side}-px tile: set the image "
+                         f"processor's size to {{height: {side}, width: {side}}}")
     return VisionSpec(
         blocks=vc.num_hidden_layers, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_attention_heads,
         patch=_square(vc.patch_size, "patch_size", what), resize="tiles", image_size=side, merge=merge(config, what),
