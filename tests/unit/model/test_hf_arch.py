@@ -180,6 +180,10 @@ def test_internvl3_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers
                                          r"the image processor's size to \{height: 448, width: 448\}$"):
         spec_from_config(INTERNVL3_8B, name="x", image_processor={**INTERNVL_PROCESSOR,
                                                                   "size": {"height": 224, "width": 224}})
+    with pytest.raises(ValueError, match=r"the image processor's min_patches=4 / max_patches=2: mmpipe takes integers "
+                                         r"with 1 <= min_patches <= max_patches"):
+        spec_from_config(INTERNVL3_8B, name="x", image_processor={**INTERNVL_PROCESSOR, "min_patches": 4,
+                                                                  "max_patches": 2})
 
 
 def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():

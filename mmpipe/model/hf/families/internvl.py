@@ -95,6 +95,10 @@ def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any
         raise ValueError(f"{what}: the image processor cuts {size[0]}x{size[1]} tiles but the vision tower's "
                          f"image_size is {side}; the tower has the positions of one {side}-px tile: set the image "
                          f"processor's size to {{height: {side}, width: {side}}}")
+    lo, hi = proc.min_patches, proc.max_patches
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise ValueError(f"{what}: the image processor's min_patches={lo!r} / max_patches={hi!r}: mmpipe takes "
+                         f"integers with 1 <= min_patches <= max_patches (InternVL's 1 and 12)")
     return VisionSpec(
         blocks=vc.num_hidden_layers, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_attention_heads,
         patch=_square(vc.patch_size, "patch_size", what), resize="tiles", image_size=side, merge=merge(config, what),
