@@ -222,6 +222,13 @@ class ChatTemplate:
                                  f"(tokenizer_config.json's extra_special_tokens, as the checkpoint's processor reads)")
             wrap = tuple(_check_token(tok, tok.convert_tokens_to_ids(t), k, where)
                          for t, k in zip(names, ("image start", "image end")))
+            context = getattr(tok, "context_image_token", None)  # the token InternVLProcessor repeats
+            if context and tok.convert_tokens_to_ids(context) != ids.get("image"):
+                want = tok.convert_tokens_to_ids(context)
+                raise ValueError(f"{where}: the model config's image_token_id={ids.get('image')} "
+                                 f"({tok.convert_ids_to_tokens(ids['image']) if 'image' in ids else None!r}) is not "
+                                 f"the tokenizer's context_image_token {context!r} ({want}), the token the model's "
+                                 f"processor repeats for an image's features; set image_token_id to {want}")
         boi = None
         if spec.vision is not None and spec.vision.image_markers == 4:  # Gemma3Processor's text around an image
             names = [getattr(tok, n, None) for n in ("boi_token", "eoi_token")]

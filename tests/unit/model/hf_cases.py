@@ -140,15 +140,18 @@ def write_llava_onevision(root: Path, *, seed: int) -> Path:
 
 def write_internvl(root: Path, *, seed: int, llm: str = "qwen2", tie: bool = False) -> Path:
     """InternViT (28-px tiles of 7-px patches, 2 layers, biased q/k/v, layer norms; 2x2 pixel shuffle:
-    4 tokens a tile) + Qwen2 (InternVL 3) or Qwen3 with q/k norms (InternVL 3.5), 1..6 tiles and the
-    thumbnail; the class token and position table (drawn as zeros) perturbed too."""
+    4 tokens a tile) + Qwen2 (InternVL 3) or Qwen3 with q/k norms (InternVL 3.5, whose tower is then
+    InternViT-6B's kind: RMS norms, q/k norms, a final layer norm as use_mean_pooling=False has it),
+    1..6 tiles and the thumbnail; the class token and position table (drawn as zeros) perturbed too."""
     from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLVisionConfig, Qwen3Config
 
     from mmpipe.model.hf.families.internvl import perturb_tower
 
     torch.manual_seed(seed)
     vc = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=28, patch_size=7, attention_bias=True)
+                              image_size=28, patch_size=7, attention_bias=True,
+                              **(dict(norm_type="rms_norm", use_qk_norm=True, use_mean_pooling=False)
+                                 if llm == "qwen3" else {}))
     if llm == "qwen3":
         text = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1,

@@ -176,6 +176,14 @@ def test_internvl3_8b_preset_is_its_hub_config_and_the_planner_prices_its_layers
     priced = {l.name: l.params for l in cost.layers}
     for name in ("vision.embed", "vision.block.0", "vision.proj", "llm.embed", "llm.block.0", "llm.head"):
         assert priced[name] == pytest.approx(counts[name], rel=1e-3), name
+    with pytest.raises(ValueError, match=r"cuts 224x224 tiles but the vision tower's image_size is 448; .*: set "
+                                         r"the image processor's size to \{height: 448, width: 448\}$"):
+        spec_from_config(INTERNVL3_8B, name="x", image_processor={**INTERNVL_PROCESSOR,
+                                                                  "size": {"height": 224, "width": 224}})
+    with pytest.raises(ValueError, match=r"the image processor's min_patches=4 / max_patches=2: mmpipe takes integers "
+                                         r"with 1 <= min_patches <= max_patches"):
+        spec_from_config(INTERNVL3_8B, name="x", image_processor={**INTERNVL_PROCESSOR, "min_patches": 4,
+                                                                  "max_patches": 2})
 
 
 GEMMA3_12B = {  # google/gemma-3-12b-it's config.json figures
@@ -281,6 +289,11 @@ def test_memory_estimate_refuses_a_7b_stage_that_does_not_fit():
     ({**INTERNVL3_8B, "vision_feature_select_strategy": "full"},
      r"vision_feature_select_strategy='full': only default \(the class token dropped\)"),
     ({**INTERNVL3_8B, "downsample_ratio": 0.3}, r"downsample_ratio=0\.3: only 1 / an integer"),
+    ({**INTERNVL3_8B, "downsample_ratio": 1 / 3,  # 24 patches a tile: whole 3x3 units, but 24 % (1/3) != 0
+      "vision_config": {**INTERNVL3_8B["vision_config"], "image_size": [336, 336]}},
+     r"downsample_ratio=0\.333\d*: transformers' pixel_shuffle cannot fold a tile of 24x24 patches"),
+    ({**INTERNVL3_8B, "vision_config": {**INTERNVL3_8B["vision_config"], "patch_size": [14, 16]}},
+     r"model\.config\.vision_config\.patch_size=\[14, 16\]: only square patches are supported"),
     ({**INTERNVL3_8B, "text_config": {"model_type": "gemma"}},
      r"language model type 'gemma' is not supported; use one of qwen2, qwen3"),
 ])
@@ -357,22 +370,31 @@ def test_an_anyres_processor_that_cuts_other_grids_is_refused():
         spec_from_config(group["config"], name="x", image_processor=other)
 
 
-def test_a_folder_whose_processor_counts_other_placeholders_is_refused(hf_checkpoints, tmp_path):
-    """processor_config.json's num_image_tokens (OneVision) must be what the model makes (16 per
-    tile of the demo checkpoint); the folder as written loads."""
+@pytest.mark.parametrize("name,key,want", [("llava-onevision", "num_image_tokens", 16),
+                                           ("internvl", "image_seq_length", 4)])
+def test_a_folder_whose_processor_counts_other_placeholders_is_refused(name, key, want, hf_checkpoints, tmp_path):
+    """processor_config.json's num_image_tokens (OneVision) / image_seq_length (InternVL) must be what
+    the model makes (16 per tile / 4 per tile of the demo checkpoints); the folder as written loads.
+    InternVL's key left out is InternVLProcessor's default, 256 placeholders a tile: refused too."""
     import json
     import shutil
 
     from mmpipe.model.hf.arch import spec_from_folder
 
-    folder = tmp_path / "ov"
-    shutil.copytree(hf_checkpoints["llava-onevision"], folder)
-    assert spec_from_folder(folder).vision.anyres_max == 4
+    folder = tmp_path / name
+    shutil.copytree(hf_checkpoints[name], folder)
+    assert spec_from_folder(folder).vision is not None
     settings = json.loads((folder / "processor_config.json").read_text())
-    (folder / "processor_config.json").write_text(json.dumps({**settings, "num_image_tokens": 25}))
-    with pytest.raises(ValueError, match=r"processor_config\.json has num_image_tokens=25 but the model's config makes "
-                                         r"it 16; .* set num_image_tokens to 16"):
+    (folder / "processor_config.json").write_text(json.dumps({**settings, key: 25}))
+    with pytest.raises(ValueError, match=rf"processor_config\.json has {key}=25 but the model's config makes "
+                                         rf"it {want}; .* set {key} to {want}"):
         spec_from_folder(folder)
+    if name == "internvl":
+        (folder / "processor_config.json").write_text(json.dumps({k: v for k, v in settings.items() if k != key}))
+        with pytest.raises(ValueError, match=r"processor_config\.json leaves image_seq_length out, so "
+                                             r"InternVLProcessor puts its default 256 placeholders per tile, but the "
+                                             r"model's config makes 4: set image_seq_length to 4"):
+            spec_from_folder(folder)
 
 
 # Qwen/Qwen2.5-VL-7B-Instruct's config.json and preprocessor figures; Qwen/Qwen2.5-Omni-7B's

@@ -292,3 +292,29 @@ def test_export_errors_name_the_argument(capsys, tmp_path):
     assert "step=3: not an export argument; usage: mmpipe export RUN_DIR [checkpoint=stepN] out=DIR" in _error(capsys)
     assert main(["export", str(run)]) == 2
     assert "give one run directory and out=DIR" in _error(capsys)
+
+
+def test_an_internvl_folder_whose_tokens_disagree_is_refused(hf_checkpoints, tmp_path):
+    """InternVL's processor repeats the tokenizer's context_image_token and wraps it in its
+    start_image_token / end_image_token: a config's image_token_id of another token, or a tokenizer
+    naming no markers, is a one-line error when the templater is made (transformers fails at the
+    forward; mmpipe would train on another token)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "internvl"
+    shutil.copytree(hf_checkpoints["internvl"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    video = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<video>")
+    (folder / "config.json").write_text(json.dumps({**config, "image_token_id": video}))
+    rc = load(model_overrides("internvl", {"internvl": folder}), job="test")
+    with pytest.raises(ValueError, match=rf"image_token_id={video} \('<video>'\) is not the tokenizer's "
+                                         rf"context_image_token '<IMG_CONTEXT>' \(\d+\), .*set image_token_id to \d+$"):
+        load_templater(rc)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tok.items() if "image_token" not in k}))
+    with pytest.raises(ValueError, match=r"the tokenizer names no start_image_token / end_image_token"):
+        load_templater(load(model_overrides("internvl", {"internvl": folder}), job="test"))

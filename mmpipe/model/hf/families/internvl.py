@@ -36,6 +36,7 @@ from mmpipe.model.spec import HFSource, ModelSpec, VisionSpec
 
 TOWER = "model.vision_tower"
 PROCESSOR = "GotOcr2ImageProcessor"
+PROCESSOR_SEQ_LENGTH = 256  # InternVLProcessor's image_seq_length default
 TEMPLATE = (  # InternVL's ChatML (no default system message); an image is <IMG_CONTEXT> and a newline
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
@@ -47,7 +48,8 @@ TEMPLATE = (  # InternVL's ChatML (no default system message); an image is <IMG_
 def _square(value: Any, name: str, what: str) -> int:
     pair = list(value) if isinstance(value, (list, tuple)) else [value, value]
     if len(pair) != 2 or pair[0] != pair[1]:
-        raise ValueError(f"{what}.vision_config.{name}={value!r}: only square {name.split('_')[0]}s are supported")
+        raise ValueError(f"{what}.vision_config.{name}={value!r}: only square "
+                         f"{ {'image_size': 'tiles', 'patch_size': 'patches'}[name]} are supported")
     return int(pair[0])
 
 
@@ -75,6 +77,11 @@ def check(config: PretrainedConfig, what: str) -> None:
     k = merge(config, what)
     if side % patch or (side // patch) % k:
         raise ValueError(f"{what}: image_size {side} is not whole {patch}-px patches in whole {k}x{k} merge units")
+    n, ratio, width = side // patch, config.downsample_ratio, vc.hidden_size
+    if n % ratio or int(n * ratio) * k != n or int(width / ratio ** 2) != width * k * k:
+        raise ValueError(f"{what}.downsample_ratio={ratio!r}: transformers' pixel_shuffle cannot fold a tile of "
+                         f"{n}x{n} patches by it in floating point ({n} % {ratio!r} != 0); use a ratio of 1 / a "
+                         f"power of two, e.g. 0.5 (InternVL's)")
 
 
 def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any] | None, what: str,
@@ -86,7 +93,12 @@ def vision(config: PretrainedConfig, ip: Mapping[str, Any], vp: Mapping[str, Any
     size = (proc.size.height, proc.size.width)
     if size != (side, side):
         raise ValueError(f"{what}: the image processor cuts {size[0]}x{size[1]} tiles but the vision tower's "
-                         f"image_size is {side}; the tower has the positions of one {side}-px tile")
+                         f"image_size is {side}; the tower has the positions of one {side}-px tile: set the image "
+                         f"processor's size to {{height: {side}, width: {side}}}")
+    lo, hi = proc.min_patches, proc.max_patches
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise ValueError(f"{what}: the image processor's min_patches={lo!r} / max_patches={hi!r}: mmpipe takes "
+                         f"integers with 1 <= min_patches <= max_patches (InternVL's 1 and 12)")
     return VisionSpec(
         blocks=vc.num_hidden_layers, hidden=vc.hidden_size, mlp=vc.intermediate_size, heads=vc.num_attention_heads,
         patch=_square(vc.patch_size, "patch_size", what), resize="tiles", image_size=side, merge=merge(config, what),
@@ -102,10 +114,16 @@ def default_image_processor(config: PretrainedConfig) -> dict[str, Any]:
 
 
 def processor_settings(settings: Mapping[str, Any], config: PretrainedConfig, what: str) -> None:
-    """InternVLProcessor puts image_seq_length placeholders per tile."""
+    """InternVLProcessor puts image_seq_length placeholders per tile (its default, 256, where the file
+    leaves the key out)."""
     vc = config.vision_config
     side = _square(vc.image_size, "image_size", what) // _square(vc.patch_size, "patch_size", what)
-    check_processor_settings(settings, {"image_seq_length": (side // merge(config, what)) ** 2}, what)
+    want = (side // merge(config, what)) ** 2
+    if "image_seq_length" not in settings and want != PROCESSOR_SEQ_LENGTH:
+        raise ValueError(f"{what}: processor_config.json leaves image_seq_length out, so InternVLProcessor puts its "
+                         f"default {PROCESSOR_SEQ_LENGTH} placeholders per tile, but the model's config makes "
+                         f"{want}: set image_seq_length to {want}")
+    check_processor_settings(settings, {"image_seq_length": want}, what)
 
 
 def layer_parts(config: PretrainedConfig, comp: str, kind: str, i: str) -> tuple[tuple[str, str], ...]:
