@@ -1,4 +1,4 @@
-"""Run `mmpipe plan` on every public trace x every 7B/8B model preset (and a few variants that
+"""Run `mmpipe plan` on every public trace x every 7B-12B model preset (and a few variants that
 take the planner's other paths) and write each plan JSON and printed report to a folder, so
 that two folders can be compared: a refactor of the planner must leave every plan identical.
 
@@ -31,7 +31,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = sorted(p.stem for p in (ROOT / "data" / "workloads").glob("*.jsonl"))
 PRESETS = ["llava-1.5-7b", "llava-next-mistral-7b", "llava-onevision-qwen2-7b", "omni-7b", "qwen2-audio-7b",
-           "qwen2-vl-7b", "qwen2.5-omni-7b", "qwen2.5-vl-7b", "qwen3-vl-8b"]
+           "qwen2-vl-7b", "qwen2.5-omni-7b", "qwen2.5-vl-7b", "qwen3-vl-8b", "internvl3-8b", "gemma3-12b"]
 BASE = ["hardware=h100", "data=trace", "parallel.pp=4", "parallel.dp=2", "train.global_batch=256",
         "train.micro_batches=8"]
 
