@@ -480,9 +480,9 @@ class BenchConfig:
             if p not in POLICIES:
                 raise ValueError(f"bench.policies entry {p!r} is unknown; use {', '.join(POLICIES)}")
         for e in self.encoders:
-            if e not in ("stages", "spread", "auto"):
-                raise ValueError(f"bench.encoders entry {e!r} is unknown; use stages, spread or auto (a per-tower "
-                                 f"placement goes in plan.encoders)")
+            if e not in ("stages", "spread", "nested", "auto"):
+                raise ValueError(f"bench.encoders entry {e!r} is unknown; use stages, spread, nested or auto "
+                                 f"(a per-tower placement goes in plan.encoders)")
         if self.rounds < 1 or self.steps < 3:
             raise ValueError(f"bench.rounds={self.rounds} / bench.steps={self.steps}: need rounds >= 1, steps >= 3")
 

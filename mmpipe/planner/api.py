@@ -57,7 +57,14 @@ from mmpipe.planner.layout import Layout, LayoutChoice, choose_layout
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.placement import EncoderChoice, choose_encoders
 from mmpipe.planner.precision import TrainingPrecision
-from mmpipe.planner.problem import Placement, PlanProblem, check_encoders_value, placement_name, show_encoders
+from mmpipe.planner.problem import (
+    OFF_STAGE,
+    Placement,
+    PlanProblem,
+    check_encoders_value,
+    placement_name,
+    show_encoders,
+)
 from mmpipe.planner.recut import RecutChoice, consider_recut, describe_gain
 from mmpipe.planner.samples import packed_streams
 from mmpipe.planner.stages import (
@@ -77,5 +84,6 @@ __all__ = ["DEFAULT_HEADROOM", "DEFAULT_PRECISION", "PACKED_POLICIES", "PAST_TOP
            "StepWork", "TrainingPrecision", "build_cost_model", "calibrated_hardware", "check_encoders_value",
            "check_headroom", "check_policy", "choose_encoders", "choose_layout", "consider_recut", "describe_gain",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "parse_ladder",
-           "placement_name", "plan_stages", "plan_step", "resolve_ladder", "show_encoders", "stage_memory_warnings",
+           "OFF_STAGE", "placement_name", "plan_stages", "plan_step", "resolve_ladder", "show_encoders",
+           "stage_memory_warnings",
            "step_work", "validate_trainable"]

@@ -23,8 +23,12 @@ from mmpipe.planner.precision import TrainingPrecision
 
 TOWERS = ("vision", "audio")
 """Encoder towers, in layer order."""
-PLACEMENTS = ("stages", "spread")
-"""Where a tower runs."""
+PLACEMENTS = ("stages", "spread", "nested")
+"""Where a tower runs: on the pipeline stages that hold its layers; `spread` over every rank of a
+replica before and after the pipeline; `nested` over every rank of a replica inside the
+pipeline's bubbles (planner/nested.py)."""
+OFF_STAGE = ("spread", "nested")
+"""The placements that encode a tower on every rank of a replica (its weights on stage 0)."""
 ENCODER_VALUES = ("auto",) + PLACEMENTS
 """The single-word plan.encoders values."""
 
@@ -42,9 +46,10 @@ def show_encoders(value: object) -> str:
 
 
 def check_encoders_value(value: object) -> None:
-    """The shape of a plan.encoders value, without the model: auto, stages, spread, or a
-    mapping of towers (vision, audio) to stages | spread. ValueError naming the key."""
-    fix = "use auto, stages, spread, or per tower e.g. \"plan.encoders={vision: spread, audio: stages}\""
+    """The shape of a plan.encoders value, without the model: auto, stages, spread, nested, or a
+    mapping of towers (vision, audio) to stages | spread | nested (spread and nested not mixed:
+    one schedule runs a step). ValueError naming the key."""
+    fix = "use auto, stages, spread, nested, or per tower e.g. \"plan.encoders={vision: spread, audio: stages}\""
     if isinstance(value, str):
         if value not in ENCODER_VALUES:
             raise ValueError(f"plan.encoders={value!r} is unknown; {fix}")
@@ -57,17 +62,22 @@ def check_encoders_value(value: object) -> None:
                              f"encoder tower; name vision or audio")
         if where not in PLACEMENTS:
             raise ValueError(f"plan.encoders={show_encoders(value)} places {tower} at {where!r}; "
-                             f"use stages or spread")
+                             f"use stages, spread or nested")
+    if {"spread", "nested"} <= set(value.values()):
+        raise ValueError(f"plan.encoders={show_encoders(value)} mixes spread and nested towers, which one step "
+                         f"cannot run (the nested schedule encodes inside the pipeline, spread before it); "
+                         f"place both towers nested, or one of them on the stages")
 
 
 def placement_name(encoders: Mapping[str, str]) -> str:
-    """`stages`, `spread`, or the mixed placement's spread towers, e.g. `vision spread`."""
-    spread = [t for t, w in encoders.items() if w == "spread"]
-    if not spread:
+    """`stages`, `spread`, `nested`, or the mixed placement's off-stage towers, e.g. `vision spread`."""
+    off = [t for t, w in encoders.items() if w in OFF_STAGE]
+    if not off:
         return "stages"
-    if len(spread) == len(encoders):
-        return "spread"
-    return " + ".join(spread) + " spread"
+    how = "nested" if any(w == "nested" for w in encoders.values()) else "spread"
+    if len(off) == len(encoders):
+        return how
+    return " + ".join(off) + " " + how
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,8 +105,8 @@ class Placement:
         towers = model_towers(model)
         given = show_encoders(value)
         if isinstance(value, str):
-            if value == "spread" and not towers:
-                raise ValueError(f"plan.encoders=spread: model {model.name} has no encoder tower; "
+            if value in OFF_STAGE and not towers:
+                raise ValueError(f"plan.encoders={value}: model {model.name} has no encoder tower; "
                                  f"use auto or stages")
             if value == "auto":
                 return cls(auto=True, given=given)
@@ -129,8 +139,13 @@ class Placement:
 
     @property
     def spread(self) -> tuple[str, ...]:
-        """The spread towers, in layer order (none for `auto`)."""
-        return tuple(t for t, w in self.towers if w == "spread")
+        """The towers encoded off the stages (spread or nested), in layer order (none for `auto`)."""
+        return tuple(t for t, w in self.towers if w in OFF_STAGE)
+
+    @property
+    def nested(self) -> bool:
+        """The off-stage towers run under the nested schedule (inside the pipeline's bubbles)."""
+        return any(w == "nested" for _, w in self.towers)
 
     @property
     def name(self) -> str:
@@ -139,16 +154,16 @@ class Placement:
 
     def candidates(self, model: ModelSpec) -> tuple[Placement, ...]:
         """What this value asks the planner to compare: for `auto` all on the stages, every
-        tower spread, and with two towers the two mixed placements (stages first: it wins
-        ties); else this placement alone."""
+        tower spread, every tower nested, and with two towers the mixed placements (stages
+        first: it wins ties); else this placement alone."""
         if not self.auto:
             return (self,)
         towers = model_towers(model)
         out = [{t: "stages" for t in towers}]
-        if towers:
-            out.append({t: "spread" for t in towers})
-        if len(towers) == 2:
-            out += [{towers[0]: "spread", towers[1]: "stages"}, {towers[0]: "stages", towers[1]: "spread"}]
+        for how in OFF_STAGE if towers else ():
+            out.append({t: how for t in towers})
+            if len(towers) == 2:
+                out += [{towers[0]: how, towers[1]: "stages"}, {towers[0]: "stages", towers[1]: how}]
         return tuple(Placement.of(e) for e in out)
 
     def to_config(self) -> str | dict[str, str]:

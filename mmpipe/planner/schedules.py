@@ -71,7 +71,7 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
     for s in range(pp):
         seq = []
         for t in range(2 * (m + pp - 1)):
-            mb, fwd = _ds_step(t, s, pp)
+            mb, fwd = one_f_one_b_step(t, s, pp)
             if 0 <= mb < m:
                 seq.append(Action("F" if fwd else "B", mb, s))
         acts.append(tuple(seq))
@@ -79,7 +79,9 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
                     actions=tuple(acts))
 
 
-def _ds_step(t: int, s: int, pp: int) -> tuple[int, bool]:
+def one_f_one_b_step(t: int, s: int, pp: int) -> tuple[int, bool]:
+    """DeepSpeed TrainSchedule's step rule: the micro-batch stage s works on at step t (out of
+    range: idle) and whether it is a forward."""
     if t % 2 == 0 and s % 2 == 0:
         return t // 2 - s // 2, True
     if t % 2 == 1 and s % 2 == 1:

@@ -73,7 +73,7 @@ from mmpipe.planner.cost import CostModel
 from mmpipe.planner.hardware import GB
 from mmpipe.planner.ladder import Ladder
 from mmpipe.planner.partition import StagePlan
-from mmpipe.planner.problem import placement_name
+from mmpipe.planner.problem import OFF_STAGE, placement_name
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, stage_costs
 from mmpipe.planner.step import Replicas, StepEval, evaluate_step
@@ -196,7 +196,7 @@ class SpreadModel:
 def spread_model(cost: CostModel, encoders: Encoders | None) -> SpreadModel:
     """Split `cost` by a resolved placement (None or no spread tower: the pipeline is `cost`)."""
     encoders = dict(encoders or {})
-    towers = [t for t, w in encoders.items() if w == "spread"]
+    towers = [t for t, w in encoders.items() if w in OFF_STAGE]
     L = len(cost.layers)
     spread = tuple(i for i, l in enumerate(cost.layers) if l.name.split(".")[0] in towers)
     keep = tuple(i for i in range(L) if i not in set(spread))
@@ -289,7 +289,7 @@ def encode_costs(sm: SpreadModel, table: SampleTable) -> EncodeCosts:
         transient = {"none": zero, "blocks": block, "tower": keep_in + block}
     else:
         post = kept = transient = {k: zero for k in KEEP_MODES}
-    streams = sorted({k for t, w in sm.encoders.items() if w == "spread"
+    streams = sorted({k for t, w in sm.encoders.items() if w in OFF_STAGE
                       for k in TOWER_STREAMS[t] + (FEATURE_STREAM[t],)})
     return EncodeCosts(pre=fwd, post=post, kept=kept, transient=transient,
                        feature=table.tokens @ sm.feature_bytes,

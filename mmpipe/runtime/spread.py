@@ -186,13 +186,13 @@ def _send(x: torch.Tensor, dst: int) -> None:
         dist.send(x.contiguous(), dst, tag=_TAG)
 
 
-def _recv(src: int, device) -> torch.Tensor:
+def _recv(src: int, device, group=None) -> torch.Tensor:
     head = torch.zeros(6, dtype=torch.long, device=device)
-    dist.recv(head, src, tag=_TAG)
+    dist.recv(head, src, group=group, tag=_TAG)
     dtype, dim = _DTYPES[int(head[0])], int(head[1])
     x = torch.empty([int(n) for n in head[2:2 + dim]], dtype=dtype, device=device)
     if x.numel():
-        dist.recv(x, src, tag=_TAG)
+        dist.recv(x, src, group=group, tag=_TAG)
     return x
 
 
@@ -223,6 +223,10 @@ class SpreadTowers:
         self._outputs: dict[int, torch.Tensor] = {}
         self._step: EncodeStep | None = None
         self._active = False
+        """Stage 0's tower layers pass the pipeline's carrier through (the features are in it)."""
+        self._encoding = False
+        """This rank runs its share through the tower layers (their real forward, also while
+        the pipeline passes through them: the nested schedule encodes between its passes)."""
         self.encoded = 0
         """Samples this rank encoded so far (recorded in its stage file)."""
         _refuse_gradient_hooks(engine)
@@ -255,7 +259,8 @@ class SpreadTowers:
         the carrier before the stage's first layer."""
         for layer in self.layers:
             real = layer.forward
-            layer.forward = lambda carrier, _real=real: carrier if self._active else _real(carrier)
+            layer.forward = lambda carrier, _real=real: (carrier if self._active and not self._encoding
+                                                         else _real(carrier))
 
         def put_features(_module, args):
             if not self._active:
@@ -296,10 +301,29 @@ class SpreadTowers:
         """One sample through the tower layers (each layer under torch's non-reentrant
         checkpoint when `checkpointed`: only its input kept, recomputed in backward)."""
         slots = tuple(t.to(self.engine.device) for t in carrier)
-        for layer in self.layers:
-            slots = (torch.utils.checkpoint.checkpoint(layer, slots, use_reentrant=False) if checkpointed
-                     else layer(slots))
+        with self._own_pass():
+            for layer in self.layers:
+                slots = (torch.utils.checkpoint.checkpoint(layer, slots, use_reentrant=False) if checkpointed
+                         else layer(slots))
         return [slots[slot] for _, slot, _ in self.keys]
+
+    @contextlib.contextmanager
+    def _own_pass(self):
+        """The tower layers run for real inside (an encode, a checkpointed layer's recompute)."""
+        before, self._encoding = self._encoding, True
+        try:
+            yield
+        finally:
+            self._encoding = before
+
+    def _encode_one(self, step: EncodeStep, n: int) -> tuple[tuple, list[torch.Tensor]]:
+        """The n-th sample of this rank's share through the towers as the step's keep mode
+        says (module docstring of EncodeStep.mode); the random state it started from too."""
+        rng = _rng_state(self.engine.device)
+        if step.mode == "tower" and self.params:
+            with torch.no_grad():
+                return rng, self._encode(step.carriers[n], checkpointed=False)
+        return rng, self._encode(step.carriers[n], checkpointed=step.mode == "blocks" and bool(self.params))
 
     def forward(self, step: EncodeStep) -> None:
         """The pre-pass: encode this rank's share sample by sample, send the features to stage 0
@@ -316,13 +340,10 @@ class SpreadTowers:
             raise RuntimeError(f"stage {self.stage} has {len(mine)} samples to encode but {len(step.carriers)} "
                                f"collated")
         self._rng, per = [], []
-        for carrier in step.carriers:
-            self._rng.append(_rng_state(device))
-            if step.mode == "tower" and self.params:
-                with torch.no_grad():
-                    per.append(self._encode(carrier, checkpointed=False))
-            else:
-                per.append(self._encode(carrier, checkpointed=step.mode == "blocks" and bool(self.params)))
+        for n in range(len(step.carriers)):
+            rng, out = self._encode_one(step, n)
+            self._rng.append(rng)
+            per.append(out)
         self.encoded += len(mine)
         self._per = per
         if mine:  # the share's features in the carrier's order, one tensor per slot
@@ -388,15 +409,18 @@ class SpreadTowers:
         elif mine:
             received = {slot: _recv(self.stage_ranks[0], device) for _, slot, _ in self.keys}
         if mine:
-            self._tower_backward(step, mine, received)
+            self._backward_part(step, mine, received)
         self._step, self._outputs, self._bank, self._per = None, {}, [], []
         self._reduce()
 
-    def _tower_backward(self, step: EncodeStep, mine: tuple[int, ...], received: dict[int, torch.Tensor]) -> None:
-        """Each sample's share of the feature gradients through its tower pass; in `tower` mode
-        its forward runs again first (per layer checkpointed, with the pre-pass's random state)."""
-        grads = [_pieces(received[slot], mine, step.rows, tower, axis) for tower, slot, axis in self.keys]
-        for n, i in enumerate(mine):
+    def _backward_part(self, step: EncodeStep, part: Sequence[int], received: dict[int, torch.Tensor]) -> None:
+        """The feature gradients of `part` (samples of this rank's share, `received` joined in
+        that order) through each sample's tower pass; in `tower` mode its forward runs again
+        first (per layer checkpointed, with the random state its first pass started from)."""
+        where = {i: n for n, i in enumerate(step.shares[self.stage])}
+        grads = [_pieces(received[slot], part, step.rows, tower, axis) for tower, slot, axis in self.keys]
+        for i in part:
+            n = where[i]
             g = [_join(grads[j], (i,), tower, axis) for j, (tower, _, axis) in enumerate(self.keys)]
             if step.mode == "tower":
                 with _rng_restored(self._rng[n], self.engine.device), torch.enable_grad():
@@ -405,7 +429,8 @@ class SpreadTowers:
                 out = self._per[n]
             pairs = [(o, x) for o, x in zip(out, g) if o.requires_grad]
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [x.to(o.dtype) for o, x in pairs])
+                with self._own_pass():  # a checkpointed layer recomputes its forward in here
+                    torch.autograd.backward([o for o, _ in pairs], [x.to(o.dtype) for o, x in pairs])
             self._per[n] = None  # this sample's activations go now
 
     def _reduce(self) -> None:

@@ -186,13 +186,17 @@ def format_stage_table(rc: RunConfig, choice: ChosenStages, names: list[str]) ->
     for s, (a, b) in enumerate(plan.stages):
         span = f"{names[a]} .. {names[b - 1]}" if b - a > 1 else names[a]
         lines.append(f"{s:>5}  {span:<36} {b - a:>5} {sum(counts[a:b]):>10,}  {plan.recompute[s]}")
-    if choice.spread:
+    if choice.spread and choice.placement.nested:
+        lines.append(f"encoders: {', '.join(choice.spread)} nested: held by stage 0, encoded by every stage of each "
+                     f"replica inside its pipeline bubbles (its share of the replica's media), features sent to "
+                     f"stage 0")
+    elif choice.spread:
         lines.append(f"encoders: {', '.join(choice.spread)} spread: held by stage 0, encoded by every stage of each "
                      f"replica (its share of the replica's media), features sent to stage 0")
     if choice.placements:
         said = ", ".join(f"{k} {v:.3g} s" if math.isfinite(v) else f"{k}: does not fit in memory"
                          for k, v in choice.placements.items())
-        lines.append(f"plan.encoders=auto chose {'+'.join(choice.spread) or 'stages'} "
+        lines.append(f"plan.encoders=auto chose {choice.placement.name} "
                      f"(simulated time of the first steps: {said})")
     if choice.ladder is not None:
         lines.append(f"plan.ladder: packed micro-batches padded to {choice.ladder.text()} LLM tokens "

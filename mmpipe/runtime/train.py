@@ -42,6 +42,7 @@ from mmpipe.runtime.evaluate import EvalResult, Evaluator, result_path
 from mmpipe.runtime.feed import StepFeeder
 from mmpipe.runtime.hardware_file import write_calibrated
 from mmpipe.runtime.host import figures_mismatch, resolve_backend, threads_per_rank, training_device
+from mmpipe.runtime.nested import NestedTowers
 from mmpipe.runtime.pipeline import (
     GlobalGradClip,
     PipelineSpec,
@@ -224,8 +225,8 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
     ckpt = _checkpointer(rc, pipe, stages.plan, reads=bool(stages.spread))
     start, reader_state = ckpt.resume(found) if found else (0, None)
     calibration = calibration_for(rc, found)
-    spread = (SpreadTowers.for_rank(pipe.spec, stages.spread, pipe.engine, dp=rc.parallel.dp)
-              if stages.spread else None)
+    towers = NestedTowers if stages.placement.nested else SpreadTowers  # the nested schedule, or pre/post-passes
+    spread = towers.for_rank(pipe.spec, stages.spread, pipe.engine, dp=rc.parallel.dp) if stages.spread else None
     feeder = _feeder(rc, tok, pipe, stages, start=start, reader_state=reader_state, calibration=calibration,
                      spread=spread is not None)
     hardware = hardware_spec(rc)

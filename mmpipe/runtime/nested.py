@@ -1,0 +1,257 @@
+"""Nested encoders (plan.encoders=nested): the spread towers' work inside DeepSpeed's 1F1B steps.
+
+The towers are held, shared out and summed exactly as spread towers (runtime/spread.py: stage 0
+owns their weights, every other rank of a replica runs a replica, the gradients are all-reduced
+into stage 0's parameters before the optimizer step, the weights broadcast after it); only the
+order differs, and it is planner/nested.py's `program` (the one home of it):
+
+- `NestedSchedule` is DeepSpeed's `TrainSchedule` with four instructions of mmpipe's inserted
+  where the program puts them: `EncodeFeatures(mb)` (this rank encodes its share of a
+  micro-batch; a rank of stage s >= 1 sends the features to stage 0 without waiting),
+  `RecvFeatures(mb)` (stage 0, before that micro-batch's forward: the other ranks' features of
+  it, joined into the leaves its forward reads), `SendFeatureGrads(mb)` (stage 0, after that
+  micro-batch's backward: the leaves' gradients to the ranks that encoded them, without
+  waiting) and `TowerBackward(mb)` (the share's tower backward, in the rank's cool-down).
+- `NestedTowers` runs them; the engine's instruction map (an instance-level copy, as
+  runtime/telemetry.py patches it) dispatches them, and `engine._train_schedule` (what
+  `PipelineEngine.train_batch` asks for its schedule) returns a NestedSchedule for the step.
+
+Feature traffic runs on a process group of its own, so that its point-to-point order never
+interleaves with DeepSpeed's activation and gradient traffic between the same two ranks (NCCL
+matches sends and receives by order per pair and communicator), and every send is
+non-blocking (waited for before the gradient reduction): a rank never waits on a send, only
+stage 0 on the features of the micro-batch it is about to run, and a rank on the gradients of
+the share it is about to run backward, both made earlier in every other rank's program.
+
+Written by hand: DeepSpeed's pipeline engine takes a schedule as a class and runs whatever
+instructions its map knows, but ships no schedule that runs work outside the stage chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+from mmpipe.planner.nested import ENCODE, TOWER_BACKWARD, program
+from mmpipe.runtime.spread import _DTYPES, _TAG, EncodeStep, SpreadTowers, _join, _leaf, _pieces, _recv
+
+
+class EncodeFeatures(ds_schedule.PipeInstruction):
+    """Encode this rank's share of micro-batch `mb` (stage s >= 1: and send it to stage 0)."""
+
+
+class RecvFeatures(ds_schedule.PipeInstruction):
+    """Stage 0: receive micro-batch `mb`'s features and make the leaves its forward reads."""
+
+
+class SendFeatureGrads(ds_schedule.PipeInstruction):
+    """Stage 0: send micro-batch `mb`'s feature gradients to the ranks that encoded them."""
+
+
+class TowerBackward(ds_schedule.PipeInstruction):
+    """Run the tower backward of this rank's share of micro-batch `mb`."""
+
+
+class NestedSchedule(ds_schedule.TrainSchedule):
+    """DeepSpeed's TrainSchedule with the nested program's instructions (module docstring)."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, shares: Sequence[int]) -> None:
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.ops = program(stages, micro_batches, stage_id, shares)
+
+    def steps(self):
+        encode = {}
+        back = {}
+        for o in self.ops:
+            if o.op == ENCODE:
+                encode.setdefault(o.step, []).append(o.mb)
+            elif o.op == TOWER_BACKWARD:
+                back.setdefault(o.step, []).append(o.mb)
+        first = self.stage_id == 0
+        for step_id, cmds in enumerate(super().steps()):
+            mb, _ = self._step_to_micro_batch(step_id)
+            out = [] if first else [EncodeFeatures(mb=k) for k in encode.get(step_id, ())]
+            for cmd in cmds:
+                if isinstance(cmd, ds_schedule.ForwardPass) and first:
+                    out += [EncodeFeatures(mb=k) for k in encode.get(step_id, ())]
+                    out.append(RecvFeatures(mb=mb))
+                if isinstance(cmd, ds_schedule.ReduceTiedGrads):
+                    out += [TowerBackward(mb=k) for k in back.pop(step_id, ())]
+                out.append(cmd)
+                if isinstance(cmd, ds_schedule.BackwardPass) and first:
+                    out.append(SendFeatureGrads(mb=mb))
+            out += [TowerBackward(mb=k) for k in back.pop(step_id, ())]
+            yield out
+
+
+def _isend(x: torch.Tensor, dst: int, group) -> list:
+    """runtime/spread.py's `_send` without waiting: the header and the tensor in flight (both
+    must stay alive until the works are waited for)."""
+    head = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
+    head = head.to(x.device)
+    works = [(dist.isend(head, dst, group=group, tag=_TAG), head)]
+    if x.numel():
+        x = x.contiguous()
+        works.append((dist.isend(x, dst, group=group, tag=_TAG), x))
+    return works
+
+
+class NestedTowers(SpreadTowers):
+    """One rank's part of nested towers: SpreadTowers' shares, weights and reduction, run at the
+    NestedSchedule's instructions instead of a pre-pass and a post-pass."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.group = dist.new_group(backend=dist.get_backend())  # every rank creates it, in the same order
+        self._sending: list = []
+        self._pieces: dict[int, dict] = {}
+        self._grads: dict[int, dict] = {}
+
+    def install_post_pass(self) -> None:
+        """The four instructions and the gradient reduction into this engine's instruction map,
+        and its schedule: call after any other patch of the map (StageTimer's)."""
+        super().install_post_pass()
+        patched = dict(self.engine._INSTRUCTION_MAP)
+        patched[EncodeFeatures] = lambda _eng, mb: self.encode(mb)
+        patched[RecvFeatures] = lambda _eng, mb: self.receive(mb)
+        patched[SendFeatureGrads] = lambda _eng, mb: self.send_grads(mb)
+        patched[TowerBackward] = lambda _eng, mb: self.tower_backward(mb)
+        self.engine._INSTRUCTION_MAP = patched
+        self.engine._train_schedule = self._schedule
+
+    def _schedule(self) -> ds_schedule.TrainSchedule:
+        eng = self.engine
+        if self._step is None:  # no step announced (nothing to encode): DeepSpeed's own
+            return ds_schedule.TrainSchedule(micro_batches=eng.micro_batches, stages=eng.num_stages,
+                                             stage_id=eng.stage_id)
+        return NestedSchedule(eng.micro_batches, eng.num_stages, eng.stage_id, self._mbs(self.stage))
+
+    def _mbs(self, stage: int) -> list[int]:
+        """The micro-batches `stage`'s rank encodes part of."""
+        mine = set(self._step.shares[stage])
+        return [k for k, group in enumerate(self._step.groups) if mine.intersection(group)]
+
+    def _part(self, stage: int, mb: int) -> list[int]:
+        """`stage`'s samples of micro-batch `mb`, in share order (what one message carries)."""
+        group = set(self._step.groups[mb])
+        return [i for i in self._step.shares[stage] if i in group]
+
+    # -- per step ------------------------------------------------------------------
+
+    def forward(self, step: EncodeStep) -> None:
+        """Announce the step (before train_batch): nothing is encoded yet."""
+        self._step, self._outputs, self._sending = step, {}, []
+        for layer in self.layers:
+            layer.train()
+        if self.stage != 0:
+            for p in self.params:
+                p.grad = None
+        mine = step.shares[self.stage]
+        if len(step.carriers) != len(mine):
+            raise RuntimeError(f"stage {self.stage} has {len(mine)} samples to encode but {len(step.carriers)} "
+                               f"collated")
+        if len(step.groups) != self.engine.micro_batches:
+            raise RuntimeError(f"the step has {len(step.groups)} micro-batches to encode for, the engine runs "
+                               f"{self.engine.micro_batches}")
+        self._per = [None] * len(mine)
+        self._rng = [None] * len(mine)
+        self._pieces = {slot: {} for _, slot, _ in self.keys}
+        self._grads = {slot: {} for _, slot, _ in self.keys}
+        self._bank = [None] * len(step.groups)
+        self._active = self.stage == 0
+        self.encoded += len(mine)
+
+    def encode(self, mb: int) -> None:
+        """EncodeFeatures: this rank's samples of micro-batch `mb`, each alone, as spread does."""
+        step = self._step
+        part = self._part(self.stage, mb)
+        where = {i: n for n, i in enumerate(step.shares[self.stage])}
+        outs = []
+        for i in part:
+            n = where[i]
+            self._rng[n], self._per[n] = self._encode_one(step, n)
+            outs.append(self._per[n])
+        for j, (tower, slot, axis) in enumerate(self.keys):
+            pieces: dict = {}
+            for i, out in zip(part, outs):
+                pieces.update(_pieces(out[j], (i,), step.rows, tower, axis))
+            if self.stage == 0:
+                self._pieces[slot].update(pieces)
+            else:
+                self._sending += _isend(_join(pieces, part, tower, axis).detach(), self.stage_ranks[0], self.group)
+
+    def receive(self, mb: int) -> None:
+        """RecvFeatures (stage 0): the other ranks' parts of micro-batch `mb`, then its leaves."""
+        step, device = self._step, self.engine.device
+        for s in range(1, len(step.shares)):
+            part = self._part(s, mb)
+            for tower, slot, axis in self.keys if part else ():
+                x = _recv(self.stage_ranks[s], device, group=self.group)
+                self._pieces[slot].update(_pieces(x, part, step.rows, tower, axis))
+        group = step.groups[mb]
+        trains = bool(self.params)
+        dtype = self.params[0].dtype if trains else torch.float32
+        entry = {}
+        for tower, slot, axis in self.keys:
+            pieces = self._pieces[slot]
+            like = next(iter(pieces.values()), None)
+            empty = self._empty(slot) if like is None else like.narrow(axis, 0, 0)
+            for i in group:
+                for kind, k in (("image", 0), ("video", 1)) if tower == "vision" else (("audio", 2),):
+                    if (i, kind) not in pieces:
+                        if step.rows[i][k]:
+                            raise RuntimeError(f"sample {i} has {step.rows[i][k]} {kind} feature rows but no rank "
+                                               f"encoded it")
+                        pieces[(i, kind)] = empty
+            entry[slot] = _leaf(_join(pieces, group, tower, axis), trains, dtype)
+            for i in group:  # joined: the parts go
+                for kind in ("image", "video", "audio"):
+                    pieces.pop((i, kind), None)
+        self._bank[mb] = entry
+
+    def send_grads(self, mb: int) -> None:
+        """SendFeatureGrads (stage 0): micro-batch `mb`'s feature gradients to their encoders."""
+        step = self._step
+        if not self.params:
+            self._bank[mb] = None
+            return
+        group = step.groups[mb]
+        for tower, slot, axis in self.keys:
+            leaf = self._bank[mb][slot]
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            pieces = _pieces(g, group, step.rows, tower, axis)
+            for s in range(len(step.shares)):
+                part = self._part(s, mb)
+                if not part:
+                    continue
+                if s == 0:
+                    self._grads[slot].update({key: pieces[key] for key in pieces if key[0] in set(part)})
+                else:
+                    self._sending += _isend(_join(pieces, part, tower, axis), self.stage_ranks[s], self.group)
+        self._bank[mb] = None  # the leaves go; their gradients travel
+
+    def tower_backward(self, mb: int) -> None:
+        """TowerBackward: this rank's share of micro-batch `mb` through its tower backward."""
+        if not self.params:
+            return
+        step, device = self._step, self.engine.device
+        part = self._part(self.stage, mb)
+        if self.stage == 0:
+            received = {slot: _join(self._grads[slot], part, tower, axis) for tower, slot, axis in self.keys}
+        else:
+            received = {slot: _recv(self.stage_ranks[0], device, group=self.group) for _, slot, _ in self.keys}
+        self._backward_part(step, part, received)
+
+    def backward(self) -> None:
+        """At ReduceGrads: every send arrived; the towers' gradients summed over every rank."""
+        for work, _ in self._sending:
+            work.wait()
+        self._active = False
+        learned = self._step is not None and bool(self.params)
+        self._step, self._outputs, self._bank, self._per, self._sending = None, {}, [], [], []
+        self._pieces, self._grads = {}, {}
+        if learned:
+            self._reduce()
