@@ -1,4 +1,4 @@
-"""Encoder placement (plan.encoders): stages, spread and auto on every public trace x 7B preset.
+"""Encoder placement (plan.encoders): stages, spread, nested and auto on every public trace x 7B preset.
 
     python benchmarks/bench_placement.py [--jobs 8] [--traces video-mix,omni-mix] [--presets omni-7b]
 
@@ -67,20 +67,21 @@ def main() -> None:
     jobs = [(t, p) for t in a.traces.split(",") for p in a.presets.split(",")]
     with ProcessPoolExecutor(a.jobs) as pool:
         rows = list(pool.map(one, *zip(*jobs)))
-    print("| trace | preset | stages s (eff.) | spread s (eff.) | auto s (eff.) | auto picked |")
-    print("|---|---|---|---|---|---|")
+    print("| trace | preset | stages s (eff.) | spread s (eff.) | nested s (eff.) | auto s (eff.) | auto picked |")
+    print("|---|---|---|---|---|---|---|")
     skipped = []
     for r in rows:
         if "error" in r:
             if " but model " in r["error"]:  # a medium the model has no tower for
                 skipped.append(f"{r['trace']} x {r['preset']}")
             else:
-                print(f"| {r['trace']} | {r['preset']} | n/a: {r['error'][:80]} | | | |")
+                print(f"| {r['trace']} | {r['preset']} | n/a: {r['error'][:80]} | | | | |")
             continue
         times, lower = r["times"], r["lower"]
         best = times.get(r["chosen"])
         print(f"| {r['trace']} | {r['preset']} | {cell(times.get('stages'), lower)} | "
-              f"{cell(times.get('spread'), lower)} | {cell(best, lower)} | {r['chosen']} |")
+              f"{cell(times.get('spread'), lower)} | {cell(times.get('nested'), lower)} | {cell(best, lower)} | "
+              f"{r['chosen']} |")
     print(f"\npp={PP} dp={DP}, {BATCH * STEPS} samples ({STEPS} steps of {BATCH}), h100, trainable all, "
           f"data-aware; efficiency = lower bound / simulated step time. Models with two towers also "
           f"compare the mixed placements (auto's pick may be one).")

@@ -15,6 +15,7 @@ each position's key).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -46,10 +47,12 @@ from mmpipe.planner.spread import (
     SpreadStep,
     encode_by_rank,
     encode_costs,
+    nested_cut,
     pipeline_stage_costs,
     plan_spread_step,
     reserve_bytes,
     reserved_pipeline,
+    slots_by_rank,
     spread_model,
 )
 from mmpipe.planner.stage_cost import StageCosts, stage_costs
@@ -286,7 +289,8 @@ def _compare_placements(problem: PlanProblem, placement: Placement, cost: CostMo
             continue
         try:
             got: PlannedSteps | None = _plan_spread(problem, cost, enc, table, step_rows, probe, labels,
-                                                    current.stage_plan if user else None)
+                                                    current.stage_plan if user else None,
+                                                    staged=staged.stage_plan)
             assert got is not None
             t = float(sum(x.step_time for x in got.spread or ())) if got.fits else np.inf
         except ValueError as err:
@@ -319,7 +323,8 @@ def _plan_json(problem: PlanProblem, planned: PlannedSteps, chosen: Placement,
         "encoders": chosen.mapping,
         "steps": [{"replicas": [[[int(i) for i in mb] for mb in rep] for rep in p],
                    "encode": encode_by_rank(spread[k].encode if spread else None, pp, dp),
-                   **({"encode_recompute": spread[k].mode} if spread else {})}
+                   **({"encode_recompute": spread[k].mode} if spread else {}),
+                   **({"encode_slots": slots_by_rank(spread[k].slots, pp, dp)} if spread and chosen.nested else {})}
                   for k, p in enumerate(planned.plans)],
         "predicted": {
             "step_time_s": [round(t, 6) for t in planned.times],
@@ -412,10 +417,12 @@ def _report(problem: PlanProblem, planned: PlannedSteps, baselines: dict[str, Ba
 
 def _plan_spread(problem: PlanProblem, cost: CostModel, placement: Placement, table: SampleTable,
                  step_rows: list[list[int]], probe: list[list[int]], labels: Sequence[str],
-                 stages: StagePlan | None) -> PlannedSteps:
+                 stages: StagePlan | None, staged: StagePlan | None = None) -> PlannedSteps:
     """The data-aware plan of every step under a placement with a spread tower: the partition
     (or the user's `stages`) of the pipeline's layers, each step's micro-batches balanced with
-    the spread towers' memory reserved, and its price (planner.spread)."""
+    the spread towers' memory reserved, and its price (planner.spread). A nested placement also
+    prices `staged` (the cut with the towers on stage 0, where stage 0 encodes what no bubble
+    holds) and keeps the faster cut."""
     pp, dp, micro_batches = problem.fixed_pp, problem.fixed_dp, problem.micro_batches
     encoders = placement.mapping
     sm = spread_model(cost, encoders)
@@ -423,19 +430,30 @@ def _plan_spread(problem: PlanProblem, cost: CostModel, placement: Placement, ta
     if stages is None:
         room = max(float(reserve_bytes(sm, ec, rows, pp=pp, dp=dp)[-1]) for rows in probe)
         check_pp(pp, len(sm.keep), f"{cost.model.name} with {placement_name(encoders)} encoders")
-        stage_plan = sm.to_full(data_aware_stages(reserved_pipeline(sm, room), table, probe, pp=pp, dp=dp,
-                                                  micro_batches=micro_batches, labels=labels))
+        cuts = [sm.to_full(data_aware_stages(reserved_pipeline(sm, room), table, probe, pp=pp, dp=dp,
+                                             micro_batches=micro_batches, labels=labels))]
+        if sm.nested and staged is not None:
+            with contextlib.suppress(ValueError):
+                cut = nested_cut(sm, staged)
+                cuts += [cut] if cut not in cuts else []
     else:
-        stage_plan = stages
-    plans, evals, priced = [], [], []
-    sc = pipeline_stage_costs(sm, stage_plan)
-    for rows in step_rows:
-        sc, rep, ev, sp = plan_spread_step(
-            sm, ec, table, rows, stage_plan,
-            lambda costs, rows=rows: balance_step(costs, table, rows, dp=dp, micro_batches=micro_batches,
-                                                  labels=labels), pp=pp, dp=dp)
-        plans.append(rep)
-        evals.append(ev)
-        priced.append(sp)
-    return PlannedSteps(stage_plan=stage_plan, sc=sc, plans=plans, evals=evals, packing=True, setting="",
-                        spread=priced)
+        cuts = [stages]
+    best = None
+    for stage_plan in cuts:
+        plans, evals, priced = [], [], []
+        sc = pipeline_stage_costs(sm, stage_plan)
+        for rows in step_rows:
+            sc, rep, ev, sp = plan_spread_step(
+                sm, ec, table, rows, stage_plan,
+                lambda costs, rows=rows: balance_step(costs, table, rows, dp=dp, micro_batches=micro_batches,
+                                                      labels=labels), pp=pp, dp=dp)
+            plans.append(rep)
+            evals.append(ev)
+            priced.append(sp)
+        got = PlannedSteps(stage_plan=stage_plan, sc=sc, plans=plans, evals=evals, packing=True, setting="",
+                           spread=priced)
+        t = float(sum(x.step_time for x in priced)) if got.fits else np.inf
+        if best is None or t < best[0]:
+            best = (t, got)
+    assert best is not None
+    return best[1]

@@ -7,6 +7,7 @@ spread tower costs is planner/spread.py's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.problem import Placement, PlanProblem
+from mmpipe.planner.spread import nested_cut, spread_model
 from mmpipe.planner.stages import plan_stages
 from mmpipe.planner.stepping import StepPlanner
 
@@ -60,12 +62,19 @@ def choose_encoders(problem: PlanProblem, steps: Sequence[Sequence[SampleFeature
         one = dataclasses.replace(problem, placement=enc)
         plan: StagePlan | None = stage_plan
         try:
-            plan = plan or plan_stages(one, sample)
-            planner = StepPlanner(one, plan)
-            planned = [planner.plan(list(st)) for st in steps]
-            fits = all(max(max(rep, default=0.0) for rep in p.peak_bytes) <= planner.usable_bytes * (1 + 1e-9)
-                       for p in planned)
-            total = sum(p.step_time for p in planned) if fits else math.inf
+            cuts = [plan or plan_stages(one, sample)]
+            staged = out[0][2] if out and not out[0][0].spread else None  # stages come first
+            if stage_plan is None and enc.nested and staged is not None:  # the towers' cut, joined to
+                with contextlib.suppress(ValueError):  # the next pipeline layer: stage 0 encodes what no
+                    cuts.append(nested_cut(spread_model(one.cost_model(), enc.mapping), staged))  # bubble holds
+            total, plan = _summed_time(one, cuts[0], steps), cuts[0]
+            for cut in cuts[1:]:
+                try:
+                    t = _summed_time(one, cut, steps)
+                except ValueError:  # this placement cannot run the towers' cut: the first stands
+                    continue
+                if t < total:
+                    total, plan = t, cut
         except ValueError as err:  # a stage or a sample this placement cannot hold
             total = math.inf
             errors.append(f"{enc.name}: {err}")
@@ -80,3 +89,13 @@ def choose_encoders(problem: PlanProblem, steps: Sequence[Sequence[SampleFeature
     enc, _, plan = out[best]
     assert plan is not None
     return EncoderChoice(placement=enc, stage_plan=plan, candidates=tuple(out))
+
+
+def _summed_time(problem: PlanProblem, plan: StagePlan, steps: Sequence[Sequence[SampleFeatures]]) -> float:
+    """The steps' summed simulated time on `plan` (inf when a step does not fit; ValueError
+    when the placement cannot run that cut)."""
+    planner = StepPlanner(problem, plan)
+    planned = [planner.plan(list(st)) for st in steps]
+    fits = all(max(max(rep, default=0.0) for rep in p.peak_bytes) <= planner.usable_bytes * (1 + 1e-9)
+               for p in planned)
+    return sum(p.step_time for p in planned) if fits else math.inf

@@ -72,11 +72,13 @@ import numpy as np
 from mmpipe.planner.cost import CostModel
 from mmpipe.planner.hardware import GB
 from mmpipe.planner.ladder import Ladder
+from mmpipe.planner.nested import NestedTimes, assign_shares, simulate_nested
+from mmpipe.planner.nested import slots as nested_slots
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.problem import OFF_STAGE, placement_name
 from mmpipe.planner.samples import SampleTable
 from mmpipe.planner.stage_cost import StageCosts, micro_batch_costs, stage_costs
-from mmpipe.planner.step import Replicas, StepEval, evaluate_step
+from mmpipe.planner.step import Replicas, StepEval, evaluate_step, mb_costs
 
 KEEP_MODES = ("none", "blocks", "tower")
 """What an encode share keeps from the pre-pass to the post-pass, cheapest first."""
@@ -115,6 +117,9 @@ class SpreadModel:
     crossing every cut up to `llm.embed` and their inputs crossing none."""
     ranges: tuple[tuple[int, int], ...]
     """The spread layers as contiguous [start, end) runs of layer indices."""
+    nested: bool = False
+    """The off-stage towers run nested in the pipeline's bubbles (planner/nested.py), not
+    before and after it."""
     learns: bool
     """Something in a spread tower learns (weights or adapters): there is a post-pass, a
     gradient send back and an all-reduce."""
@@ -240,6 +245,7 @@ def spread_model(cost: CostModel, encoders: Encoders | None) -> SpreadModel:
                       + FP32 * learning)
     rest = slack * (b * sum(l.params + l.adapter_params for l in layers) + (b + FP32) * learning)
     return SpreadModel(cost=cost, encoders=encoders, spread=spread, keep=keep, pipeline=pipeline,
+                       nested=any(w == "nested" for w in encoders.values()),
                        ranges=tuple((a, c) for a, c in ranges), learns=learns, static=static, static_rest=rest,
                        grad_bytes=float(FP32 * learning), weight_bytes=float(b * learning), feature_bytes=feat)
 
@@ -392,48 +398,101 @@ class SpreadStep:
     """Per replica, per stage: its rank's peak bytes (pipeline stage + spread towers)."""
     fits: bool
     """Every rank within the usable memory less the headroom."""
+    slots: tuple = ()
+    """Nested: per replica, per stage, (micro-batch, encode step, tower-backward step) of each
+    micro-batch its rank encodes part of (planner/nested.py `slots`); empty under spread."""
 
 
 def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEval, sc: StageCosts,
-               reserve: np.ndarray, *, ranks: int | None = None) -> SpreadStep:
+               reserve: np.ndarray, *, ranks: int | None = None, table: SampleTable | None = None,
+               packing: bool = True) -> SpreadStep:
     """Price a step whose pipeline part `ev` (`evaluate_step` on `sc`, the pipeline's stage
     costs with `reserve` counted in their static bytes) ran the micro-batches `replicas`
     (rows of the table `ec` was made from); `ranks`: the run's pp x dp, over which the
-    gradients are all-reduced (default pp x the replicas planned here).
+    gradients are all-reduced (default pp x the replicas planned here). A nested placement
+    (`sm.nested`) needs `table` and `packing` too: its program is timed per micro-batch
+    (planner/nested.py).
 
     A rank's peak is the larger of two phases: while the pipeline runs, its stage's static
     bytes and in-flight peak + the spread towers' static bytes + its share's kept bytes (+ on
     stage 0 the replica's features); in the post-pass, its stage's static bytes + the
     towers' static bytes + its share's kept bytes + the largest transient of its share."""
-    hw = sm.cost.hardware
     pp = sc.pp
     dp = len(replicas)
     usable = sm.cost.usable_bytes
     static = sc.static - np.asarray(reserve, dtype=float)
     members = [[i for mb in rep for i in mb if ec.media[i]] for rep in replicas]
     rows = [i for rep in replicas for mb in rep for i in mb]
-    first = KEEP_MODES.index(keep_mode(sm, ec, rows, pp=pp, dp=len(replicas)))
+    # nested: stage 0 keeps only its in-flight micro-batches' share, so every mode is tried
+    first = 0 if sm.nested else KEEP_MODES.index(keep_mode(sm, ec, rows, pp=pp, dp=len(replicas)))
+    if sm.nested and table is None:
+        raise ValueError("price_step: a nested placement is timed per micro-batch; pass the step's table")
     best = None
     for mode in KEEP_MODES[first:] if sm.learns else ("none",):
-        shares = [[[rows[j] for j in share] for share in lpt_shares(
-            [ec.pre[i] + ec.post[mode][i] for i in rows], pp)] for rows in members]
+        if sm.nested:
+            got = [nested_replica(sm, ec, table, rep, sc, mode, packing=packing,
+                                  room=[usable - _pipeline_bytes(sm, ec, rep, ev, sc, static, r, s) for s in range(pp)])
+                   if rep else ([[]] * pp, None) for r, rep in enumerate(replicas)]
+            shares, sims = [g[0] for g in got], [g[1] for g in got]
+        else:
+            shares = [[[rows[j] for j in share] for share in lpt_shares(
+                [ec.pre[i] + ec.post[mode][i] for i in rows], pp)] for rows in members]
+            sims = [None] * dp
         peaks = []
         for r, rep in enumerate(replicas):
-            feat = float(sum(ec.feature[i] for mb in rep for i in mb))
             row = []
             for s in range(pp):
-                kept = (sm.static if s == 0 else sm.static_rest) + float(sum(ec.kept[mode][i] for i in shares[r][s]))
-                during = ev.replica_peaks[r][s] - sc.static[s] + static[s] + kept + (feat if s == 0 else 0.0)
+                held = _held(sm, rep, set(shares[r][s]), ec.kept[mode], pp if s == 0 else pp + 2)
+                kept = (sm.static if s == 0 else sm.static_rest) + held
+                during = _pipeline_bytes(sm, ec, rep, ev, sc, static, r, s) + held
                 after = static[s] + kept + max((float(ec.transient[mode][i]) for i in shares[r][s]), default=0.0)
                 row.append(max(during, after))
             peaks.append(tuple(row))
         fits = all(p <= usable * (1 + 1e-9) for rep in peaks for p in rep)
-        best = (mode, shares, peaks, fits)
+        best = (mode, shares, sims, peaks, fits)
         if fits:
             break
     assert best is not None
-    mode, shares, peaks, fits = best
+    mode, shares, sims, peaks, fits = best
     ar = sm.allreduce_s(ranks if ranks is not None else pp * dp)
+    parts = (_nested_parts if sm.nested else _spread_parts)(sm, ec, replicas, ev, shares, sims, mode)
+    times, compute, pres, posts, loads = parts
+    step = sm.cost.hardware.step_seconds(max(times, default=0.0) + ar) if any(replicas) else 0.0
+    slots_ = tuple(tuple(tuple(tuple(x) for x in st) for st in nested_slots(
+        pp, len(rep), [[k for k, mb in enumerate(rep) if set(mb) & set(shares[r][s])] for s in range(pp)]))
+        if sm.nested else () for r, rep in enumerate(replicas))
+    return SpreadStep(step_time=step, encode=tuple(tuple(tuple(sh) for sh in rep) for rep in shares),
+                      mode=mode, replica_times=tuple(times), compute=tuple(compute), pre=tuple(pres),
+                      post=tuple(posts), loads=tuple(loads), allreduce=ar,
+                      peaks=tuple(tuple(p) for p in peaks), fits=bool(fits), slots=slots_)
+
+
+def _pipeline_bytes(sm: SpreadModel, ec: EncodeCosts, rep: Sequence[Sequence[int]], ev: StepEval,
+                    sc: StageCosts, static: np.ndarray, r: int, s: int) -> float:
+    """Replica r's stage s while the pipeline runs, without its encode share's kept bytes: the
+    stage's static bytes and in-flight peak, the towers' static bytes and, on stage 0, the
+    replica's features it holds."""
+    feat = _held(sm, rep, set(i for mb in rep for i in mb), ec.feature, sc.pp) if s == 0 else 0.0
+    return ev.replica_peaks[r][s] - sc.static[s] + static[s] + (sm.static if s == 0 else sm.static_rest) + feat
+
+
+def _held(sm: SpreadModel, rep: Sequence[Sequence[int]], rows: set, per: np.ndarray, window: int) -> float:
+    """Bytes a rank holds at once of `per` over the samples `rows` of a replica: all of them
+    under spread (pre-pass to post-pass); under nested those of `window` consecutive
+    micro-batches, the largest such window (planner/nested.py's program: stage 0 holds its
+    part of a micro-batch from just before its forward to just after its backward, 1F1B keeps
+    at most pp in flight; a rank of stage s >= 1 from about step 2k - 2 to 2k + 2pp + 1, pp + 2
+    micro-batches)."""
+    each = [float(sum(per[i] for i in mb if i in rows)) for mb in rep]
+    if not sm.nested or len(each) <= window:
+        return float(sum(each))
+    return max(sum(each[k:k + window]) for k in range(len(each) - window + 1))
+
+
+def _spread_parts(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEval, shares, _sims, mode: str):
+    """Per replica: time, compute, pre-pass, post-pass and per-stage loads under spread."""
+    hw = sm.cost.hardware
+    pp = len(shares[0]) if shares else 0
     times, compute, pres, posts, loads = [], [], [], [], []
     for r, rep in enumerate(replicas):
         fwd = [float(sum(ec.pre[i] for i in sh)) for sh in shares[r]]
@@ -457,11 +516,68 @@ def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEva
         pres.append(pre)
         posts.append(back)
         loads.append(tuple(f + p for f, p in zip(fwd, post)))
-    step = hw.step_seconds(max(times, default=0.0) + ar) if any(replicas) else 0.0
-    return SpreadStep(step_time=step, encode=tuple(tuple(tuple(sh) for sh in rep) for rep in shares),
-                      mode=mode, replica_times=tuple(times), compute=tuple(compute), pre=tuple(pres),
-                      post=tuple(posts), loads=tuple(loads), allreduce=ar,
-                      peaks=tuple(tuple(p) for p in peaks), fits=bool(fits))
+    return times, compute, pres, posts, loads
+
+
+def _nested_parts(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, _ev: StepEval, shares, sims, mode: str):
+    """Per replica under nested: time, compute (the program's makespan), `pre` = stage 0's wait
+    for features, `post` = the tower backward after the pipeline's last backward, loads."""
+    hw = sm.cost.hardware
+    times, compute, pres, posts, loads = [], [], [], [], []
+    for r, rep in enumerate(replicas):
+        sim = sims[r]
+        span = sim.makespan if sim is not None else 0.0
+        times.append(hw.replica_seconds(span, len(rep)) if rep else 0.0)
+        compute.append(span)
+        pres.append(sim.wait if sim is not None else 0.0)
+        posts.append(sim.makespan - sim.pipeline_end if sim is not None else 0.0)
+        loads.append(tuple(float(sum(ec.pre[i] + ec.post[mode][i] for i in sh)) for sh in shares[r]))
+    return times, compute, pres, posts, loads
+
+
+def nested_replica(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rep: Sequence[Sequence[int]],
+                   sc: StageCosts, mode: str, *, packing: bool, room: Sequence[float]
+                   ) -> tuple[list[list[int]], NestedTimes]:
+    """One replica's nested shares and their timed program (`simulate_nested`): the planner's
+    rule (`assign_shares`, from every sample on stage 0, moving a sample only where the rank's
+    kept bytes stay within its `room`), or spread's longest-first shares where they time
+    shorter."""
+    hw = sm.cost.hardware
+    c = mb_costs(sc, table, rep, packing=packing)
+    pp, m = c.fwd.shape
+    post = ec.post[mode]
+    where = {int(i): k for k, mb in enumerate(rep) for i in mb}
+
+    def timed(shares: list[list[int]]) -> NestedTimes:
+        enc, back, tr = np.zeros((pp, m)), np.zeros((pp, m)), np.zeros((pp, m))
+        for s, share in enumerate(shares):
+            for i in share:
+                k = where[i]
+                enc[s, k] += ec.pre[i]
+                back[s, k] += post[i] if sm.learns else 0.0
+                tr[s, k] = max(tr[s, k], hw.link_latency_s) + ec.feature[i] / hw.link_bytes_per_s
+        parts = np.zeros((pp, m), dtype=bool)
+        for s, share in enumerate(shares):
+            parts[s, [where[i] for i in share]] = True
+        return simulate_nested(fwd=c.fwd, bwd=c.bwd_in + c.bwd_w, send_fwd=c.send_fwd, send_bwd=c.send_bwd,
+                               encode=enc, tower_backward=back, transfer=tr, parts=parts)
+
+    media = [[int(i) for i in mb if ec.media[i]] for mb in rep]
+    every = [i for mb in media for i in mb]
+    lpt = [[every[j] for j in share] for share in lpt_shares([ec.pre[i] + post[i] for i in every], pp)]
+    kept = ec.kept[mode]
+
+    def fits(stage: int, share: list[int]) -> bool:
+        held = _held(sm, rep, set(share), kept, pp if stage == 0 else pp + 2)
+        return held + max((float(ec.transient[mode][i]) for i in share), default=0.0) <= room[stage]
+
+    best = assign_shares(timed, media, ec.pre, pp, fits=fits)
+    lpt = [sorted(sh) for sh in lpt]
+    t = timed(lpt)
+    if t.makespan < best[1].makespan - 1e-12:
+        best = (lpt, t)
+    assert best is not None
+    return best
 
 
 def plan_spread_step(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rows: Sequence[int], plan: StagePlan,
@@ -477,7 +593,7 @@ def plan_spread_step(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rows:
     sc = dataclasses.replace(pipeline_stage_costs(sm, plan, reserve), ladder=ladder)
     reps = balance(sc)
     ev = evaluate_step(sc, table, reps, packing=packing)
-    return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, ranks=ranks)
+    return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, ranks=ranks, table=table, packing=packing)
 
 
 def encode_by_rank(encode: Sequence[Sequence[Sequence[int]]] | None, pp: int, dp: int) -> list[list[int]]:
@@ -489,3 +605,29 @@ def encode_by_rank(encode: Sequence[Sequence[Sequence[int]]] | None, pp: int, dp
         for s, share in enumerate(rep):
             out[s * dp + r] = [int(i) for i in share]
     return out
+
+
+def slots_by_rank(slots: Sequence[Sequence[Sequence[Sequence[int]]]], pp: int, dp: int) -> list[list[list[int]]]:
+    """A nested step's slots (per replica, per stage: [micro-batch, encode step, tower-backward
+    step]) in global rank order, as `encode_by_rank` orders the shares."""
+    out: list[list[list[int]]] = [[] for _ in range(pp * dp)]
+    for r, rep in enumerate(slots):
+        for s, st in enumerate(rep):
+            out[s * dp + r] = [[int(x) for x in e] for e in st]
+    return out
+
+
+def nested_cut(sm: SpreadModel, plan: StagePlan) -> StagePlan:
+    """A cut over every layer made runnable off the stages: each stage starts at its first
+    pipeline layer, stage 0 reaches past the off-stage towers (`SpreadModel.to_full`): the
+    staged cut with its tower stage joined to the next pipeline layer, for a nested placement
+    whose stage 0 encodes what no bubble holds. ValueError when the stages do not fit."""
+    keep = list(sm.keep)
+    starts = [0] + [next((j for j, full in enumerate(keep) if full >= a), len(keep)) for a, _ in plan.stages[1:]]
+    for s in range(1, len(starts)):
+        starts[s] = max(starts[s], starts[s - 1] + 1)
+    if starts[-1] >= len(keep):
+        raise ValueError(f"{plan.pp} stages do not fit after the off-stage encoder layers")
+    bounds = starts + [len(keep)]
+    return sm.to_full(StagePlan(stages=[(bounds[s], bounds[s + 1]) for s in range(plan.pp)],
+                                recompute=plan.recompute))

@@ -11,7 +11,8 @@ order differs, and it is planner/nested.py's `program` (the one home of it):
   `RecvFeatures(mb)` (stage 0, before that micro-batch's forward: the other ranks' features of
   it, joined into the leaves its forward reads), `SendFeatureGrads(mb)` (stage 0, after that
   micro-batch's backward: the leaves' gradients to the ranks that encoded them, without
-  waiting) and `TowerBackward(mb)` (the share's tower backward, in the rank's cool-down).
+  waiting) and `TowerBackward(mb)` (the share's tower backward: on stage 0 right there, on
+  every other rank in its cool-down).
 - `NestedTowers` runs them; the engine's instruction map (an instance-level copy, as
   runtime/telemetry.py patches it) dispatches them, and `engine._train_schedule` (what
   `PipelineEngine.train_batch` asks for its schedule) returns a NestedSchedule for the step.
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from mmpipe.planner.nested import ENCODE, TOWER_BACKWARD, program
+from mmpipe.planner.nested import BACKWARD, ENCODE, FORWARD, TOWER_BACKWARD, program
 from mmpipe.runtime.spread import _DTYPES, _TAG, EncodeStep, SpreadTowers, _join, _leaf, _pieces, _recv
 
 
@@ -63,28 +64,39 @@ class NestedSchedule(ds_schedule.TrainSchedule):
         self.ops = program(stages, micro_batches, stage_id, shares)
 
     def steps(self):
-        encode = {}
-        back = {}
-        for o in self.ops:
-            if o.op == ENCODE:
-                encode.setdefault(o.step, []).append(o.mb)
-            elif o.op == TOWER_BACKWARD:
-                back.setdefault(o.step, []).append(o.mb)
         first = self.stage_id == 0
+        before: dict[int, list] = {}  # step -> mmpipe's instructions before its pipeline op
+        after: dict[int, list] = {}  # step -> after its backward (stage 0's tower backward)
+        tail: list = []  # after the last pipeline op: before the gradient reduction
+        pending: list = []
+        for o in self.ops:
+            if o.op in (FORWARD, BACKWARD):
+                before[o.step], pending = pending, []
+            elif first and o.op == TOWER_BACKWARD:
+                after.setdefault(o.step, []).append(TowerBackward(mb=o.mb))
+            else:
+                pending.append(EncodeFeatures(mb=o.mb) if o.op == ENCODE else TowerBackward(mb=o.mb))
+        tail = pending
+        waits = (ds_schedule.RecvActivation, ds_schedule.RecvGrad, ds_schedule.LoadMicroBatch,
+                 ds_schedule.ForwardPass, ds_schedule.BackwardPass)
         for step_id, cmds in enumerate(super().steps()):
             mb, _ = self._step_to_micro_batch(step_id)
-            out = [] if first else [EncodeFeatures(mb=k) for k in encode.get(step_id, ())]
+            pre = before.get(step_id, [])
+            out = []
             for cmd in cmds:
-                if isinstance(cmd, ds_schedule.ForwardPass) and first:
-                    out += [EncodeFeatures(mb=k) for k in encode.get(step_id, ())]
+                if pre and isinstance(cmd, waits):  # after this step's sends, before its first wait
+                    out += pre
+                    pre = []
+                if first and isinstance(cmd, ds_schedule.ForwardPass):
                     out.append(RecvFeatures(mb=mb))
                 if isinstance(cmd, ds_schedule.ReduceTiedGrads):
-                    out += [TowerBackward(mb=k) for k in back.pop(step_id, ())]
+                    out += tail
+                    tail = []
                 out.append(cmd)
-                if isinstance(cmd, ds_schedule.BackwardPass) and first:
+                if first and isinstance(cmd, ds_schedule.BackwardPass):
                     out.append(SendFeatureGrads(mb=mb))
-            out += [TowerBackward(mb=k) for k in back.pop(step_id, ())]
-            yield out
+                    out += after.get(step_id, [])
+            yield out + pre
 
 
 def _isend(x: torch.Tensor, dst: int, group) -> list:
@@ -109,6 +121,10 @@ class NestedTowers(SpreadTowers):
         self._sending: list = []
         self._pieces: dict[int, dict] = {}
         self._grads: dict[int, dict] = {}
+        self._own: list[torch.Tensor | None] = [None] * len(self.params)
+        """Stage 0: its own share's tower gradients of the step, fp32, taken out of `.grad` after
+        each TowerBackward (DeepSpeed's bf16 optimizer clears a stage's `.grad` before each of
+        its backward passes)."""
 
     def install_post_pass(self) -> None:
         """The four instructions and the gradient reduction into this engine's instruction map,
@@ -244,6 +260,18 @@ class NestedTowers(SpreadTowers):
         else:
             received = {slot: _recv(self.stage_ranks[0], device, group=self.group) for _, slot, _ in self.keys}
         self._backward_part(step, part, received)
+        if self.stage == 0:  # between DeepSpeed's backward passes: out of .grad (see _own)
+            for n, p in enumerate(self.params):
+                if p.grad is not None:
+                    g = p.grad.detach().float()
+                    self._own[n] = g if self._own[n] is None else self._own[n].add_(g)
+                    p.grad = None
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        if self.stage != 0:
+            return super()._local_grads()
+        return [g if g is not None else torch.zeros_like(p, dtype=torch.float32)
+                for g, p in zip(self._own, self.params)]
 
     def backward(self) -> None:
         """At ReduceGrads: every send arrived; the towers' gradients summed over every rank."""
@@ -255,3 +283,4 @@ class NestedTowers(SpreadTowers):
         self._pieces, self._grads = {}, {}
         if learned:
             self._reduce()
+        self._own = [None] * len(self.params)

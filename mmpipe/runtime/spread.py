@@ -433,9 +433,12 @@ class SpreadTowers:
                     torch.autograd.backward([o for o, _ in pairs], [x.to(o.dtype) for o, x in pairs])
             self._per[n] = None  # this sample's activations go now
 
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's tower gradients of the step, one per learning parameter."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
     def _reduce(self) -> None:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in self.params])
+        flat = torch.cat([g.reshape(-1).float() for g in self._local_grads()])
         dist.all_reduce(flat)  # every rank of the job: each sample was encoded once, somewhere
         flat /= self.dp
         hp = _bf16_master_grads(self.engine) if self.stage == 0 else None
