@@ -54,6 +54,8 @@ from mmpipe.planner.cost import (
 from mmpipe.planner.hardware import HardwareSpec, hardware_from_dict, hardware_to_dict
 from mmpipe.planner.ladder import PAST_TOP_GROWTH, Ladder, parse_ladder
 from mmpipe.planner.layout import Layout, LayoutChoice, choose_layout
+from mmpipe.planner.nested import BACKWARD, ENCODE, FORWARD, TOWER_BACKWARD
+from mmpipe.planner.nested import program as nested_program
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.placement import EncoderChoice, choose_encoders
 from mmpipe.planner.precision import TrainingPrecision
@@ -84,6 +86,7 @@ __all__ = ["DEFAULT_HEADROOM", "DEFAULT_PRECISION", "PACKED_POLICIES", "PAST_TOP
            "StepWork", "TrainingPrecision", "build_cost_model", "calibrated_hardware", "check_encoders_value",
            "check_headroom", "check_policy", "choose_encoders", "choose_layout", "consider_recut", "describe_gain",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "parse_ladder",
-           "OFF_STAGE", "placement_name", "plan_stages", "plan_step", "resolve_ladder", "show_encoders",
+           "OFF_STAGE", "BACKWARD", "ENCODE", "FORWARD", "TOWER_BACKWARD", "nested_program", "placement_name",
+           "plan_stages", "plan_step", "resolve_ladder", "show_encoders",
            "stage_memory_warnings",
            "step_work", "validate_trainable"]

@@ -3,7 +3,8 @@
 The towers are held, shared out and summed exactly as spread towers (runtime/spread.py: stage 0
 owns their weights, every other rank of a replica runs a replica, the gradients are all-reduced
 into stage 0's parameters before the optimizer step, the weights broadcast after it); only the
-order differs, and it is planner/nested.py's `program` (the one home of it):
+order differs, and it is planner/nested.py's `program` (the one home of it; `nested_program` in
+the planner's api):
 
 - `NestedSchedule` is DeepSpeed's `TrainSchedule` with four instructions of mmpipe's inserted
   where the program puts them: `EncodeFeatures(mb)` (this rank encodes its share of a
@@ -36,8 +37,17 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from mmpipe.planner.nested import BACKWARD, ENCODE, FORWARD, TOWER_BACKWARD, program
-from mmpipe.runtime.spread import _DTYPES, _TAG, EncodeStep, SpreadTowers, _join, _leaf, _pieces, _recv
+from mmpipe.planner.api import BACKWARD, ENCODE, FORWARD, TOWER_BACKWARD, nested_program
+from mmpipe.runtime.spread import (
+    FEATURE_TAG,
+    WIRE_DTYPES,
+    EncodeStep,
+    SpreadTowers,
+    feature_leaf,
+    join_parts,
+    recv_tensor,
+    split_parts,
+)
 
 
 class EncodeFeatures(ds_schedule.PipeInstruction):
@@ -61,7 +71,7 @@ class NestedSchedule(ds_schedule.TrainSchedule):
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int, shares: Sequence[int]) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
-        self.ops = program(stages, micro_batches, stage_id, shares)
+        self.ops = nested_program(stages, micro_batches, stage_id, shares)
 
     def steps(self):
         first = self.stage_id == 0
@@ -100,14 +110,14 @@ class NestedSchedule(ds_schedule.TrainSchedule):
 
 
 def _isend(x: torch.Tensor, dst: int, group) -> list:
-    """runtime/spread.py's `_send` without waiting: the header and the tensor in flight (both
+    """runtime/spread.py's `send_tensor` without waiting: the header and the tensor in flight (both
     must stay alive until the works are waited for)."""
-    head = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
+    head = torch.tensor([WIRE_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
     head = head.to(x.device)
-    works = [(dist.isend(head, dst, group=group, tag=_TAG), head)]
+    works = [(dist.isend(head, dst, group=group, tag=FEATURE_TAG), head)]
     if x.numel():
         x = x.contiguous()
-        works.append((dist.isend(x, dst, group=group, tag=_TAG), x))
+        works.append((dist.isend(x, dst, group=group, tag=FEATURE_TAG), x))
     return works
 
 
@@ -193,11 +203,11 @@ class NestedTowers(SpreadTowers):
         for j, (tower, slot, axis) in enumerate(self.keys):
             pieces: dict = {}
             for i, out in zip(part, outs):
-                pieces.update(_pieces(out[j], (i,), step.rows, tower, axis))
+                pieces.update(split_parts(out[j], (i,), step.rows, tower, axis))
             if self.stage == 0:
                 self._pieces[slot].update(pieces)
             else:
-                self._sending += _isend(_join(pieces, part, tower, axis).detach(), self.stage_ranks[0], self.group)
+                self._sending += _isend(join_parts(pieces, part, tower, axis).detach(), self.stage_ranks[0], self.group)
 
     def receive(self, mb: int) -> None:
         """RecvFeatures (stage 0): the other ranks' parts of micro-batch `mb`, then its leaves."""
@@ -205,8 +215,8 @@ class NestedTowers(SpreadTowers):
         for s in range(1, len(step.shares)):
             part = self._part(s, mb)
             for tower, slot, axis in self.keys if part else ():
-                x = _recv(self.stage_ranks[s], device, group=self.group)
-                self._pieces[slot].update(_pieces(x, part, step.rows, tower, axis))
+                x = recv_tensor(self.stage_ranks[s], device, group=self.group)
+                self._pieces[slot].update(split_parts(x, part, step.rows, tower, axis))
         group = step.groups[mb]
         trains = bool(self.params)
         dtype = self.params[0].dtype if trains else torch.float32
@@ -222,7 +232,7 @@ class NestedTowers(SpreadTowers):
                             raise RuntimeError(f"sample {i} has {step.rows[i][k]} {kind} feature rows but no rank "
                                                f"encoded it")
                         pieces[(i, kind)] = empty
-            entry[slot] = _leaf(_join(pieces, group, tower, axis), trains, dtype)
+            entry[slot] = feature_leaf(join_parts(pieces, group, tower, axis), trains, dtype)
             for i in group:  # joined: the parts go
                 for kind in ("image", "video", "audio"):
                     pieces.pop((i, kind), None)
@@ -238,7 +248,7 @@ class NestedTowers(SpreadTowers):
         for tower, slot, axis in self.keys:
             leaf = self._bank[mb][slot]
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            pieces = _pieces(g, group, step.rows, tower, axis)
+            pieces = split_parts(g, group, step.rows, tower, axis)
             for s in range(len(step.shares)):
                 part = self._part(s, mb)
                 if not part:
@@ -246,7 +256,7 @@ class NestedTowers(SpreadTowers):
                 if s == 0:
                     self._grads[slot].update({key: pieces[key] for key in pieces if key[0] in set(part)})
                 else:
-                    self._sending += _isend(_join(pieces, part, tower, axis), self.stage_ranks[s], self.group)
+                    self._sending += _isend(join_parts(pieces, part, tower, axis), self.stage_ranks[s], self.group)
         self._bank[mb] = None  # the leaves go; their gradients travel
 
     def tower_backward(self, mb: int) -> None:
@@ -256,9 +266,9 @@ class NestedTowers(SpreadTowers):
         step, device = self._step, self.engine.device
         part = self._part(self.stage, mb)
         if self.stage == 0:
-            received = {slot: _join(self._grads[slot], part, tower, axis) for tower, slot, axis in self.keys}
+            received = {slot: join_parts(self._grads[slot], part, tower, axis) for tower, slot, axis in self.keys}
         else:
-            received = {slot: _recv(self.stage_ranks[0], device, group=self.group) for _, slot, _ in self.keys}
+            received = {slot: recv_tensor(self.stage_ranks[0], device, group=self.group) for _, slot, _ in self.keys}
         self._backward_part(step, part, received)
         if self.stage == 0:  # between DeepSpeed's backward passes: out of .grad (see _own)
             for n, p in enumerate(self.params):

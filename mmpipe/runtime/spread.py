@@ -78,7 +78,7 @@ def feature_rows(f: SampleFeatures) -> tuple[int, int, int]:
     return sum(f.image_tokens), sum(f.video_tokens), sum(f.audio_tokens)
 
 
-def _pieces(x: torch.Tensor, order: Sequence[int], rows: dict[int, tuple[int, int, int]], tower: str,
+def split_parts(x: torch.Tensor, order: Sequence[int], rows: dict[int, tuple[int, int, int]], tower: str,
             axis: int) -> dict[tuple[int, str], torch.Tensor]:
     """Split a tower's output over `order` (samples in share order) into per-sample parts:
     vision's images of every sample, then their videos; audio's clips."""
@@ -95,16 +95,16 @@ def _pieces(x: torch.Tensor, order: Sequence[int], rows: dict[int, tuple[int, in
     return out
 
 
-def _pieces_of(per: list[list[torch.Tensor]], j: int, order: Sequence[int], rows: dict[int, tuple[int, int, int]],
+def parts_of_slot(per: list[list[torch.Tensor]], j: int, order: Sequence[int], rows: dict[int, tuple[int, int, int]],
                tower: str, axis: int) -> dict[tuple[int, str], torch.Tensor]:
     """The per-sample outputs of slot j (`per[n][j]`: sample order[n] encoded alone) as parts."""
     out = {}
     for n, i in enumerate(order):
-        out.update(_pieces(per[n][j], (i,), rows, tower, axis))
+        out.update(split_parts(per[n][j], (i,), rows, tower, axis))
     return out
 
 
-def _leaf(x: torch.Tensor, trains: bool, dtype: torch.dtype) -> torch.Tensor:
+def feature_leaf(x: torch.Tensor, trains: bool, dtype: torch.dtype) -> torch.Tensor:
     """A micro-batch's features as stage 0's pipeline takes them: a leaf that collects their
     gradient when the tower learns (a layer hands features without a gradient on as bits, as
     the `tower` mode's pre-pass makes them: floats of `dtype` again), frozen ones as they came."""
@@ -130,12 +130,13 @@ def _rng_restored(state: tuple, device):
         yield
 
 
-def _join(pieces: dict[tuple[int, str], torch.Tensor], order: Sequence[int], tower: str, axis: int) -> torch.Tensor:
+def join_parts(pieces: dict[tuple[int, str], torch.Tensor], order: Sequence[int], tower: str,
+               axis: int) -> torch.Tensor:
     kinds = ("image", "video") if tower == "vision" else ("audio",)
     return torch.cat([pieces[(i, kind)] for kind in kinds for i in order], dim=axis)
 
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int16, torch.int64, torch.uint8]
+WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int16, torch.int64, torch.uint8]
 
 
 def _refuse_gradient_hooks(engine) -> None:
@@ -174,25 +175,25 @@ def _bf16_master_grads(engine):
     return add
 
 
-_TAG = 73
+FEATURE_TAG = 73
 """The point-to-point tag of feature traffic (DeepSpeed's pipeline sends with tag 0)."""
 
 
-def _send(x: torch.Tensor, dst: int) -> None:
+def send_tensor(x: torch.Tensor, dst: int) -> None:
     """A tensor of any dtype and up to 4 dimensions, with a header saying which."""
-    head = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
-    dist.send(head.to(x.device), dst, tag=_TAG)
+    head = torch.tensor([WIRE_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
+    dist.send(head.to(x.device), dst, tag=FEATURE_TAG)
     if x.numel():
-        dist.send(x.contiguous(), dst, tag=_TAG)
+        dist.send(x.contiguous(), dst, tag=FEATURE_TAG)
 
 
-def _recv(src: int, device, group=None) -> torch.Tensor:
+def recv_tensor(src: int, device, group=None) -> torch.Tensor:
     head = torch.zeros(6, dtype=torch.long, device=device)
-    dist.recv(head, src, group=group, tag=_TAG)
-    dtype, dim = _DTYPES[int(head[0])], int(head[1])
+    dist.recv(head, src, group=group, tag=FEATURE_TAG)
+    dtype, dim = WIRE_DTYPES[int(head[0])], int(head[1])
     x = torch.empty([int(n) for n in head[2:2 + dim]], dtype=dtype, device=device)
     if x.numel():
-        dist.recv(x, src, group=group, tag=_TAG)
+        dist.recv(x, src, group=group, tag=FEATURE_TAG)
     return x
 
 
@@ -347,17 +348,17 @@ class SpreadTowers:
         self.encoded += len(mine)
         self._per = per
         if mine:  # the share's features in the carrier's order, one tensor per slot
-            self._outputs = {slot: _join(_pieces_of(per, j, mine, step.rows, tower, axis), mine, tower, axis)
+            self._outputs = {slot: join_parts(parts_of_slot(per, j, mine, step.rows, tower, axis), mine, tower, axis)
                              for j, (tower, slot, axis) in enumerate(self.keys)}
         if self.stage != 0:
             for _, slot, _ in self.keys if mine else ():
-                _send(self._outputs[slot].detach(), self.stage_ranks[0])
+                send_tensor(self._outputs[slot].detach(), self.stage_ranks[0])
             return
         pieces: dict[int, dict] = {slot: {} for _, slot, _ in self.keys}
         for s, share in enumerate(step.shares):
             for tower, slot, axis in self.keys if share else ():
-                x = self._outputs[slot].detach() if s == 0 else _recv(self.stage_ranks[s], device)
-                pieces[slot].update(_pieces(x, share, step.rows, tower, axis))
+                x = self._outputs[slot].detach() if s == 0 else recv_tensor(self.stage_ranks[s], device)
+                pieces[slot].update(split_parts(x, share, step.rows, tower, axis))
         trains = bool(self.params)
         for tower, slot, axis in self.keys:  # a sample without this tower's media is in no share
             like = next(iter(pieces[slot].values()), None)
@@ -370,7 +371,7 @@ class SpreadTowers:
                                                f"encoded it")
                         pieces[slot][(i, kind)] = empty
         dtype = self.params[0].dtype if trains else torch.float32
-        self._bank = [{slot: _leaf(_join(pieces[slot], group, tower, axis), trains, dtype)
+        self._bank = [{slot: feature_leaf(join_parts(pieces[slot], group, tower, axis), trains, dtype)
                        for tower, slot, axis in self.keys} for group in step.groups]
         self._active = True
 
@@ -398,16 +399,16 @@ class SpreadTowers:
                 for tower, slot, axis in self.keys:
                     leaf = entry[slot]
                     g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                    grads[slot].update(_pieces(g, group, step.rows, tower, axis))
+                    grads[slot].update(split_parts(g, group, step.rows, tower, axis))
             for s, share in enumerate(step.shares):
                 for tower, slot, axis in self.keys if share else ():
-                    g = _join(grads[slot], share, tower, axis).contiguous()
+                    g = join_parts(grads[slot], share, tower, axis).contiguous()
                     if s == 0:
                         received[slot] = g
                     else:
-                        _send(g, self.stage_ranks[s])
+                        send_tensor(g, self.stage_ranks[s])
         elif mine:
-            received = {slot: _recv(self.stage_ranks[0], device) for _, slot, _ in self.keys}
+            received = {slot: recv_tensor(self.stage_ranks[0], device) for _, slot, _ in self.keys}
         if mine:
             self._backward_part(step, mine, received)
         self._step, self._outputs, self._bank, self._per = None, {}, [], []
@@ -418,10 +419,10 @@ class SpreadTowers:
         that order) through each sample's tower pass; in `tower` mode its forward runs again
         first (per layer checkpointed, with the random state its first pass started from)."""
         where = {i: n for n, i in enumerate(step.shares[self.stage])}
-        grads = [_pieces(received[slot], part, step.rows, tower, axis) for tower, slot, axis in self.keys]
+        grads = [split_parts(received[slot], part, step.rows, tower, axis) for tower, slot, axis in self.keys]
         for i in part:
             n = where[i]
-            g = [_join(grads[j], (i,), tower, axis) for j, (tower, _, axis) in enumerate(self.keys)]
+            g = [join_parts(grads[j], (i,), tower, axis) for j, (tower, _, axis) in enumerate(self.keys)]
             if step.mode == "tower":
                 with _rng_restored(self._rng[n], self.engine.device), torch.enable_grad():
                     out = self._encode(step.carriers[n], checkpointed=True)

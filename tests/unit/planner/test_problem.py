@@ -86,7 +86,8 @@ def test_a_placement_is_parsed_once_and_gives_its_config_value_back():
     omni, llava = model("omni-7b"), model("llava-1.5-7b")
     auto = Placement.parse("auto", omni)
     assert auto.auto and auto.to_config() == "auto" and auto.name == "auto"
-    assert [c.name for c in auto.candidates(omni)] == ["stages", "spread", "vision spread", "audio spread"]
+    assert [c.name for c in auto.candidates(omni)] == ["stages", "spread", "vision spread", "audio spread", "nested",
+                                                     "vision nested", "audio nested"]
     audio = Placement.parse({"audio": "spread"}, omni)
     assert audio.mapping == {"vision": "stages", "audio": "spread"} and audio.spread == ("audio",)
     assert audio.given == "{audio: spread}" and audio.candidates(omni) == (audio,)

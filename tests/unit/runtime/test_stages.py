@@ -90,7 +90,8 @@ def test_a_spread_tower_stays_on_stage_0_and_one_stage_cannot_spread():
     assert chosen.plan.stages[0][1] > rc.layers.index("audio.proj")
     auto = load(["train.steps=1"], job="test")  # the default: the planner compares the placements
     said = choose_stages(auto, load_tokenizer(tokenizer_source(auto)[0]))
-    assert set(said.placements) == {"stages", "spread", "vision spread", "audio spread"}
+    assert set(said.placements) == {"stages", "spread", "vision spread", "audio spread", "nested", "vision nested",
+                                    "audio nested"}
     assert said.placement.mapping == {"vision": "stages", "audio": "stages"}  # measured faster (in-the-loop.md)
     bad = load(["train.steps=1", "plan.encoders={vision: stages, audio: spread}",
                 "plan.stages=[[vision.embed,vision.proj],[audio.embed,llm.head]]"], job="test")
