@@ -283,8 +283,8 @@ def _compare_placements(problem: PlanProblem, placement: Placement, cost: CostMo
     for enc in cands:
         if not enc.spread:
             t = float(sum(e.step_time for e in current.evals)) if all(e.fits for e in current.evals) else np.inf
-            if t < best_t:
-                best_t, chosen = t, enc
+            if enc.ranking_time(t) < best_t:
+                best_t, chosen = enc.ranking_time(t), enc
             compared.append((enc, t))
             continue
         try:
@@ -299,8 +299,8 @@ def _compare_placements(problem: PlanProblem, placement: Placement, cost: CostMo
             got, t = None, np.inf
             setting += f"; {enc.name}: {err}"
         compared.append((enc, t))
-        if got is not None and (t < best_t or len(cands) == 1):
-            best_t, chosen, current = t, enc, got
+        if got is not None and (enc.ranking_time(t) < best_t or len(cands) == 1):
+            best_t, chosen, current = enc.ranking_time(t), enc, got
     return dataclasses.replace(current, setting=setting), chosen, compared
 
 

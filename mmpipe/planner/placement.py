@@ -79,10 +79,11 @@ def choose_encoders(problem: PlanProblem, steps: Sequence[Sequence[SampleFeature
             total = math.inf
             errors.append(f"{enc.name}: {err}")
         out.append((enc, total, plan))
-    # the fastest; when none fits, the first that has a stage plan (the user's stage plan is
-    # kept even over memory: the caller warns and trains it, as without spread towers)
-    best = min((i for i in range(len(out)) if out[i][2] is not None), key=lambda i: (out[i][1], i),
-               default=None)
+    # the fastest (an off-stage one by OFF_STAGE_MARGIN); when none fits, the first that has a
+    # stage plan (the user's stage plan is kept even over memory: the caller warns and trains it,
+    # as without spread towers)
+    best = min((i for i in range(len(out)) if out[i][2] is not None),
+               key=lambda i: (out[i][0].ranking_time(out[i][1]), i), default=None)
     if best is None:
         raise ValueError(f"plan.encoders={problem.placement.given}: no placement of the encoder towers "
                          f"can be planned on these steps ({errors[0]})")
