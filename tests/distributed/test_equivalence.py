@@ -31,10 +31,11 @@ CASES = {
     # name: overrides (data-aware chooses its own micro-batch count; ds-default keeps train.micro_batches).
     # One case per property: padded micro-batches and a middle stage; several replicas with the
     # planner dealing the step to them; ZeRO-1 with each replica reading its own shards.
-    # padded micro-batches, a fixed count, a middle stage; both towers spread (plan.encoders): every
-    # stage encodes its share of the step's media, the middle one included (runtime/spread.py)
-    "pp3-spread": ["parallel.pp=3", "parallel.dp=1", "train.global_batch=9", "train.micro_batches=4",
-                   "plan.policy=ds-default", "plan.encoders=spread"],
+    # padded micro-batches, a fixed count, a middle stage; both towers nested (plan.encoders): every
+    # stage encodes its share of the step's media inside DeepSpeed's 1F1B steps, the middle one
+    # included (runtime/nested.py; the spread pre- and post-pass: test_hf_train's llava-onevision-spread)
+    "pp3-nested": ["parallel.pp=3", "parallel.dp=1", "train.global_batch=9", "train.micro_batches=4",
+                   "plan.policy=ds-default", "plan.encoders=nested"],
     "pp2xdp2-across": ["parallel.pp=2", "parallel.dp=2", "train.global_batch=12", "train.micro_batches=3",
                        "plan.across_replicas=true"],  # the planner deals the step to the replicas
     # ZeRO-1: optimizer state sharded over the replicas, DeepSpeed's ZeRO optimizer clips. Three
@@ -170,8 +171,8 @@ def test_pipeline_step_equals_full_batch_step(case, run_mmpipe):
                                  epochs=1, root=PACKAGE_ROOT), 12)
         assert sorted(all_keys) == sorted(k for k, _ in first)
 
-    if "spread" in case:  # the towers ran off the pipeline, and not all on one rank
-        assert "encoders: vision, audio spread" in run.out, run.out[:3000]
+    if "nested" in case:  # the towers ran off the stage chain, and not all on one rank
+        assert "encoders: vision, audio nested" in run.out, run.out[:3000]
         shares = [d["encoded_samples"] for d in sorted(run.stage_files(), key=lambda d: d["stage"])]
         assert sum(x > 0 for x in shares) >= 2, shares
     if any(o.startswith("plan.recompute=") for o in overrides):  # the stage table says every stage recomputes

@@ -17,9 +17,10 @@ the original class). The reference builds its inputs from the raw tar members wi
 processors and chat template (tests/distributed/hf_reference.py), never with mmpipe's data code. For
 LLaVA and Omni the exported step-1 model also reproduces the run's step-2 loss on step 2's samples.
 Omni at pp=2 x dp=2 with ZeRO-1, one replica reading only samples without audio, gives the same
-step. The `-spread` cases (LLaVA-OneVision's tiles, Qwen3-VL's DeepStack features at pp=3) and the
-Omni ZeRO-1 case (its audio tower) run with the tower spread over the stages (plan.encoders). A short
-Omni run shows the loss falling.
+step. The `-spread` case (LLaVA-OneVision's tiles) runs with the tower spread over the stages
+(plan.encoders: a pre-pass and a post-pass around the pipeline), the `-nested` case (Qwen3-VL's
+DeepStack features at pp=3) and the Omni ZeRO-1 case (its audio tower) with the tower nested (the
+same shares encoded inside DeepSpeed's 1F1B steps). A short Omni run shows the loss falling.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ CASES = {  # model: its overrides (one launch each)
     # llm.block.0 and llm.block.1, on different stages, so one crosses stages 1 -> 2 (and its gradient back)
     "qwen3-vl": ["parallel.pp=3", "train.steps=1",
                  "plan.stages=[vision.embed:vision.block.1,vision.block.2:llm.block.0,llm.block.1:llm.head]"],
-    # the tower spread over the three stages: the DeepStack features reach their decoder layers from
-    # the ranks that encoded them
-    "qwen3-vl-spread": ["parallel.pp=3", "train.steps=1", "plan.encoders=spread"],
+    # the tower nested over the three stages (encoded inside the 1F1B steps): the DeepStack features
+    # reach their decoder layers from the ranks that encoded them
+    "qwen3-vl-nested": ["parallel.pp=3", "train.steps=1", "plan.encoders=nested"],
     # the cut falls after a full-attention vision block, before a windowed one: the window order crosses
     "qwen2.5-vl": ["parallel.pp=2", "train.steps=1",
                    "plan.stages=[vision.embed:vision.block.1,vision.block.2:llm.head]"],
@@ -72,9 +73,9 @@ CASES = {  # model: its overrides (one launch each)
 NEXT_LOSS = ("llava", "qwen2.5-omni")
 """Cases whose exported step-1 model must reproduce the run's step-2 loss."""
 VIDEO_CASES = ("qwen2-vl", "llava-onevision", "qwen2.5-vl", "qwen2.5-omni")
-SPREAD = "-spread"
-"""A case name ending so: the same model with plan.encoders=spread."""
 """Cases whose first step must hold video, image and text-only samples (from the shipped video mix)."""
+OFF_STAGE = ("-spread", "-nested")
+"""A case name ending so: the same model with plan.encoders=spread or nested."""
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 5e-4  # fp32 summation order differs (micro-batches vs one batch); a wrong or missing tensor is O(1)
 """Largest |pipeline - reference| of an updated tensor, relative to the reference's largest update
@@ -105,11 +106,12 @@ def _exported(ref: Reference, run, step: int, tmp_path):
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_one_pipeline_step_equals_transformers(kind, hf_checkpoints, run_mmpipe, tmp_path):
-    case, kind = kind, kind.removesuffix(SPREAD)
+    case, kind = kind, kind.removesuffix(OFF_STAGE[0]).removesuffix(OFF_STAGE[1])
     run = run_mmpipe("train", *model_overrides(kind, hf_checkpoints), *CASES[case], *COMMON, timeout=600)
     assert run.code == 0, run.out[-3000:]
-    if case.endswith(SPREAD):
-        assert re.search(r"^encoders: vision spread", run.out, re.M), run.out[:3000]
+    if case.endswith(OFF_STAGE):
+        assert re.search(rf"^encoders: vision {case.rsplit('-', 1)[1]}", run.out, re.M), run.out[:3000]
+        assert sum(d["encoded_samples"] > 0 for d in run.stage_files()) >= 2  # not all on one rank
     assert "load: stage 0 (rank 0) loaded" in run.out
     assert all(d["load"]["peak_rss_mb"] > 0 and d["load"]["layers_loaded"] > 0 for d in run.stage_files())
     _check_step(kind, hf_checkpoints, run, tmp_path, next_loss=kind in NEXT_LOSS)
@@ -182,17 +184,18 @@ def _omni_shards(out: Path) -> str:
 
 
 def test_omni_zero1_replica_without_clips(hf_checkpoints, run_mmpipe, tmp_path):
-    """Qwen2.5-Omni at pp=2 x dp=2 under ZeRO-1, the audio tower spread and the vision tower staged
+    """Qwen2.5-Omni at pp=2 x dp=2 under ZeRO-1, the audio tower nested and the vision tower staged
     (plan.encoders), replica 0's step holding no clip (its ranks encode nothing): the step still
     equals transformers' on all its samples, the tower's gradients summed over every rank (nothing
     hangs, the audio tower learns from replica 1's clips only)."""
     path = _omni_shards(tmp_path / "shards")
     run = run_mmpipe("train", *model_overrides("qwen2.5-omni", hf_checkpoints), "parallel.pp=2", "parallel.dp=2",
                      "train.zero_stage=1", "train.steps=1", f"data.path='{path}'",
-                     "plan.encoders={vision: stages, audio: spread}", *COMMON, timeout=600)
+                     "plan.encoders={vision: stages, audio: nested}", *COMMON, timeout=600)
     assert run.code == 0, run.out[-3000:]
     assert "ZeRO-1 (optimizer state sharded over 2 replicas)" in run.out
-    assert re.search(r"^encoders: audio spread", run.out, re.M), run.out[:3000]
+    assert re.search(r"^encoders: audio nested", run.out, re.M), run.out[:3000]
+    assert sum(d["encoded_samples"] > 0 for d in run.stage_files()) >= 2  # replica 1's clips over both its ranks
     raws = raw_samples(set(_step_keys(run, 1)))
     fed = [{k for mb in run.samples(int(p.stem.removeprefix("samples_rank")))[0]["micro_batches"] for k in mb}
            for p in run.run_dir.glob("samples_rank*.jsonl")]  # each replica's first and last stage

@@ -4,8 +4,9 @@ carry over; fp32: only the reduction order differs between layouts).
 
 - Tiny model, every replica reading the one stream (plan.across_replicas=true, so the samples of
   a step do not depend on dp): W trains 4 steps at ZeRO-1, pp=2 x dp=2 (saving step 2). R1
-  resumes W's step 2 at ZeRO-0, pp=3 x dp=1, with both encoder towers spread (plan.encoders: the
-  replicas on stages 1 and 2 start from the checkpoint and follow R1's two steps), saving every
+  resumes W's step 2 at ZeRO-0, pp=3 x dp=1, with both encoder towers nested (plan.encoders: the
+  replicas on stages 1 and 2 start from the checkpoint and follow R1's two steps, encoding inside
+  DeepSpeed's 1F1B steps), saving every
   step; it is SIGKILLed inside its first save (step 3), then started again with the same command.
   R2 resumes R1's step 3 at ZeRO-1, pp=2 x dp=2 with a cut of its own. Steps 3 and 4 of R1 and
   R2 have W's losses, gradient norms and learning rates, and R2's step-4 layer files hold W's
@@ -64,7 +65,7 @@ def test_resume_across_pp_dp_cut_and_zero_continues_the_run(run_mmpipe, tmp_path
     assert "launching" not in small.out  # refused before any rank started
 
     r1_args = [*TINY, "parallel.pp=3", "parallel.dp=1", "train.zero_stage=0", "train.save_every=1",
-               f"train.resume={step2}", "plan.encoders=spread"]
+               f"train.resume={step2}", "plan.encoders=nested"]
     killed = fi.start(tmp_path / "r1", r1_args)
     saving = tmp_path / "r1" / "checkpoints" / "step3"
     assert fi.wait_for(killed, lambda: saving.is_dir()), fi.finish(killed)[1][-3000:]
@@ -77,7 +78,7 @@ def test_resume_across_pp_dp_cut_and_zero_continues_the_run(run_mmpipe, tmp_path
     assert "warning: resharded: pipeline pp=2 stages [[0, " in r1.out
     assert "-> pp=3 stages" in r1.out and "ZeRO stage 1 -> 0; replicas dp=2 -> dp=1" in r1.out
     assert "the optimizer state of every parameter (by name)" in r1.out
-    assert "encoders: vision, audio spread" in r1.out  # the towers off the pipeline for R1's two steps
+    assert "encoders: vision, audio nested" in r1.out  # the towers off the stage chain for R1's two steps
     _same_steps(whole, r1, 3)
     r2 = run_mmpipe("train", *TINY, "parallel.pp=2", "parallel.dp=2", "train.zero_stage=1", "train.save_final=true",
                     "plan.stages=[vision.embed:llm.block.1,llm.block.2:llm.head]",
