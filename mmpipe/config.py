@@ -344,12 +344,14 @@ class PlanConfig:
     recut_gain: float = 0.05
     """The least predicted speed-up (a fraction: 0.05 = 5%) for plan.recut=auto to re-cut."""
     encoders: str | Mapping[str, str] = "auto"
-    """Where the encoder towers run: auto | stages | spread, or per tower, e.g.
+    """Where the encoder towers run: auto | stages | spread | nested, or per tower, e.g.
     "plan.encoders={vision: spread, audio: stages}" (a tower left out stays on the stages).
     stages: a tower's layers run on the pipeline stages that hold them; spread: every rank
     holds the whole tower and encodes a share of its replica's samples before the pipeline
-    runs (docs/planner.md, Encoder placement); auto: the planner compares the best plan of
-    each placement by its simulated step time and keeps the fastest (ties: stages)."""
+    runs; nested: the same shares encoded inside the pipeline's 1F1B steps, where each rank
+    would wait (docs/planner.md, Encoder placement); auto: the planner compares the best plan
+    of each placement by its simulated step time and keeps the fastest (the stages unless
+    another is predicted 5% faster)."""
     ladder: str | tuple[int, ...] = "auto"
     """Lengths packed micro-batches are padded to, so compiled attention kernels see a few
     shapes: auto | off | rising multiples of 128, e.g. "plan.ladder=[512,1024,2048]". auto: on

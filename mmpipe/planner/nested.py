@@ -216,8 +216,8 @@ def simulate_nested(*, fwd: np.ndarray, bwd: np.ndarray, send_fwd: np.ndarray, s
 
 
 def assign_shares(timed: Callable[[list[list[int]]], NestedTimes], mbs: Sequence[Sequence[int]],
-                  pre: Sequence[float], pp: int, *, fits: Callable[[int, list[int]], bool] = lambda s, share: True
-                  ) -> tuple[list[list[int]], NestedTimes]:
+                  pre: Sequence[float], pp: int, *, fits: Callable[[int, list[int]], bool] = lambda s, share: True,
+                  sync: float = 0.0) -> tuple[list[list[int]], NestedTimes]:
     """Per stage, the samples its rank encodes, and their timed program: the planner's rule.
 
     `timed` times the program of given shares (`simulate_nested` on the replica's costs);
@@ -227,10 +227,12 @@ def assign_shares(timed: Callable[[list[list[int]]], NestedTimes], mbs: Sequence
     whose program is then the shortest, if that is shorter than keeping it (ties: the one
     that leaves stage 0 the least to do, then the lower stage) and whose memory still holds
     its share (`fits(stage, share)`): encode work goes where the pipeline waits, and only
-    while the step gets no longer."""
+    while the step gets shorter, counting `sync` (the towers' gradient reduce and weight
+    broadcast, which a step pays only once a stage s >= 1 encodes)."""
     every = [int(i) for mb in mbs for i in mb]
     shares: list[list[int]] = [sorted(every)] + [[] for _ in range(pp - 1)]
     best = timed(shares)
+    span = best.makespan  # with the sync once anything left stage 0
     for i in sorted(every, key=lambda i: (-pre[i], i)):
         pick = None
         for s in range(1, pp):
@@ -239,9 +241,9 @@ def assign_shares(timed: Callable[[list[list[int]]], NestedTimes], mbs: Sequence
             if not fits(s, trial[s]):
                 continue
             t = timed(trial)
-            key = (t.makespan, t.busy[0], s)
-            if key[:2] < (best.makespan - 1e-12, best.busy[0]) and (pick is None or key < pick[0]):
+            key = (t.makespan + sync, t.busy[0], s)
+            if key[:2] < (span - 1e-12, best.busy[0]) and (pick is None or key < pick[0]):
                 pick = (key, trial, t)
         if pick is not None:
-            _, shares, best = pick
+            (span, _, _), shares, best = pick
     return shares, best

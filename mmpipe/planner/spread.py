@@ -13,7 +13,8 @@ every rank holds the whole tower, and a step runs in three phases:
    riding the stage boundaries up to the stage that holds `llm.embed`;
 3. post-pass (only when something in a spread tower learns): stage 0 sends each rank the
    gradients of its share's features, every rank runs its tower backward, and the towers'
-   gradients are all-reduced over all pp x dp ranks.
+   gradients are summed to stage 0 over the replica's pp ranks (DeepSpeed then averages stage
+   0's over the replicas, as a staged tower's).
 
 Pricing (docs/spec.md section 6, "Spread encoders"), per replica r:
 
@@ -29,12 +30,14 @@ Pricing (docs/spec.md section 6, "Spread encoders"), per replica r:
     post_r = stage 0 sends the feature gradients one rank at a time, the rank with the
              longest post-pass first (ties: lower stage first); rank s then runs its share's
              backward: post_r = max(post_0, max_s (arrival_s + post_s)); 0 when nothing learns
-    step   = max_r (pre_r + pipe_r + post_r) + all-reduce + broadcast + step_overhead_s
-    all-reduce = 2 (n - 1) / n x gradient bytes / link_bytes_per_s + 2 (n - 1) x link_latency_s
-             over n = pp x dp ranks (a ring), gradient bytes = the spread towers' learning
-             parameters x 4 (the runtime sums them in fp32); 0 when nothing in them learns
-    broadcast = learning weight bytes / link_bytes_per_s + (n - 1) x link_latency_s: rank 0
-             sends the updated weights to every replica after the step (0 when nothing learns)
+    step   = max_r (pre_r + pipe_r + post_r + reduce_r + broadcast_r) + step_overhead_s
+    reduce_r = 2 (n - 1) / n x gradient bytes / link_bytes_per_s + 2 (n - 1) x link_latency_s
+             over the replica's n = pp ranks (a ring reduce to stage 0), gradient bytes = the
+             spread towers' learning parameters x 4 (the runtime sums them in fp32)
+    broadcast_r = learning weight bytes / link_bytes_per_s + (n - 1) x link_latency_s: stage 0
+             sends the updated weights to the replica's other ranks before they next encode
+    both 0 when nothing in the towers learns, or when only stage 0 encodes in replica r (a
+    nested step can keep every sample there)
 
 The share of each rank is a longest-processing-time assignment of the replica's samples
 that have media of a spread tower (largest pre + post time first, ties by index, to the rank
@@ -44,8 +47,8 @@ a step gets the same shares.
 Memory per rank, on top of what its pipeline stage holds: on stage 0, the spread towers'
 weights, gradients and optimizer states as a staged tower's (the runtime keeps them in stage
 0's PipelineModule: ZeRO-1 shards the optimizer side over dp); on every other rank, a replica's
-weights and gradients only (rank 0 broadcasts the updated weights); on every rank, the fp32
-buffer the gradients are all-reduced in; the activations of its encode share kept from the pre-pass to
+weights and gradients only (stage 0 broadcasts the updated weights); on every rank, the fp32
+buffer the gradients are reduced in; the activations of its encode share kept from the pre-pass to
 the post-pass (all of them at once), and on stage 0 the received features of its replica's
 whole step. What a share keeps depends on the step's `encode_recompute` mode, the first of
 KEEP_MODES from the one the pipeline's memory was reserved for (`keep_mode`) whose every rank fits:
@@ -187,9 +190,11 @@ class SpreadModel:
                          recompute=plan.recompute)
 
     def allreduce_s(self, ranks: int) -> float:
-        """Ring all-reduce of the spread towers' gradients over `ranks` ranks, then rank 0's
-        broadcast of the updated weights (pipelined: the bytes once, a latency per hop), s (0
-        when nothing learns or one rank)."""
+        """The spread towers' gradients summed to stage 0 over a replica's `ranks` pipeline
+        ranks (a ring reduce: reduce-scatter, then gather to stage 0, 2 (n - 1) / n of the
+        bytes), then stage 0's broadcast of the updated weights to them before the next step
+        that encodes off stage 0 (pipelined: the bytes once, a latency per hop), s (0 when
+        nothing learns or one rank)."""
         if ranks <= 1 or self.grad_bytes <= 0:
             return 0.0
         hw = self.cost.hardware
@@ -267,19 +272,17 @@ class EncodeCosts:
     back)."""
     media: np.ndarray
     """[n] whether the sample has media of a spread tower (only those are encoded)."""
+    units: UnitCosts | None = None
+    """Several samples in one tower pass (a rank's part of a micro-batch, as the runtime runs it)."""
 
 
-def encode_costs(sm: SpreadModel, table: SampleTable) -> EncodeCosts:
-    """Each sample of `table` alone through the spread towers' layers."""
-    n = len(table)
-    zero = np.zeros(n)
-    if not sm.active:
-        none = {k: zero for k in KEEP_MODES}
-        return EncodeCosts(pre=zero, post=none, kept=none, transient=none, feature=zero,
-                           media=np.zeros(n, dtype=bool))
+def _tower_costs(sm: SpreadModel, tokens: np.ndarray, squares: np.ndarray) -> tuple:
+    """Per item (a row of `tokens` / `squares`: one sample, or several packed into one tower
+    pass): its pre-pass forward, and per keep mode its post-pass, kept and transient bytes."""
+    zero = np.zeros(len(tokens))
     R = len(sm.ranges)
-    off = micro_batch_costs(stage_costs(sm.cost, sm.ranges, [False] * R), table.tokens, table.squares)
-    on = micro_batch_costs(stage_costs(sm.cost, sm.ranges, [True] * R), table.tokens, table.squares)
+    off = micro_batch_costs(stage_costs(sm.cost, sm.ranges, [False] * R), tokens, squares)
+    on = micro_batch_costs(stage_costs(sm.cost, sm.ranges, [True] * R), tokens, squares)
     fwd = off.fwd.sum(axis=0)
     bwd = off.bwd.sum(axis=0)
     recomp = on.bwd.sum(axis=0) - bwd
@@ -288,18 +291,66 @@ def encode_costs(sm: SpreadModel, table: SampleTable) -> EncodeCosts:
     block = on.transient.max(axis=0)
     embeds = [i for i in sm.spread if sm.cost.layers[i].kind.endswith(".embed")]
     inputs = micro_batch_costs(stage_costs(sm.cost, [(i, i + 1) for i in embeds], [False] * len(embeds)),
-                               table.tokens, table.squares).act.sum(axis=0)
+                               tokens, squares).act.sum(axis=0)
     if sm.learns:
         post = {"none": bwd, "blocks": recomp + bwd, "tower": fwd + recomp + bwd}
         kept = {"none": keep_all, "blocks": keep_in, "tower": np.minimum(inputs, keep_in)}
         transient = {"none": zero, "blocks": block, "tower": keep_in + block}
     else:
         post = kept = transient = {k: zero for k in KEEP_MODES}
+    return fwd, post, kept, transient
+
+
+class UnitCosts:
+    """What one tower pass over several samples costs: the runtime encodes a rank's part of a
+    micro-batch at once (runtime/spread.py, EncodeStep.units), packed as a staged tower runs a
+    micro-batch, so its time is the part's, not the sum of its samples' alone (which pays
+    every op's fixed cost and the efficiency curve's small-size penalty once per sample)."""
+
+    def __init__(self, sm: SpreadModel, table: SampleTable) -> None:
+        self.sm, self.table = sm, table
+        self._seen: dict[tuple[int, ...], tuple[float, dict[str, float], dict[str, float]]] = {}
+
+    def __call__(self, rows: Sequence[int]) -> tuple[float, dict[str, float], dict[str, float]]:
+        """(pre-pass forward s, post-pass s per keep mode, transient bytes per keep mode) of the
+        samples `rows` in one pass; zeros for none."""
+        key = tuple(sorted(int(i) for i in rows))
+        if key not in self._seen:
+            if not key or not self.sm.active:
+                self._seen[key] = (0.0, {m: 0.0 for m in KEEP_MODES}, {m: 0.0 for m in KEEP_MODES})
+            else:
+                idx = list(key)
+                t = self.table.tokens[idx].sum(axis=0, keepdims=True)
+                q = self.table.squares[idx].sum(axis=0, keepdims=True)
+                fwd, post, _, transient = _tower_costs(self.sm, t, q)
+                self._seen[key] = (float(fwd[0]), {m: float(v[0]) for m, v in post.items()},
+                                   {m: float(v[0]) for m, v in transient.items()})
+        return self._seen[key]
+
+    def share(self, rep: Sequence[Sequence[int]], share: Sequence[int], mode: str) -> tuple[float, float, float]:
+        """A rank's share of replica `rep` (its micro-batches) cut into units: summed pre-pass,
+        summed post-pass under `mode`, and the largest unit's transient bytes."""
+        mine = set(int(i) for i in share)
+        units = [[i for i in mb if i in mine] for mb in rep]
+        got = [self(u) for u in units if u]
+        return (float(sum(g[0] for g in got)), float(sum(g[1][mode] for g in got)),
+                max((g[2][mode] for g in got), default=0.0))
+
+
+def encode_costs(sm: SpreadModel, table: SampleTable) -> EncodeCosts:
+    """Each sample of `table` alone through the spread towers' layers (`units`: several at once)."""
+    n = len(table)
+    zero = np.zeros(n)
+    if not sm.active:
+        none = {k: zero for k in KEEP_MODES}
+        return EncodeCosts(pre=zero, post=none, kept=none, transient=none, feature=zero,
+                           media=np.zeros(n, dtype=bool), units=UnitCosts(sm, table))
+    fwd, post, kept, transient = _tower_costs(sm, table.tokens, table.squares)
     streams = sorted({k for t, w in sm.encoders.items() if w in OFF_STAGE
                       for k in TOWER_STREAMS[t] + (FEATURE_STREAM[t],)})
     return EncodeCosts(pre=fwd, post=post, kept=kept, transient=transient,
                        feature=table.tokens @ sm.feature_bytes,
-                       media=table.tokens[:, streams].sum(axis=1) > 0)
+                       media=table.tokens[:, streams].sum(axis=1) > 0, units=UnitCosts(sm, table))
 
 
 def lpt_shares(work: Sequence[float], ranks: int) -> list[list[int]]:
@@ -404,12 +455,11 @@ class SpreadStep:
 
 
 def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEval, sc: StageCosts,
-               reserve: np.ndarray, *, ranks: int | None = None, table: SampleTable | None = None,
+               reserve: np.ndarray, *, table: SampleTable | None = None,
                packing: bool = True) -> SpreadStep:
     """Price a step whose pipeline part `ev` (`evaluate_step` on `sc`, the pipeline's stage
     costs with `reserve` counted in their static bytes) ran the micro-batches `replicas`
-    (rows of the table `ec` was made from); `ranks`: the run's pp x dp, over which the
-    gradients are all-reduced (default pp x the replicas planned here). A nested placement
+    (rows of the table `ec` was made from). A nested placement
     (`sm.nested`) needs `table` and `packing` too: its program is timed per micro-batch
     (planner/nested.py).
 
@@ -445,7 +495,7 @@ def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEva
                 held = _held(sm, rep, set(shares[r][s]), ec.kept[mode], pp if s == 0 else pp + 2)
                 kept = (sm.static if s == 0 else sm.static_rest) + held
                 during = _pipeline_bytes(sm, ec, rep, ev, sc, static, r, s) + held
-                after = static[s] + kept + max((float(ec.transient[mode][i]) for i in shares[r][s]), default=0.0)
+                after = static[s] + kept + ec.units.share(rep, shares[r][s], mode)[2]
                 row.append(max(during, after))
             peaks.append(tuple(row))
         fits = all(p <= usable * (1 + 1e-9) for rep in peaks for p in rep)
@@ -454,10 +504,14 @@ def price_step(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: StepEva
             break
     assert best is not None
     mode, shares, sims, peaks, fits = best
-    ar = sm.allreduce_s(ranks if ranks is not None else pp * dp)
+    # the reduce to stage 0 and the weights' broadcast, per replica, only where a rank of stage
+    # s >= 1 encoded (runtime/spread.py `_reduce`, `_sync_if_used`)
+    syncs = [sm.allreduce_s(pp) if any(shares[r][1:]) else 0.0 for r in range(dp)]
+    ar = max(syncs, default=0.0)
     parts = (_nested_parts if sm.nested else _spread_parts)(sm, ec, replicas, ev, shares, sims, mode)
     times, compute, pres, posts, loads = parts
-    step = sm.cost.hardware.step_seconds(max(times, default=0.0) + ar) if any(replicas) else 0.0
+    step = (sm.cost.hardware.step_seconds(max((t + x for t, x in zip(times, syncs)), default=0.0))
+            if any(replicas) else 0.0)
     slots_ = tuple(tuple(tuple(tuple(x) for x in st) for st in nested_slots(
         pp, len(rep), [[k for k, mb in enumerate(rep) if set(mb) & set(shares[r][s])] for s in range(pp)]))
         if sm.nested else () for r, rep in enumerate(replicas))
@@ -495,8 +549,9 @@ def _spread_parts(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, ev: Step
     pp = len(shares[0]) if shares else 0
     times, compute, pres, posts, loads = [], [], [], [], []
     for r, rep in enumerate(replicas):
-        fwd = [float(sum(ec.pre[i] for i in sh)) for sh in shares[r]]
-        post = [float(sum(ec.post[mode][i] for i in sh)) for sh in shares[r]]
+        costs = [ec.units.share(rep, sh, mode) for sh in shares[r]]  # a micro-batch's part per pass
+        fwd = [c[0] for c in costs]
+        post = [c[1] for c in costs]
         nbytes = [float(sum(ec.feature[i] for i in sh)) for sh in shares[r]]
         t = 0.0
         for s in sorted((s for s in range(1, pp) if shares[r][s]), key=lambda s: (fwd[s], s)):
@@ -531,7 +586,7 @@ def _nested_parts(sm: SpreadModel, ec: EncodeCosts, replicas: Replicas, _ev: Ste
         compute.append(span)
         pres.append(sim.wait if sim is not None else 0.0)
         posts.append(sim.makespan - sim.pipeline_end if sim is not None else 0.0)
-        loads.append(tuple(float(sum(ec.pre[i] + ec.post[mode][i] for i in sh)) for sh in shares[r]))
+        loads.append(tuple(sum(ec.units.share(rep, sh, mode)[:2]) for sh in shares[r]))
     return times, compute, pres, posts, loads
 
 
@@ -551,11 +606,13 @@ def nested_replica(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rep: Se
     def timed(shares: list[list[int]]) -> NestedTimes:
         enc, back, tr = np.zeros((pp, m)), np.zeros((pp, m)), np.zeros((pp, m))
         for s, share in enumerate(shares):
-            for i in share:
-                k = where[i]
-                enc[s, k] += ec.pre[i]
-                back[s, k] += post[i] if sm.learns else 0.0
-                tr[s, k] = max(tr[s, k], hw.link_latency_s) + ec.feature[i] / hw.link_bytes_per_s
+            mine = set(share)
+            for k, mb in enumerate(rep):
+                unit = [i for i in mb if i in mine]  # one tower pass (runtime/spread.py EncodeStep.units)
+                if unit:
+                    pre_k, post_k, _ = ec.units(unit)
+                    enc[s, k], back[s, k] = pre_k, post_k[mode] if sm.learns else 0.0
+                    tr[s, k] = hw.link_latency_s + float(sum(ec.feature[i] for i in unit)) / hw.link_bytes_per_s
         parts = np.zeros((pp, m), dtype=bool)
         for s, share in enumerate(shares):
             parts[s, [where[i] for i in share]] = True
@@ -569,12 +626,13 @@ def nested_replica(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rep: Se
 
     def fits(stage: int, share: list[int]) -> bool:
         held = _held(sm, rep, set(share), kept, pp if stage == 0 else pp + 2)
-        return held + max((float(ec.transient[mode][i]) for i in share), default=0.0) <= room[stage]
+        return held + ec.units.share(rep, share, mode)[2] <= room[stage]
 
-    best = assign_shares(timed, media, ec.pre, pp, fits=fits)
+    sync = sm.allreduce_s(pp)  # paid once a stage s >= 1 encodes (price_step adds it)
+    best = assign_shares(timed, media, ec.pre, pp, fits=fits, sync=sync)
     lpt = [sorted(sh) for sh in lpt]
     t = timed(lpt)
-    if t.makespan < best[1].makespan - 1e-12:
+    if t.makespan + (sync if any(lpt[1:]) else 0.0) < best[1].makespan + (sync if any(best[0][1:]) else 0.0) - 1e-12:
         best = (lpt, t)
     assert best is not None
     return best
@@ -582,18 +640,18 @@ def nested_replica(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rep: Se
 
 def plan_spread_step(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rows: Sequence[int], plan: StagePlan,
                      balance: Callable[[StageCosts], Replicas], *, pp: int, dp: int, packing: bool = True,
-                     ranks: int | None = None, ladder: Ladder | None = None) -> tuple[StageCosts, Replicas, StepEval,
+                     ladder: Ladder | None = None) -> tuple[StageCosts, Replicas, StepEval,
                                                                                         SpreadStep]:
     """One step of `rows` (rows of `table`, which `ec` was made from) under a spread placement:
     the pipeline's stage costs with the spread towers' memory reserved (`reserve_bytes`), the
     micro-batches `balance` deals on them, their 1F1B evaluation and the step's price
-    (`price_step`; `ranks`: the run's pp x dp; `ladder`: what packed micro-batches are padded
+    (`price_step`; `ladder`: what packed micro-batches are padded
     to, ladder.py)."""
     reserve = reserve_bytes(sm, ec, rows, pp=pp, dp=dp)
     sc = dataclasses.replace(pipeline_stage_costs(sm, plan, reserve), ladder=ladder)
     reps = balance(sc)
     ev = evaluate_step(sc, table, reps, packing=packing)
-    return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, ranks=ranks, table=table, packing=packing)
+    return sc, reps, ev, price_step(sm, ec, reps, ev, sc, reserve, table=table, packing=packing)
 
 
 def encode_by_rank(encode: Sequence[Sequence[Sequence[int]]] | None, pp: int, dp: int) -> list[list[int]]:

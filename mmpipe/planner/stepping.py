@@ -151,7 +151,7 @@ class StepPlanner:
         _, reps, ev, sp = plan_spread_step(
             sm, encode_costs(sm, table), table, range(len(table)), self.stage_plan,
             lambda sc: plan_replicas(self.policy, table, sc, self.replicas, self.micro_batches),
-            pp=pp, dp=self.replicas, packing=self.packing, ranks=pp * self.dp, ladder=self.ladder)
+            pp=pp, dp=self.replicas, packing=self.packing, ladder=self.ladder)
         return StepPlan(replicas=[[list(mb) for mb in rep] for rep in reps], step_time=sp.step_time,
                         busy=tuple(tuple(r.busy) if r is not None else () for r in ev.replicas),
                         peak_bytes=tuple(tuple(self.resident + b for b in rep) for rep in sp.peaks),

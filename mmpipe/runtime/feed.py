@@ -116,7 +116,8 @@ class DecodeJob:
     collate: bool = True
     """Collate them into one micro-batch (False: only the carriers)."""
     carry: tuple[bool, ...] = ()
-    """Per record: also collate it alone as a spread tower's carrier (runtime/spread.py)."""
+    """Per record: also collate the flagged ones together as a spread tower's carrier (this
+    rank's part of the micro-batch, runtime/spread.py)."""
     pad_to: int | None = None
     """The micro-batch's planned length with padding (a plan.ladder rung; None: its tokens)."""
 
@@ -127,7 +128,8 @@ class Decoded:
 
     micro_batch: MicroBatch | None
     carriers: tuple
-    """The carriers of the records flagged in DecodeJob.carry, in their order."""
+    """The carrier of the records flagged in DecodeJob.carry, collated together (none when
+    none is flagged)."""
     drops: tuple[SampleError, ...]
     """Media that failed behind a valid header (zeros of the planned shape took their place)."""
 
@@ -150,8 +152,8 @@ class StepDecoder:
         pad = self.tokenizer.pad_id
         mb = (collate_for(self.spec, samples, packed=self.packed, pad_id=pad, media=job.media, pad_to=job.pad_to)
               if job.collate else None)
-        carriers = tuple(collate_for(self.spec, [s], packed=True, pad_id=pad).carrier
-                         for s, c in zip(samples, job.carry) if c)
+        unit = [s for s, c in zip(samples, job.carry) if c]  # a rank's part of one micro-batch
+        carriers = (collate_for(self.spec, unit, packed=True, pad_id=pad).carrier,) if unit else ()
         return Decoded(micro_batch=mb, carriers=carriers, drops=drops)
 
 
@@ -312,14 +314,16 @@ class StepFeeder:
 
     def _build(self, records: list[Record], groups, rungs, share) -> tuple[list[MicroBatch], tuple]:
         """The micro-batches of `groups` (each padded to its rung) and the carriers of the spread
-        towers' `share`, decoded and collated by the pool (in worker processes with
+        towers' `share`, one per micro-batch it has samples of (its part, collated together: what
+        EncodeStep.units orders), decoded and collated by the pool (in worker processes with
         data.decode_workers); drops are counted here, in sample order, as the thread path always did."""
-        keep = set(share) if self.media else set()
-        jobs = [DecodeJob(records=tuple(records[i] for i in g), media=self.media, carry=tuple(i in keep for i in g),
-                          pad_to=n) for g, n in zip(groups, rungs)]
+        keep = set(share)
+        units = [[i for i in g if i in keep] for g in groups]
+        jobs = [DecodeJob(records=tuple(records[i] for i in g), media=self.media,
+                          carry=tuple(self.media and i in keep for i in g), pad_to=n) for g, n in zip(groups, rungs)]
         if share and not self.media:  # the last stage decodes its share's media for the towers alone
-            jobs.append(DecodeJob(records=tuple(records[i] for i in share), media=True, collate=False,
-                                  carry=(True,) * len(share)))
+            jobs += [DecodeJob(records=tuple(records[i] for i in u), media=True, collate=False, carry=(True,) * len(u))
+                     for u in units if u]
         done = self._pool.map(jobs, what=lambda j: f"samples {[r.key for r in j.records]}")
         if self.media:
             for d in done:
@@ -327,11 +331,11 @@ class StepFeeder:
                     if self.rc.data.on_error == "raise":
                         raise err
                     self.skips.add(err)
-        by_index = {}
-        for job_groups, d in zip(list(groups) + ([share] if share and not self.media else []), done):
-            flagged = [i for i in job_groups if i in keep] if self.media else list(job_groups)
-            by_index.update(zip(flagged, d.carriers))
-        return [d.micro_batch for d in done[:len(groups)]], tuple(by_index[i] for i in share)
+        found = [d.carriers[0] for d in (done[:len(groups)] if self.media else done[len(groups):]) if d.carriers]
+        if len(found) != sum(1 for u in units if u):
+            raise RuntimeError(f"the spread towers' share {sorted(share)} collated into {len(found)} carriers, "
+                               f"not one per micro-batch it has samples of")
+        return [d.micro_batch for d in done[:len(groups)]], tuple(found)
 
     def _encode_step(self, planned, mine: int, groups, feats: list, carriers: tuple) -> EncodeStep | None:
         """The spread towers' view of the step: every stage's share, and this rank's share

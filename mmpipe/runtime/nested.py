@@ -161,14 +161,16 @@ class NestedTowers(SpreadTowers):
         return [k for k, group in enumerate(self._step.groups) if mine.intersection(group)]
 
     def _part(self, stage: int, mb: int) -> list[int]:
-        """`stage`'s samples of micro-batch `mb`, in share order (what one message carries)."""
-        group = set(self._step.groups[mb])
-        return [i for i in self._step.shares[stage] if i in group]
+        """`stage`'s samples of micro-batch `mb`, in its order: its unit (EncodeStep.units), what
+        one carrier holds and one message carries."""
+        mine = set(self._step.shares[stage])
+        return [i for i in self._step.groups[mb] if i in mine]
 
     # -- per step ------------------------------------------------------------------
 
     def forward(self, step: EncodeStep) -> None:
         """Announce the step (before train_batch): nothing is encoded yet."""
+        self._sync_if_used(step)
         self._step, self._outputs, self._sending = step, {}, []
         for layer in self.layers:
             layer.train()
@@ -176,14 +178,15 @@ class NestedTowers(SpreadTowers):
             for p in self.params:
                 p.grad = None
         mine = step.shares[self.stage]
-        if len(step.carriers) != len(mine):
-            raise RuntimeError(f"stage {self.stage} has {len(mine)} samples to encode but {len(step.carriers)} "
-                               f"collated")
+        units = step.units(self.stage)
+        if len(step.carriers) != len(units):
+            raise RuntimeError(f"stage {self.stage} has {len(units)} micro-batch parts to encode but "
+                               f"{len(step.carriers)} collated")
         if len(step.groups) != self.engine.micro_batches:
             raise RuntimeError(f"the step has {len(step.groups)} micro-batches to encode for, the engine runs "
                                f"{self.engine.micro_batches}")
-        self._per = [None] * len(mine)
-        self._rng = [None] * len(mine)
+        self._per = [None] * len(units)
+        self._rng = [None] * len(units)
         self._pieces = {slot: {} for _, slot, _ in self.keys}
         self._grads = {slot: {} for _, slot, _ in self.keys}
         self._bank = [None] * len(step.groups)
@@ -191,23 +194,17 @@ class NestedTowers(SpreadTowers):
         self.encoded += len(mine)
 
     def encode(self, mb: int) -> None:
-        """EncodeFeatures: this rank's samples of micro-batch `mb`, each alone, as spread does."""
+        """EncodeFeatures: this rank's part of micro-batch `mb`, in one tower pass."""
         step = self._step
-        part = self._part(self.stage, mb)
-        where = {i: n for n, i in enumerate(step.shares[self.stage])}
-        outs = []
-        for i in part:
-            n = where[i]
-            self._rng[n], self._per[n] = self._encode_one(step, n)
-            outs.append(self._per[n])
+        part = tuple(self._part(self.stage, mb))
+        n = step.units(self.stage).index(part)
+        self._rng[n], self._per[n] = self._encode_one(step, n)
         for j, (tower, slot, axis) in enumerate(self.keys):
-            pieces: dict = {}
-            for i, out in zip(part, outs):
-                pieces.update(split_parts(out[j], (i,), step.rows, tower, axis))
+            out = self._per[n][j]
             if self.stage == 0:
-                self._pieces[slot].update(pieces)
-            else:
-                self._sending += _isend(join_parts(pieces, part, tower, axis).detach(), self.stage_ranks[0], self.group)
+                self._pieces[slot].update(split_parts(out, part, step.rows, tower, axis))
+            else:  # a unit's output is already in the order its part travels
+                self._sending += _isend(out.detach(), self.stage_ranks[0], self.group)
 
     def receive(self, mb: int) -> None:
         """RecvFeatures (stage 0): the other ranks' parts of micro-batch `mb`, then its leaves."""
@@ -288,9 +285,9 @@ class NestedTowers(SpreadTowers):
         for work, _ in self._sending:
             work.wait()
         self._active = False
-        learned = self._step is not None and bool(self.params)
+        step = self._step
         self._step, self._outputs, self._bank, self._per, self._sending = None, {}, [], [], []
         self._pieces, self._grads = {}, {}
-        if learned:
-            self._reduce()
+        if step is not None and self.params:
+            self._reduce(step)
         self._own = [None] * len(self.params)

@@ -8,17 +8,19 @@ and the export treat them exactly as a staged tower's. What changes is where the
 1. pre-pass (before `train_batch`): every rank of the replica encodes the share of the step's
    samples the planner gave its stage (`StepPlan.encode`): stage 0 with the PipelineModule's own
    tower layers, every other stage with a replica of them (same builder, weights broadcast from
-   rank 0 at start and after every optimizer step). The projected features go point-to-point
+   stage 0 at start and after optimizer steps, see 4). The projected features go point-to-point
    to the replica's stage-0 rank, which holds them as leaf tensors, one per micro-batch.
 2. pipeline: stage 0's tower layers pass the carrier through; a forward pre-hook of the
    PipelineModule puts the micro-batch's features (found by the index the data iterator carries
    in the tower's slot) into the carrier, so llm.embed reads them as a staged projector's output.
 3. post-pass (DeepSpeed's ReduceGrads instruction, after the last backward, before the
    gradient reduction, clipping and step): stage 0 sends every rank the gradients of the
-   features it encoded; each rank runs its tower backward; one all-reduce over every rank of
-   the job sums the towers' gradients, divided by dp (what DeepSpeed's data-parallel averaging
-   of a staged tower's gradients gives), into stage 0's parameters.
-4. after the step: rank 0 broadcasts the updated tower weights to every rank.
+   features it encoded; each rank runs its tower backward; a reduce over the replica's
+   pipeline ranks sums the towers' gradients into stage 0's parameters (skipped when only
+   stage 0 encoded), and DeepSpeed's data-parallel averaging of stage 0's gradients then does
+   for them what it does for a staged tower's.
+4. before the next step in which a rank other than stage 0 encodes: stage 0 broadcasts the
+   updated tower weights to its replica's ranks (every replica's stage 0 holds the same).
 
 Written by hand: DeepSpeed's PipelineEngine has no hook for work outside its stage chain (its
 schedule is fixed per stage), and no library gives a replicated module whose optimizer lives on
@@ -65,12 +67,25 @@ class EncodeStep:
     rows: dict[int, tuple[int, int, int]]
     """Per sample of the replica: its image, video and audio feature rows (LLM tokens)."""
     carriers: tuple[tuple[torch.Tensor, ...], ...]
-    """This rank's share, each sample collated alone with its media (in share order)."""
+    """This rank's share as its `units`: each micro-batch's part collated together with its
+    media (the towers run a part at once, as a staged tower runs a micro-batch)."""
     mode: str = "none"
     """What the pre-pass keeps for the post-pass (the planner's StepPlan.encode_recompute):
     `none` every activation, `blocks` each layer's input (torch's checkpoint per layer),
     `tower` only the tower's input (the post-pass encodes each sample again, per layer
     checkpointed, then runs its backward)."""
+
+
+    def units(self, stage: int) -> list[tuple[int, ...]]:
+        """`stage`'s share cut by micro-batch, in execution order, each part in its micro-batch's
+        order (what one carrier holds, one tower pass runs and, under nested, one message
+        carries)."""
+        mine = set(self.shares[stage])
+        return [u for u in (tuple(i for i in g if i in mine) for g in self.groups) if u]
+
+    def order(self, stage: int) -> list[int]:
+        """`stage`'s share in the order its joined features travel: its units one after another."""
+        return [i for u in self.units(stage) for i in u]
 
 
 def feature_rows(f: SampleFeatures) -> tuple[int, int, int]:
@@ -95,12 +110,12 @@ def split_parts(x: torch.Tensor, order: Sequence[int], rows: dict[int, tuple[int
     return out
 
 
-def parts_of_slot(per: list[list[torch.Tensor]], j: int, order: Sequence[int], rows: dict[int, tuple[int, int, int]],
-               tower: str, axis: int) -> dict[tuple[int, str], torch.Tensor]:
-    """The per-sample outputs of slot j (`per[n][j]`: sample order[n] encoded alone) as parts."""
+def parts_of_slot(per: list[list[torch.Tensor]], j: int, units: Sequence[Sequence[int]],
+                  rows: dict[int, tuple[int, int, int]], tower: str, axis: int) -> dict[tuple[int, str], torch.Tensor]:
+    """The outputs of slot j (`per[n][j]`: the unit `units[n]` encoded together) as per-sample parts."""
     out = {}
-    for n, i in enumerate(order):
-        out.update(split_parts(per[n][j], (i,), rows, tower, axis))
+    for n, unit in enumerate(units):
+        out.update(split_parts(per[n][j], unit, rows, tower, axis))
     return out
 
 
@@ -212,6 +227,8 @@ class SpreadTowers:
         self.stage = engine.stage_id
         grid = engine.grid
         self.stage_ranks = [grid.stage_to_global(stage_id=s) for s in range(engine.num_stages)]  # this replica's
+        self.pipe_group = grid.get_pipe_parallel_group()
+        self._stale = False
         self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
         deepstack = model.vision is not None and bool(model.vision.deepstack)
         self.keys = [(tower, slot, axis) for tower in towers
@@ -299,7 +316,7 @@ class SpreadTowers:
         return tuple(slots)
 
     def _encode(self, carrier: tuple[torch.Tensor, ...], *, checkpointed: bool) -> list[torch.Tensor]:
-        """One sample through the tower layers (each layer under torch's non-reentrant
+        """One unit (a micro-batch's part) through the tower layers (each layer under torch's non-reentrant
         checkpoint when `checkpointed`: only its input kept, recomputed in backward)."""
         slots = tuple(t.to(self.engine.device) for t in carrier)
         with self._own_pass():
@@ -318,8 +335,8 @@ class SpreadTowers:
             self._encoding = before
 
     def _encode_one(self, step: EncodeStep, n: int) -> tuple[tuple, list[torch.Tensor]]:
-        """The n-th sample of this rank's share through the towers as the step's keep mode
-        says (module docstring of EncodeStep.mode); the random state it started from too."""
+        """The n-th unit of this rank's share (EncodeStep.units) through the towers as the
+        step's keep mode says (EncodeStep.mode); the random state it started from too."""
         rng = _rng_state(self.engine.device)
         if step.mode == "tower" and self.params:
             with torch.no_grad():
@@ -329,6 +346,7 @@ class SpreadTowers:
     def forward(self, step: EncodeStep) -> None:
         """The pre-pass: encode this rank's share sample by sample, send the features to stage 0
         (stage 0: receive every stage's and make each micro-batch's leaves)."""
+        self._sync_if_used(step)
         self._step, self._outputs = step, {}
         device = self.engine.device
         for layer in self.layers:  # stage 0's after an evaluation are in eval mode until train_batch
@@ -337,9 +355,10 @@ class SpreadTowers:
             for p in self.params:
                 p.grad = None
         mine = step.shares[self.stage]
-        if len(step.carriers) != len(mine):
-            raise RuntimeError(f"stage {self.stage} has {len(mine)} samples to encode but {len(step.carriers)} "
-                               f"collated")
+        units, order = step.units(self.stage), step.order(self.stage)
+        if len(step.carriers) != len(units):
+            raise RuntimeError(f"stage {self.stage} has {len(units)} micro-batch parts to encode but "
+                               f"{len(step.carriers)} collated")
         self._rng, per = [], []
         for n in range(len(step.carriers)):
             rng, out = self._encode_one(step, n)
@@ -348,7 +367,7 @@ class SpreadTowers:
         self.encoded += len(mine)
         self._per = per
         if mine:  # the share's features in the carrier's order, one tensor per slot
-            self._outputs = {slot: join_parts(parts_of_slot(per, j, mine, step.rows, tower, axis), mine, tower, axis)
+            self._outputs = {slot: join_parts(parts_of_slot(per, j, units, step.rows, tower, axis), order, tower, axis)
                              for j, (tower, slot, axis) in enumerate(self.keys)}
         if self.stage != 0:
             for _, slot, _ in self.keys if mine else ():
@@ -358,7 +377,7 @@ class SpreadTowers:
         for s, share in enumerate(step.shares):
             for tower, slot, axis in self.keys if share else ():
                 x = self._outputs[slot].detach() if s == 0 else recv_tensor(self.stage_ranks[s], device)
-                pieces[slot].update(split_parts(x, share, step.rows, tower, axis))
+                pieces[slot].update(split_parts(x, step.order(s), step.rows, tower, axis))
         trains = bool(self.params)
         for tower, slot, axis in self.keys:  # a sample without this tower's media is in no share
             like = next(iter(pieces[slot].values()), None)
@@ -402,7 +421,7 @@ class SpreadTowers:
                     grads[slot].update(split_parts(g, group, step.rows, tower, axis))
             for s, share in enumerate(step.shares):
                 for tower, slot, axis in self.keys if share else ():
-                    g = join_parts(grads[slot], share, tower, axis).contiguous()
+                    g = join_parts(grads[slot], step.order(s), tower, axis).contiguous()
                     if s == 0:
                         received[slot] = g
                     else:
@@ -410,19 +429,20 @@ class SpreadTowers:
         elif mine:
             received = {slot: recv_tensor(self.stage_ranks[0], device) for _, slot, _ in self.keys}
         if mine:
-            self._backward_part(step, mine, received)
+            self._backward_part(step, step.order(self.stage), received)
         self._step, self._outputs, self._bank, self._per = None, {}, [], []
-        self._reduce()
+        self._reduce(step)
 
     def _backward_part(self, step: EncodeStep, part: Sequence[int], received: dict[int, torch.Tensor]) -> None:
-        """The feature gradients of `part` (samples of this rank's share, `received` joined in
-        that order) through each sample's tower pass; in `tower` mode its forward runs again
-        first (per layer checkpointed, with the random state its first pass started from)."""
-        where = {i: n for n, i in enumerate(step.shares[self.stage])}
+        """The feature gradients of `part` (whole units of this rank's share, `received` joined in
+        that order) through each unit's tower pass; in `tower` mode its forward runs again first
+        (per layer checkpointed, with the random state its first pass started from)."""
         grads = [split_parts(received[slot], part, step.rows, tower, axis) for tower, slot, axis in self.keys]
-        for i in part:
-            n = where[i]
-            g = [join_parts(grads[j], (i,), tower, axis) for j, (tower, _, axis) in enumerate(self.keys)]
+        inside = set(part)
+        for n, unit in enumerate(step.units(self.stage)):
+            if not inside.issuperset(unit):
+                continue
+            g = [join_parts(grads[j], unit, tower, axis) for j, (tower, _, axis) in enumerate(self.keys)]
             if step.mode == "tower":
                 with _rng_restored(self._rng[n], self.engine.device), torch.enable_grad():
                     out = self._encode(step.carriers[n], checkpointed=True)
@@ -432,17 +452,23 @@ class SpreadTowers:
             if pairs:
                 with self._own_pass():  # a checkpointed layer recomputes its forward in here
                     torch.autograd.backward([o for o, _ in pairs], [x.to(o.dtype) for o, x in pairs])
-            self._per[n] = None  # this sample's activations go now
+            self._per[n] = None  # this unit's activations go now
 
     def _local_grads(self) -> list[torch.Tensor]:
         """This rank's tower gradients of the step, one per learning parameter."""
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
-    def _reduce(self) -> None:
+    def _reduce(self, step: EncodeStep) -> None:
+        """The replica's tower gradients summed into its stage 0's parameters: a reduce over the
+        replica's pipeline ranks (skipped when only stage 0 encoded this step). DeepSpeed then
+        averages stage 0's gradients over the replicas, as a staged tower's: each sample was
+        encoded once, on a rank of its own replica."""
         flat = torch.cat([g.reshape(-1).float() for g in self._local_grads()])
-        dist.all_reduce(flat)  # every rank of the job: each sample was encoded once, somewhere
-        flat /= self.dp
-        hp = _bf16_master_grads(self.engine) if self.stage == 0 else None
+        if any(step.shares[1:]):
+            dist.reduce(flat, dst=self.stage_ranks[0], group=self.pipe_group)
+        if self.stage != 0:
+            return
+        hp = _bf16_master_grads(self.engine)
         start = 0
         for p in self.params:
             n = p.numel()
@@ -453,9 +479,22 @@ class SpreadTowers:
             else:  # bf16: into the fp32 gradient the step reads, not through a bf16 copy
                 hp(p, g)
 
+    def stepped(self) -> None:
+        """The optimizer stepped: the replicas' trained weights are stale until the next step
+        that encodes off stage 0 (`forward` syncs them then)."""
+        self._stale = True
+
+    def _sync_if_used(self, step: EncodeStep) -> None:
+        """Stage 0's trained weights to the replica's other ranks before a step in which one of
+        them encodes (every rank of the replica plans the same shares, so all take part)."""
+        if self._stale and any(step.shares[1:]):
+            self.sync_weights()
+            self._stale = False
+
     def sync_weights(self, *, everything: bool = False) -> None:
-        """Rank 0's tower weights to every rank: after each optimizer step the trained ones; at
-        start every tensor, so that a resumed or loaded stage 0 is what every replica runs."""
+        """Stage 0's tower weights to every rank of its replica (each replica's stage 0 holds the
+        same, DeepSpeed keeps them in step): the trained ones when a step needs them; at start
+        every tensor, so that a resumed or loaded stage 0 is what every replica runs."""
         with torch.no_grad():
             tensors = [t for layer in self.layers
                        for t in (list(layer.parameters()) + [b for b in layer.buffers() if b.is_floating_point()]
@@ -465,7 +504,7 @@ class SpreadTowers:
                 by_dtype.setdefault(t.dtype, []).append(t)
             for group in by_dtype.values():  # one broadcast per dtype, not one per tensor
                 flat = torch.cat([t.data.reshape(-1) for t in group])
-                dist.broadcast(flat, src=0)
+                dist.broadcast(flat, src=self.stage_ranks[0], group=self.pipe_group)
                 start = 0
                 for t in group:
                     t.data.copy_(flat[start:start + t.numel()].view_as(t))

@@ -445,7 +445,7 @@ def _train_step(loop: _Loop, fed: FedStep) -> TrainedStep:
         loop.spread.forward(fed.encode)
     loss = float(engine.train_batch(data_iter=it))
     if loop.spread is not None:
-        loop.spread.sync_weights()
+        loop.spread.stepped()
     engine_s = time.perf_counter() - t1
     loop.last_state = fed.planned.reader_state if fed.planned else None
     grad_norm = pipe.clip.last_norm if pipe.clip else deepspeed_grad_norm(engine)
