@@ -18,8 +18,8 @@ every rank holds the whole tower, and a step runs in three phases:
 
 Pricing (docs/spec.md section 6, "Spread encoders"), per replica r:
 
-    pre_r  = when stage 0 holds every feature: each rank s encodes its share (fwd_s, each
-             sample alone through the layer cost model: patches, windows, tiles, frames,
+    pre_r  = when stage 0 holds every feature: each rank s encodes its share (fwd_s, one
+             pass per micro-batch part, `UnitCosts`, through the layer cost model: patches, windows, tiles, frames,
              audio chunks, quadratic attention, the efficiency curve at that sample's size),
              then sends its share's features in one transfer; stage 0's incoming link takes
              the transfers one at a time in order of readiness (ties: lower stage first):

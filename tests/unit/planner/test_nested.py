@@ -177,3 +177,46 @@ def test_nested_and_spread_are_one_schedule_per_step():
     assert Placement.parse("nested", OMNI).name == "nested"
     assert {c.name for c in Placement.parse("auto", OMNI).candidates(OMNI)} == {
         "stages", "spread", "vision spread", "audio spread", "nested", "vision nested", "audio nested"}
+
+
+def test_a_part_of_a_micro_batch_is_priced_as_one_tower_pass():
+    from mmpipe.planner.cost import build_cost_model
+    from mmpipe.planner.samples import sample_table
+    from mmpipe.planner.spread import encode_costs, spread_model
+
+    sm = spread_model(build_cost_model(model=OMNI, hardware=H100, trainable=("all",), dp=2), {"vision": "nested",
+                                                                                               "audio": "nested"})
+    ec = encode_costs(sm, sample_table(FEATS[:16]))
+    media = [i for i in range(16) if ec.media[i]][:6]
+    one = ec.units([media[0]])
+    assert one[0] == pytest.approx(ec.pre[media[0]]) and one[1]["none"] == pytest.approx(ec.post["none"][media[0]])
+    pre, post, _ = ec.units(media)
+    assert 0 < pre < sum(ec.pre[i] for i in media)  # each op's fixed cost once, a better efficiency point
+    assert 0 < post["blocks"] < sum(ec.post["blocks"][i] for i in media)
+    assert ec.units.share([media[:3], media[3:]], media[1:5], "none")[0] == pytest.approx(
+        ec.units(media[1:3])[0] + ec.units(media[3:5])[0])  # a share is one pass per micro-batch part
+
+
+def test_nothing_leaves_stage_0_when_the_towers_sync_costs_more_than_the_bubbles_give():
+    pp, m = 4, 8
+    c = _costs(pp, m, seed=1)
+    c["fwd"][0] *= 0.2
+    c["bwd"][0] *= 0.2
+    pre = np.linspace(0.4, 1.2, 2 * m)
+    mbs = [[2 * k, 2 * k + 1] for k in range(m)]
+    where = {i: k for k, mb in enumerate(mbs) for i in mb}
+
+    def timed(shares):
+        enc, back, parts = np.zeros((pp, m)), np.zeros((pp, m)), np.zeros((pp, m), dtype=bool)
+        for s, share in enumerate(shares):
+            for i in share:
+                enc[s, where[i]] += pre[i]
+                back[s, where[i]] += 2 * pre[i]
+                parts[s, where[i]] = True
+        return simulate_nested(**c, encode=enc, tower_backward=back, transfer=np.full((pp, m), 0.01), parts=parts)
+
+    staged = timed([list(range(2 * m)), [], [], []])
+    moved, t = assign_shares(timed, mbs, pre, pp, sync=1.0)
+    assert any(moved[1:]) and t.makespan + 1.0 < staged.makespan  # worth its 1 s sync
+    kept, t = assign_shares(timed, mbs, pre, pp, sync=staged.makespan)  # never worth it
+    assert kept == [list(range(2 * m)), [], [], []] and t == staged
