@@ -104,12 +104,14 @@ def test_encode_work_costs_nothing_in_a_bubble_and_its_excess_where_it_does_not_
     assert t.makespan > base.makespan and t.busy[0] == pytest.approx(base.busy[0] + 2.1)
 
 
-def test_the_planner_moves_encode_work_off_a_bottleneck_stage_0_and_never_lengthens_the_step():
+def _bottleneck_stage_0():
+    """pp=4, m=8, two samples a micro-batch; stage 0 holds little of the pipeline, so its
+    encoding makes it the bottleneck (~5 s of pipeline + ~38 s of tower work, the others ~24 s)."""
     pp, m = 4, 8
     c = _costs(pp, m, seed=1)
-    c["fwd"][0] *= 0.2  # stage 0 holds little of the pipeline: its encoding makes it the bottleneck
+    c["fwd"][0] *= 0.2
     c["bwd"][0] *= 0.2
-    pre = np.linspace(0.4, 1.2, 2 * m)  # stage 0: ~5 s of pipeline + ~38 s of tower work, the others ~24 s
+    pre = np.linspace(0.4, 1.2, 2 * m)
     mbs = [[2 * k, 2 * k + 1] for k in range(m)]
     where = {i: k for k, mb in enumerate(mbs) for i in mb}
 
@@ -121,6 +123,12 @@ def test_the_planner_moves_encode_work_off_a_bottleneck_stage_0_and_never_length
                 back[s, where[i]] += 2 * pre[i]
                 parts[s, where[i]] = True
         return simulate_nested(**c, encode=enc, tower_backward=back, transfer=np.full((pp, m), 0.01), parts=parts)
+
+    return pp, m, pre, mbs, timed
+
+
+def test_the_planner_moves_encode_work_off_a_bottleneck_stage_0_and_never_lengthens_the_step():
+    pp, m, pre, mbs, timed = _bottleneck_stage_0()
 
     shares, t = assign_shares(timed, mbs, pre, pp)
     staged = timed([list(range(2 * m)), [], [], []])
@@ -198,22 +206,7 @@ def test_a_part_of_a_micro_batch_is_priced_as_one_tower_pass():
 
 
 def test_nothing_leaves_stage_0_when_the_towers_sync_costs_more_than_the_bubbles_give():
-    pp, m = 4, 8
-    c = _costs(pp, m, seed=1)
-    c["fwd"][0] *= 0.2
-    c["bwd"][0] *= 0.2
-    pre = np.linspace(0.4, 1.2, 2 * m)
-    mbs = [[2 * k, 2 * k + 1] for k in range(m)]
-    where = {i: k for k, mb in enumerate(mbs) for i in mb}
-
-    def timed(shares):
-        enc, back, parts = np.zeros((pp, m)), np.zeros((pp, m)), np.zeros((pp, m), dtype=bool)
-        for s, share in enumerate(shares):
-            for i in share:
-                enc[s, where[i]] += pre[i]
-                back[s, where[i]] += 2 * pre[i]
-                parts[s, where[i]] = True
-        return simulate_nested(**c, encode=enc, tower_backward=back, transfer=np.full((pp, m), 0.01), parts=parts)
+    pp, m, pre, mbs, timed = _bottleneck_stage_0()
 
     staged = timed([list(range(2 * m)), [], [], []])
     moved, t = assign_shares(timed, mbs, pre, pp, sync=1.0)
