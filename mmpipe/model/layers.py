@@ -159,7 +159,9 @@ class VisionProj(PipeLayer):
             x = h[start:start + n].reshape(t, gh // m, m, gw // m, m, -1).permute(0, 1, 3, 2, 4, 5)
             merged.append(x.reshape(t * (gh // m) * (gw // m), -1))
             start += n
-        x = torch.cat(merged) if merged else h.new_zeros(0, self.proj_in)
+        # without images or videos h is [0, Dv]: reshaped, not new zeros, it stays in the graph, so a
+        # tower cut before this layer gets the (empty) gradient DeepSpeed sends back for its states
+        x = torch.cat(merged) if merged else h.reshape(0, self.proj_in)
         slots[C.IMAGE] = self.mlp(x)
 
 
@@ -231,7 +233,7 @@ class AudioProj(PipeLayer):
         h = self.norm(C.from_wire(slots[C.AUDIO], self.dtype)[0])
         positions = list(layout.read(slots[C.LAYOUT]).audio.lengths)
         pooled = [self.pool(x.T[None])[0].T for x in torch.split(h, positions)] if positions else []
-        x = torch.cat(pooled) if pooled else h.new_zeros(0, self.hidden)
+        x = torch.cat(pooled) if pooled else h  # [0, Da], in the graph (VisionProj says why)
         slots[C.AUDIO] = self.mlp(x)
 
 

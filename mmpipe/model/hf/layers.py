@@ -40,8 +40,12 @@ class HFLayer(PipeLayer):
 
 def empty_like_output(x: torch.Tensor, module: nn.Module, *shape: int) -> torch.Tensor:
     """An empty activation that still carries the module's parameters in its graph, so a stage
-    boundary after it gets the gradient DeepSpeed expects (zero, here)."""
+    boundary after it gets the gradient DeepSpeed expects (zero, here); and the layer's empty
+    input `x` where that requires grad (a tower's states received from the stage before), which
+    DeepSpeed sends a gradient back for too."""
     out = x.new_zeros(shape)
+    if x.requires_grad:
+        out = out + 0 * x.sum()
     params = [p for p in module.parameters() if p.requires_grad]
     return out + 0 * params[0].sum() if params else out
 

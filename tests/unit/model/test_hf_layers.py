@@ -19,7 +19,7 @@ from mmpipe.runtime.batch import collate_hf
 from . import hf_cases as H
 
 CASES = ["llava_clip_llama", "llava_siglip_qwen2", "qwen2_vl", "qwen2_audio", "llava_next", "llava_onevision",
-         "qwen3_vl", "qwen2_5_vl", "qwen2_5_omni"]
+         "qwen3_vl", "qwen2_5_vl", "qwen2_5_omni", "gemma3", "internvl"]
 
 
 def media_sample(spec, rng):

@@ -268,3 +268,29 @@ def test_a_packed_sample_has_the_loss_and_gradient_of_its_unpacked_self(spec, la
     assert packed_loss == pytest.approx(alone_loss, rel=1e-5)
     for g1, g2 in zip(alone_grads, packed_grads):
         torch.testing.assert_close(g1, g2, rtol=1e-4, atol=5e-6)  # fp32 summation order differs
+
+
+@pytest.mark.parametrize("media", ["text", "image", "video", "audio", "mixed"])
+def test_a_stage_boundary_may_fall_after_any_layer(spec, layers, media):
+    """DeepSpeed sends a gradient back for every float a stage received (`assert buffer.grad is not
+    None` in _exec_send_grads): whatever media a micro-batch holds, every float that crosses any cut,
+    a tower's empty states [1, 0, Dv] of a micro-batch without its media included, gets one."""
+    rng = np.random.default_rng(5)
+    kinds = {"text": {}, "image": {"images": [(30, 30)]}, "video": {"videos": [(8, 4.0, 48, 48)]},
+             "audio": {"clips": [1.7]}, "mixed": {"images": [(30, 30)], "clips": [1.7], "videos": [(8, 4.0, 48, 48)]}}
+    mb = _collate([FakeSample("m", spec, rng, text=9, **kinds[media]), FakeSample("t", spec, rng, text=7)], spec)
+    scale = (mb.targets, torch.tensor([1.0]))
+    whole = token_loss(run_layers(layers, mb.carrier), scale)
+    for cut in range(1, len(layers) - 1):
+        x = mb.carrier
+        for layer in layers[:cut]:
+            x = layer(x)
+        for t in x:  # what DeepSpeed sends: floats that need a gradient back, integers otherwise
+            assert not t.is_floating_point() or t.requires_grad, f"{media}: a float without grad after cut {cut}"
+        received = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
+        loss = token_loss(run_layers(layers[cut:], received), scale)
+        loss.backward()
+        assert loss.item() == whole.item()
+        for slot, t in enumerate(received):
+            assert not t.is_floating_point() or t.grad is not None, \
+                f"{media}: no gradient came back for slot {slot} across cut {cut} ({layers[cut].name})"
