@@ -351,7 +351,7 @@ class PlanConfig:
     runs; nested: the same shares encoded inside the pipeline's 1F1B steps, where each rank
     would wait (docs/planner.md, Encoder placement); auto: the planner compares the best plan
     of each placement by its simulated step time and keeps the fastest (the stages unless
-    another is predicted 5% faster)."""
+    another is predicted 15% faster)."""
     ladder: str | tuple[int, ...] = "auto"
     """Lengths packed micro-batches are padded to, so compiled attention kernels see a few
     shapes: auto | off | rising multiples of 128, e.g. "plan.ladder=[512,1024,2048]". auto: on

@@ -119,7 +119,8 @@ def run_plan(problem: PlanProblem, data: PlanInput, *, stages: Sequence[tuple[st
             picks them among the splits of `problem.devices` (it ranks layouts with the towers
             on the stages). Its placement (plan.encoders) may be `auto`: the data-aware plan of
             each candidate placement is made and the fastest by its simulated step time is kept
-            (ties: stages). Every step is planned across the replicas.
+            (a placement off the stages only by OFF_STAGE_MARGIN). Every step is planned across the
+            replicas.
         stages: plan.stages, a (first, last) layer name pair per stage: the cut is the user's.
     """
     placement = _placement(problem)
@@ -272,7 +273,8 @@ def _compare_placements(problem: PlanProblem, placement: Placement, cost: CostMo
                         staged: PlannedSteps, user: bool
                         ) -> tuple[PlannedSteps, Placement, list[tuple[Placement, float]]]:
     """The data-aware plan of each placement `placement` asks for (the staged one is `staged`),
-    the fastest by summed simulated step time kept (ties: the earlier, so stages); a placement
+    the fastest by summed simulated step time kept (one off the stages only by OFF_STAGE_MARGIN;
+    ties: the earlier, so stages); a placement
     that fails is noted in the setting, or raised when it is the only one. A baseline policy
     compares nothing."""
     cands = placement.candidates(problem.model)

@@ -44,7 +44,8 @@ def choose_encoders(problem: PlanProblem, steps: Sequence[Sequence[SampleFeature
     stages; every tower spread; with two towers, the two mixed ones) gets its best plan (the
     stages `plan_stages` cuts for it on all of `steps`' samples, or the user's `stage_plan`),
     each step of `steps` is planned with a `StepPlanner` of that placement, and the placement
-    with the least summed simulated step time wins (ties: the earlier candidate, so stages
+    with the least summed simulated step time wins (one off the stages only by OFF_STAGE_MARGIN;
+    ties: the earlier candidate, so stages
     first); a placement that cannot hold a step counts as infinitely slow (when none can, the
     first with a stage plan is returned, so a user's `stage_plan` over memory is still trained
     with warnings; ValueError when no placement even has a stage plan). A resolved placement is
