@@ -128,7 +128,7 @@ class Placement:
 
     @classmethod
     def of(cls, encoders: Mapping[str, str]) -> Placement:
-        """A resolved placement (tower -> stages | spread, every tower of the model)."""
+        """A resolved placement (tower -> stages | spread | nested, every tower of the model)."""
         return cls(towers=tuple((str(t), str(w)) for t, w in encoders.items()), given=show_encoders(encoders))
 
     @classmethod

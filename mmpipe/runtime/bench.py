@@ -29,7 +29,7 @@ RUN_TIMEOUT_S = 1800
 
 Resolve = Callable[[str, object], dict[str, str]]
 """(policy, a plan.encoders value) -> the placement a run of that policy resolves it to
-(tower -> stages | spread)."""
+(tower -> stages | spread | nested)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +41,7 @@ class Variant:
     policy: str
     """plan.policy of its runs."""
     encoders: dict[str, str]
-    """The placement every run of it trains with (tower -> stages | spread)."""
+    """The placement every run of it trains with (tower -> stages | spread | nested)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,7 +51,7 @@ class PolicyFigures:
     policy: str
     """The row's name (a Variant's)."""
     encoders: str
-    """The encoder placement it ran with: stages, spread or the spread towers (`audio spread`)."""
+    """The encoder placement it ran with: stages, spread, nested or the off-stage towers (`audio spread`)."""
     samples_per_s: float
     tokens_per_s: float
     step_time: float

@@ -103,7 +103,7 @@ def choose_stages(rc: RunConfig, tokenizer) -> ChosenStages:
 
 
 def run_placement(rc: RunConfig, tokenizer) -> dict[str, str]:
-    """plan.encoders as this run resolves it (tower -> stages | spread; `auto` priced on the first
+    """plan.encoders as this run resolves it (tower -> stages | spread | nested; `auto` priced on the first
     steps of the data, as the ranks will): what `mmpipe bench` runs every policy with."""
     return _choose_cut(rc, tokenizer).placement.mapping
 
