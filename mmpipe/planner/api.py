@@ -60,7 +60,6 @@ from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.placement import EncoderChoice, choose_encoders
 from mmpipe.planner.precision import TrainingPrecision
 from mmpipe.planner.problem import (
-    OFF_STAGE,
     Placement,
     PlanProblem,
     check_encoders_value,
@@ -86,7 +85,7 @@ __all__ = ["DEFAULT_HEADROOM", "DEFAULT_PRECISION", "PACKED_POLICIES", "PAST_TOP
            "StepWork", "TrainingPrecision", "build_cost_model", "calibrated_hardware", "check_encoders_value",
            "check_headroom", "check_policy", "choose_encoders", "choose_layout", "consider_recut", "describe_gain",
            "hardware_from_dict", "hardware_to_dict", "layer_stream", "packed_streams", "parse_ladder",
-           "OFF_STAGE", "BACKWARD", "ENCODE", "FORWARD", "TOWER_BACKWARD", "nested_program", "placement_name",
+           "BACKWARD", "ENCODE", "FORWARD", "TOWER_BACKWARD", "nested_program", "placement_name",
            "plan_stages", "plan_step", "resolve_ladder", "show_encoders",
            "stage_memory_warnings",
            "step_work", "validate_trainable"]

@@ -15,7 +15,6 @@ each position's key).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -45,9 +44,9 @@ from mmpipe.planner.report import (
 from mmpipe.planner.samples import SampleTable, sample_table
 from mmpipe.planner.spread import (
     SpreadStep,
+    candidate_cuts,
     encode_by_rank,
     encode_costs,
-    nested_cut,
     pipeline_stage_costs,
     plan_spread_step,
     reserve_bytes,
@@ -432,12 +431,9 @@ def _plan_spread(problem: PlanProblem, cost: CostModel, placement: Placement, ta
     if stages is None:
         room = max(float(reserve_bytes(sm, ec, rows, pp=pp, dp=dp)[-1]) for rows in probe)
         check_pp(pp, len(sm.keep), f"{cost.model.name} with {placement_name(encoders)} encoders")
-        cuts = [sm.to_full(data_aware_stages(reserved_pipeline(sm, room), table, probe, pp=pp, dp=dp,
-                                             micro_batches=micro_batches, labels=labels))]
-        if sm.nested and staged is not None:
-            with contextlib.suppress(ValueError):
-                cut = nested_cut(sm, staged)
-                cuts += [cut] if cut not in cuts else []
+        cuts = candidate_cuts(sm, sm.to_full(data_aware_stages(reserved_pipeline(sm, room), table, probe, pp=pp,
+                                                               dp=dp, micro_batches=micro_batches, labels=labels)),
+                              staged)
     else:
         cuts = [stages]
     best = None

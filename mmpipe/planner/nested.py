@@ -17,7 +17,7 @@ optimizer step): 2s idle steps per step. The nested schedule puts the tower ther
   own share's tower backward of k there (as a staged tower's backward would run);
 - stage s >= 1 runs its shares' tower backward after its own last backward (its cool-down
   bubble), micro-batch by micro-batch as their gradients arrive; then the towers' gradients
-  are all-reduced (as spread).
+  are reduced to stage 0 (as spread).
 
 So a rank's encode work costs nothing where it fits the time its stage waits anyway; the
 planner (`assign_shares`) gives each rank of stage s >= 1 the samples whose encoding fits its
@@ -132,11 +132,7 @@ class NestedTimes:
     busy: tuple[float, ...]
     """Per stage, its compute time (pipeline, encode and tower backward), s."""
     first_forward: tuple[float, ...]
-    """Per stage, when its first forward starts, s."""
-    forward_start: tuple[float, ...]
-    """Stage 0's start of each micro-batch's forward (after its own encode), s."""
-    last_backward: tuple[float, ...]
-    """Per stage, when its last pipeline backward ends, s."""
+    """Per stage, when its first forward starts (its warm-up bubble ends), s."""
 
 
 def simulate_nested(*, fwd: np.ndarray, bwd: np.ndarray, send_fwd: np.ndarray, send_bwd: np.ndarray,
@@ -164,7 +160,6 @@ def simulate_nested(*, fwd: np.ndarray, bwd: np.ndarray, send_fwd: np.ndarray, s
     f_end = np.full((P, m), np.nan)
     b_end = np.full((P, m), np.nan)
     e_end = np.full((P, m), np.nan)
-    f_start = np.zeros(m)
     ends = {ENCODE: e_end, FORWARD: f_end, BACKWARD: b_end}
     free = [0.0] * P
     busy = [0.0] * P
@@ -198,7 +193,6 @@ def simulate_nested(*, fwd: np.ndarray, bwd: np.ndarray, send_fwd: np.ndarray, s
                 start = max(free[s], float(ready))
                 if o.op == FORWARD and s == 0:
                     wait += start - free[s]
-                    f_start[k] = start
                 end = start + dur
                 free[s] = end
                 busy[s] += dur
@@ -209,10 +203,8 @@ def simulate_nested(*, fwd: np.ndarray, bwd: np.ndarray, send_fwd: np.ndarray, s
                 moved = True
         if not moved:
             raise RuntimeError("the nested program has a cycle (a bug: stage programs wait on each other)")
-    firsts = tuple(float(np.nanmin(f_end[s] - fwd[s])) for s in range(P))
-    lasts = tuple(float(np.nanmax(b_end[s])) for s in range(P))
-    return NestedTimes(makespan=max(free), pipeline_end=max(lasts), wait=wait, busy=tuple(busy),
-                       first_forward=firsts, forward_start=tuple(float(x) for x in f_start), last_backward=lasts)
+    return NestedTimes(makespan=max(free), pipeline_end=float(np.nanmax(b_end)), wait=wait, busy=tuple(busy),
+                       first_forward=tuple(float(np.nanmin(f_end[s] - fwd[s])) for s in range(P)))
 
 
 def assign_shares(timed: Callable[[list[list[int]]], NestedTimes], mbs: Sequence[Sequence[int]],

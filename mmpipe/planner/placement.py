@@ -7,7 +7,6 @@ spread tower costs is planner/spread.py's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from mmpipe.model.geometry import SampleFeatures
 from mmpipe.planner.partition import StagePlan
 from mmpipe.planner.problem import Placement, PlanProblem
-from mmpipe.planner.spread import nested_cut, spread_model
+from mmpipe.planner.spread import candidate_cuts, spread_model
 from mmpipe.planner.stages import plan_stages
 from mmpipe.planner.stepping import StepPlanner
 
@@ -63,11 +62,9 @@ def choose_encoders(problem: PlanProblem, steps: Sequence[Sequence[SampleFeature
         one = dataclasses.replace(problem, placement=enc)
         plan: StagePlan | None = stage_plan
         try:
-            cuts = [plan or plan_stages(one, sample)]
-            staged = out[0][2] if out and not out[0][0].spread else None  # stages come first
-            if stage_plan is None and enc.nested and staged is not None:  # the towers' cut, joined to
-                with contextlib.suppress(ValueError):  # the next pipeline layer: stage 0 encodes what no
-                    cuts.append(nested_cut(spread_model(one.cost_model(), enc.mapping), staged))  # bubble holds
+            staged = out[0][2] if out and not out[0][0].spread and stage_plan is None else None  # stages first
+            cuts = candidate_cuts(spread_model(one.cost_model(), enc.mapping), plan or plan_stages(one, sample),
+                                  staged)
             total, plan = _summed_time(one, cuts[0], steps), cuts[0]
             for cut in cuts[1:]:
                 try:

@@ -187,7 +187,7 @@ def encoders_report(value: str, chosen: dict[str, str], compared: Sequence[tuple
         lines.append("placements compared (mean simulated step time of each one's best plan): " + "; ".join(cells))
     if spread_steps:
         lines.append(f"encode load per rank (pre-pass forward + post-pass, s; shares keep: {spread_steps[0].mode}; "
-                     f"all-reduce of the spread towers {spread_steps[0].allreduce:.3f} s):")
+                     f"gradient reduce and weight broadcast of the spread towers {spread_steps[0].allreduce:.3f} s):")
         for k, st in enumerate(spread_steps[:show_steps]):
             loads = [x for rep in st.loads for x in rep]
             pre, post = max(st.pre, default=0.0), max(st.post, default=0.0)

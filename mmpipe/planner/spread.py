@@ -66,6 +66,7 @@ The pipeline's micro-batches are planned with the usable memory less a reserve f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ RESERVE_MARGIN = 1.25
 """The reserve counts a rank's even share of the step's encode memory this many times over
 (the shares are balanced on time, not bytes), plus the largest sample's."""
 FP32 = 4
-"""Bytes of one element of the fp32 buffer the runtime all-reduces the towers' gradients in."""
+"""Bytes of one element of the fp32 buffer the runtime reduces the towers' gradients in."""
 
 Encoders = Mapping[str, str]
 """A resolved placement: tower -> `stages` | `spread`, for every tower of the model."""
@@ -125,18 +126,18 @@ class SpreadModel:
     before and after it."""
     learns: bool
     """Something in a spread tower learns (weights or adapters): there is a post-pass, a
-    gradient send back and an all-reduce."""
+    gradient send back and a reduce to stage 0."""
     static: float
     """Bytes stage 0's rank holds for the spread towers (their parameters are stage 0's in the
     runtime's PipelineModule): weights, and for learning parameters their gradients, optimizer
-    states as the precision shards them over dp, and the fp32 all-reduce buffer, with the
+    states as the precision shards them over dp, and the fp32 reduce buffer, with the
     hardware's slack."""
     static_rest: float
     """Bytes every other rank holds for its replica of the towers: weights, and for learning
-    parameters their gradients and the fp32 all-reduce buffer (no optimizer state: rank 0
+    parameters their gradients and the fp32 reduce buffer (no optimizer state: stage 0
     broadcasts the updated weights), with the hardware's slack."""
     grad_bytes: float
-    """Bytes of the spread towers' gradient all-reduce (learning parameters x 4: the runtime
+    """Bytes of the spread towers' gradient reduce (learning parameters x 4: the runtime
     sums them in fp32)."""
     weight_bytes: float
     """Bytes of the learning weights rank 0 broadcasts after every step (element bytes each)."""
@@ -427,7 +428,7 @@ class SpreadStep:
     """One step priced under a spread placement."""
 
     step_time: float
-    """max over replicas of pre-pass + pipeline + post-pass, plus the all-reduce and the
+    """max over replicas of pre-pass + pipeline + post-pass + the towers' reduce and broadcast, plus the
     per-step overhead, s."""
     encode: tuple[tuple[tuple[int, ...], ...], ...]
     """Per replica, per stage: the rows its rank encodes."""
@@ -444,7 +445,8 @@ class SpreadStep:
     loads: tuple[tuple[float, ...], ...]
     """Per replica, per stage: its rank's encode time (pre-pass forward + post-pass), s."""
     allreduce: float
-    """The spread towers' gradient all-reduce, s."""
+    """The slowest replica's gradient reduce and weight broadcast (`allreduce_s`; 0 where only
+    stage 0 encoded), s."""
     peaks: tuple[tuple[float, ...], ...]
     """Per replica, per stage: its rank's peak bytes (pipeline stage + spread towers)."""
     fits: bool
@@ -600,11 +602,10 @@ def nested_replica(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rep: Se
     hw = sm.cost.hardware
     c = mb_costs(sc, table, rep, packing=packing)
     pp, m = c.fwd.shape
-    post = ec.post[mode]
-    where = {int(i): k for k, mb in enumerate(rep) for i in mb}
 
     def timed(shares: list[list[int]]) -> NestedTimes:
         enc, back, tr = np.zeros((pp, m)), np.zeros((pp, m)), np.zeros((pp, m))
+        parts = np.zeros((pp, m), dtype=bool)
         for s, share in enumerate(shares):
             mine = set(share)
             for k, mb in enumerate(rep):
@@ -613,15 +614,12 @@ def nested_replica(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rep: Se
                     pre_k, post_k, _ = ec.units(unit)
                     enc[s, k], back[s, k] = pre_k, post_k[mode] if sm.learns else 0.0
                     tr[s, k] = hw.link_latency_s + float(sum(ec.feature[i] for i in unit)) / hw.link_bytes_per_s
-        parts = np.zeros((pp, m), dtype=bool)
-        for s, share in enumerate(shares):
-            parts[s, [where[i] for i in share]] = True
+                    parts[s, k] = True
         return simulate_nested(fwd=c.fwd, bwd=c.bwd_in + c.bwd_w, send_fwd=c.send_fwd, send_bwd=c.send_bwd,
                                encode=enc, tower_backward=back, transfer=tr, parts=parts)
 
     media = [[int(i) for i in mb if ec.media[i]] for mb in rep]
     every = [i for mb in media for i in mb]
-    lpt = [[every[j] for j in share] for share in lpt_shares([ec.pre[i] + post[i] for i in every], pp)]
     kept = ec.kept[mode]
 
     def fits(stage: int, share: list[int]) -> bool:
@@ -630,11 +628,11 @@ def nested_replica(sm: SpreadModel, ec: EncodeCosts, table: SampleTable, rep: Se
 
     sync = sm.allreduce_s(pp)  # paid once a stage s >= 1 encodes (price_step adds it)
     best = assign_shares(timed, media, ec.pre, pp, fits=fits, sync=sync)
-    lpt = [sorted(sh) for sh in lpt]
+    lpt = [sorted(every[j] for j in share)
+           for share in lpt_shares([ec.pre[i] + ec.post[mode][i] for i in every], pp)]
     t = timed(lpt)
     if t.makespan + (sync if any(lpt[1:]) else 0.0) < best[1].makespan + (sync if any(best[0][1:]) else 0.0) - 1e-12:
-        best = (lpt, t)
-    assert best is not None
+        return lpt, t
     return best
 
 
@@ -673,6 +671,18 @@ def slots_by_rank(slots: Sequence[Sequence[Sequence[Sequence[int]]]], pp: int, d
         for s, st in enumerate(rep):
             out[s * dp + r] = [[int(x) for x in e] for e in st]
     return out
+
+
+def candidate_cuts(sm: SpreadModel, own: StagePlan, staged: StagePlan | None) -> list[StagePlan]:
+    """The cuts a placement off the stages is priced on: its own; a nested one also the staged
+    cut `staged` made runnable (`nested_cut`: stage 0 encodes what no bubble holds), when it
+    differs and fits."""
+    cuts = [own]
+    if sm.nested and staged is not None:
+        with contextlib.suppress(ValueError):
+            cut = nested_cut(sm, staged)
+            cuts += [cut] if cut != own else []
+    return cuts
 
 
 def nested_cut(sm: SpreadModel, plan: StagePlan) -> StagePlan:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mmpipe.config import RunConfig
 from mmpipe.measure import WARMUP_STEPS, Record, compared_records, read_records, shared_text, throughput
-from mmpipe.planner.api import OFF_STAGE, placement_name, show_encoders
+from mmpipe.planner.api import placement_name, show_encoders
 
 RUN_TIMEOUT_S = 1800
 """One training run of the benchmark may take this long before the benchmark gives up."""
@@ -103,10 +103,8 @@ def bench_variants(policies: Sequence[str], listed: Sequence[str], value: object
 
 def placement_override(encoders: Mapping[str, str]) -> str:
     """The plan.encoders override that trains with this placement and nothing else."""
-    off = [t for t, w in encoders.items() if w in OFF_STAGE]
-    how = "nested" if "nested" in encoders.values() else "spread"
-    value = "stages" if not off else how if len(off) == len(encoders) else show_encoders(encoders)
-    return f"plan.encoders={value}"
+    name = placement_name(encoders)  # one word unless some towers are off the stages and some not
+    return f"plan.encoders={name if ' ' not in name else show_encoders(encoders)}"
 
 
 def run_bench(rc: RunConfig, overrides: list[str], resolve: Resolve) -> list[PolicyFigures]:

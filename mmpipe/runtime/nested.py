@@ -1,8 +1,9 @@
 """Nested encoders (plan.encoders=nested): the spread towers' work inside DeepSpeed's 1F1B steps.
 
 The towers are held, shared out and summed exactly as spread towers (runtime/spread.py: stage 0
-owns their weights, every other rank of a replica runs a replica, the gradients are all-reduced
-into stage 0's parameters before the optimizer step, the weights broadcast after it); only the
+owns their weights, every other rank of a replica runs a replica, the gradients are reduced
+into stage 0's parameters before the optimizer step, the weights broadcast before a step that
+needs them); only the
 order differs, and it is planner/nested.py's `program` (the one home of it; `nested_program` in
 the planner's api):
 
@@ -38,16 +39,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from mmpipe.planner.api import BACKWARD, ENCODE, FORWARD, TOWER_BACKWARD, nested_program
-from mmpipe.runtime.spread import (
-    FEATURE_TAG,
-    WIRE_DTYPES,
-    EncodeStep,
-    SpreadTowers,
-    feature_leaf,
-    join_parts,
-    recv_tensor,
-    split_parts,
-)
+from mmpipe.runtime.spread import EncodeStep, SpreadTowers, join_parts, recv_tensor, send_tensor, split_parts
 
 
 class EncodeFeatures(ds_schedule.PipeInstruction):
@@ -109,18 +101,6 @@ class NestedSchedule(ds_schedule.TrainSchedule):
             yield out + pre
 
 
-def _isend(x: torch.Tensor, dst: int, group) -> list:
-    """runtime/spread.py's `send_tensor` without waiting: the header and the tensor in flight (both
-    must stay alive until the works are waited for)."""
-    head = torch.tensor([WIRE_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
-    head = head.to(x.device)
-    works = [(dist.isend(head, dst, group=group, tag=FEATURE_TAG), head)]
-    if x.numel():
-        x = x.contiguous()
-        works.append((dist.isend(x, dst, group=group, tag=FEATURE_TAG), x))
-    return works
-
-
 class NestedTowers(SpreadTowers):
     """One rank's part of nested towers: SpreadTowers' shares, weights and reduction, run at the
     NestedSchedule's instructions instead of a pre-pass and a post-pass."""
@@ -153,35 +133,15 @@ class NestedTowers(SpreadTowers):
         if self._step is None:  # no step announced (nothing to encode): DeepSpeed's own
             return ds_schedule.TrainSchedule(micro_batches=eng.micro_batches, stages=eng.num_stages,
                                              stage_id=eng.stage_id)
-        return NestedSchedule(eng.micro_batches, eng.num_stages, eng.stage_id, self._mbs(self.stage))
-
-    def _mbs(self, stage: int) -> list[int]:
-        """The micro-batches `stage`'s rank encodes part of."""
-        mine = set(self._step.shares[stage])
-        return [k for k, group in enumerate(self._step.groups) if mine.intersection(group)]
-
-    def _part(self, stage: int, mb: int) -> list[int]:
-        """`stage`'s samples of micro-batch `mb`, in its order: its unit (EncodeStep.units), what
-        one carrier holds and one message carries."""
-        mine = set(self._step.shares[stage])
-        return [i for i in self._step.groups[mb] if i in mine]
+        mbs = [k for k in range(len(self._step.groups)) if self._step.part(self.stage, k)]
+        return NestedSchedule(eng.micro_batches, eng.num_stages, eng.stage_id, mbs)
 
     # -- per step ------------------------------------------------------------------
 
     def forward(self, step: EncodeStep) -> None:
         """Announce the step (before train_batch): nothing is encoded yet."""
-        self._sync_if_used(step)
-        self._step, self._outputs, self._sending = step, {}, []
-        for layer in self.layers:
-            layer.train()
-        if self.stage != 0:
-            for p in self.params:
-                p.grad = None
-        mine = step.shares[self.stage]
-        units = step.units(self.stage)
-        if len(step.carriers) != len(units):
-            raise RuntimeError(f"stage {self.stage} has {len(units)} micro-batch parts to encode but "
-                               f"{len(step.carriers)} collated")
+        units = self._begin(step)
+        self._sending = []
         if len(step.groups) != self.engine.micro_batches:
             raise RuntimeError(f"the step has {len(step.groups)} micro-batches to encode for, the engine runs "
                                f"{self.engine.micro_batches}")
@@ -191,12 +151,11 @@ class NestedTowers(SpreadTowers):
         self._grads = {slot: {} for _, slot, _ in self.keys}
         self._bank = [None] * len(step.groups)
         self._active = self.stage == 0
-        self.encoded += len(mine)
 
     def encode(self, mb: int) -> None:
         """EncodeFeatures: this rank's part of micro-batch `mb`, in one tower pass."""
         step = self._step
-        part = tuple(self._part(self.stage, mb))
+        part = step.part(self.stage, mb)
         n = step.units(self.stage).index(part)
         self._rng[n], self._per[n] = self._encode_one(step, n)
         for j, (tower, slot, axis) in enumerate(self.keys):
@@ -204,36 +163,21 @@ class NestedTowers(SpreadTowers):
             if self.stage == 0:
                 self._pieces[slot].update(split_parts(out, part, step.rows, tower, axis))
             else:  # a unit's output is already in the order its part travels
-                self._sending += _isend(out.detach(), self.stage_ranks[0], self.group)
+                self._sending += send_tensor(out.detach(), self.stage_ranks[0], group=self.group, wait=False)
 
     def receive(self, mb: int) -> None:
         """RecvFeatures (stage 0): the other ranks' parts of micro-batch `mb`, then its leaves."""
         step, device = self._step, self.engine.device
         for s in range(1, len(step.shares)):
-            part = self._part(s, mb)
+            part = step.part(s, mb)
             for tower, slot, axis in self.keys if part else ():
                 x = recv_tensor(self.stage_ranks[s], device, group=self.group)
                 self._pieces[slot].update(split_parts(x, part, step.rows, tower, axis))
-        group = step.groups[mb]
-        trains = bool(self.params)
-        dtype = self.params[0].dtype if trains else torch.float32
-        entry = {}
-        for tower, slot, axis in self.keys:
-            pieces = self._pieces[slot]
-            like = next(iter(pieces.values()), None)
-            empty = self._empty(slot) if like is None else like.narrow(axis, 0, 0)
-            for i in group:
-                for kind, k in (("image", 0), ("video", 1)) if tower == "vision" else (("audio", 2),):
-                    if (i, kind) not in pieces:
-                        if step.rows[i][k]:
-                            raise RuntimeError(f"sample {i} has {step.rows[i][k]} {kind} feature rows but no rank "
-                                               f"encoded it")
-                        pieces[(i, kind)] = empty
-            entry[slot] = feature_leaf(join_parts(pieces, group, tower, axis), trains, dtype)
-            for i in group:  # joined: the parts go
+        self._bank[mb] = self._leaves(step, step.groups[mb], self._pieces)
+        for pieces in self._pieces.values():  # joined: the parts go
+            for i in step.groups[mb]:
                 for kind in ("image", "video", "audio"):
                     pieces.pop((i, kind), None)
-        self._bank[mb] = entry
 
     def send_grads(self, mb: int) -> None:
         """SendFeatureGrads (stage 0): micro-batch `mb`'s feature gradients to their encoders."""
@@ -247,13 +191,14 @@ class NestedTowers(SpreadTowers):
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             pieces = split_parts(g, group, step.rows, tower, axis)
             for s in range(len(step.shares)):
-                part = self._part(s, mb)
+                part = step.part(s, mb)
                 if not part:
                     continue
                 if s == 0:
                     self._grads[slot].update({key: pieces[key] for key in pieces if key[0] in set(part)})
                 else:
-                    self._sending += _isend(join_parts(pieces, part, tower, axis), self.stage_ranks[s], self.group)
+                    self._sending += send_tensor(join_parts(pieces, part, tower, axis), self.stage_ranks[s],
+                                                 group=self.group, wait=False)
         self._bank[mb] = None  # the leaves go; their gradients travel
 
     def tower_backward(self, mb: int) -> None:
@@ -261,7 +206,7 @@ class NestedTowers(SpreadTowers):
         if not self.params:
             return
         step, device = self._step, self.engine.device
-        part = self._part(self.stage, mb)
+        part = step.part(self.stage, mb)
         if self.stage == 0:
             received = {slot: join_parts(self._grads[slot], part, tower, axis) for tower, slot, axis in self.keys}
         else:
@@ -281,7 +226,7 @@ class NestedTowers(SpreadTowers):
                 for g, p in zip(self._own, self.params)]
 
     def backward(self) -> None:
-        """At ReduceGrads: every send arrived; the towers' gradients summed over every rank."""
+        """At ReduceGrads: every send arrived; the towers' gradients summed into stage 0's."""
         for work, _ in self._sending:
             work.wait()
         self._active = False

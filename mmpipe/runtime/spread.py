@@ -75,13 +75,15 @@ class EncodeStep:
     `tower` only the tower's input (the post-pass encodes each sample again, per layer
     checkpointed, then runs its backward)."""
 
+    def part(self, stage: int, mb: int) -> tuple[int, ...]:
+        """`stage`'s samples of micro-batch `mb`, in the micro-batch's order (what one carrier
+        holds, one tower pass runs and, under nested, one message carries)."""
+        mine = set(self.shares[stage])
+        return tuple(i for i in self.groups[mb] if i in mine)
 
     def units(self, stage: int) -> list[tuple[int, ...]]:
-        """`stage`'s share cut by micro-batch, in execution order, each part in its micro-batch's
-        order (what one carrier holds, one tower pass runs and, under nested, one message
-        carries)."""
-        mine = set(self.shares[stage])
-        return [u for u in (tuple(i for i in g if i in mine) for g in self.groups) if u]
+        """`stage`'s non-empty parts, micro-batch by micro-batch in execution order."""
+        return [u for u in (self.part(stage, k) for k in range(len(self.groups))) if u]
 
     def order(self, stage: int) -> list[int]:
         """`stage`'s share in the order its joined features travel: its units one after another."""
@@ -156,7 +158,7 @@ WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.
 
 def _refuse_gradient_hooks(engine) -> None:
     """DeepSpeed options that move gradients out of `.grad` as backward makes them would take
-    stage 0's own tower gradients before the spread towers' all-reduce: refused, naming the key."""
+    stage 0's own tower gradients before the spread towers' reduce: refused, naming the key."""
     cfg = engine._config
     if getattr(getattr(cfg, "bfloat16_config", None), "immediate_grad_update", False) and engine.bfloat16_enabled():
         raise ValueError("deepspeed.config sets bf16.immediate_grad_update=true, which plan.encoders' spread towers "
@@ -194,12 +196,18 @@ FEATURE_TAG = 73
 """The point-to-point tag of feature traffic (DeepSpeed's pipeline sends with tag 0)."""
 
 
-def send_tensor(x: torch.Tensor, dst: int) -> None:
-    """A tensor of any dtype and up to 4 dimensions, with a header saying which."""
-    head = torch.tensor([WIRE_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()), dtype=torch.long)
-    dist.send(head.to(x.device), dst, tag=FEATURE_TAG)
-    if x.numel():
-        dist.send(x.contiguous(), dst, tag=FEATURE_TAG)
+def send_tensor(x: torch.Tensor, dst: int, *, group=None, wait: bool = True) -> list:
+    """A tensor of any dtype and up to 4 dimensions, with a header saying which. With
+    wait=False nothing blocks: the (work, tensor) pairs in flight are returned, and both must
+    stay alive until every work is waited for."""
+    head = torch.tensor([WIRE_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (4 - x.dim()),
+                        dtype=torch.long).to(x.device)
+    sent = [head] + ([x.contiguous()] if x.numel() else [])
+    if wait:
+        for t in sent:
+            dist.send(t, dst, group=group, tag=FEATURE_TAG)
+        return []
+    return [(dist.isend(t, dst, group=group, tag=FEATURE_TAG), t) for t in sent]
 
 
 def recv_tensor(src: int, device, group=None) -> torch.Tensor:
@@ -343,28 +351,56 @@ class SpreadTowers:
                 return rng, self._encode(step.carriers[n], checkpointed=False)
         return rng, self._encode(step.carriers[n], checkpointed=step.mode == "blocks" and bool(self.params))
 
-    def forward(self, step: EncodeStep) -> None:
-        """The pre-pass: encode this rank's share sample by sample, send the features to stage 0
-        (stage 0: receive every stage's and make each micro-batch's leaves)."""
+    def _begin(self, step: EncodeStep) -> list[tuple[int, ...]]:
+        """What every step starts with (spread's pre-pass, nested's announcement): the replicas'
+        weights synced if this step needs them, the towers in train mode, a replica's scratch
+        gradients cleared; this rank's units, checked against the carriers collated for them."""
         self._sync_if_used(step)
         self._step, self._outputs = step, {}
-        device = self.engine.device
         for layer in self.layers:  # stage 0's after an evaluation are in eval mode until train_batch
             layer.train()
         if self.stage != 0:  # a replica's gradients are scratch (stage 0's: the engine zeroes them)
             for p in self.params:
                 p.grad = None
-        mine = step.shares[self.stage]
-        units, order = step.units(self.stage), step.order(self.stage)
+        units = step.units(self.stage)
         if len(step.carriers) != len(units):
             raise RuntimeError(f"stage {self.stage} has {len(units)} micro-batch parts to encode but "
                                f"{len(step.carriers)} collated")
+        self.encoded += len(step.shares[self.stage])
+        return units
+
+    def _leaves(self, step: EncodeStep, group: Sequence[int], pieces: dict[int, dict]) -> dict[int, torch.Tensor]:
+        """Stage 0: the leaves micro-batch `group`'s forward reads, joined from the per-sample
+        parts in `pieces[slot]`; a sample without a tower's media gets empty parts (it is in no
+        share), one with media but no part is an error."""
+        trains = bool(self.params)
+        dtype = self.params[0].dtype if trains else torch.float32
+        entry = {}
+        for tower, slot, axis in self.keys:
+            held = pieces[slot]
+            like = next(iter(held.values()), None)
+            empty = self._empty(slot) if like is None else like.narrow(axis, 0, 0)
+            for i in group:
+                for kind, k in (("image", 0), ("video", 1)) if tower == "vision" else (("audio", 2),):
+                    if (i, kind) not in held:
+                        if step.rows[i][k]:
+                            raise RuntimeError(f"sample {i} has {step.rows[i][k]} {kind} feature rows but no rank "
+                                               f"encoded it")
+                        held[(i, kind)] = empty
+            entry[slot] = feature_leaf(join_parts(held, group, tower, axis), trains, dtype)
+        return entry
+
+    def forward(self, step: EncodeStep) -> None:
+        """The pre-pass: encode this rank's share unit by unit, send the features to stage 0
+        (stage 0: receive every stage's and make each micro-batch's leaves)."""
+        units = self._begin(step)
+        device = self.engine.device
+        mine, order = step.shares[self.stage], step.order(self.stage)
         self._rng, per = [], []
         for n in range(len(step.carriers)):
             rng, out = self._encode_one(step, n)
             self._rng.append(rng)
             per.append(out)
-        self.encoded += len(mine)
         self._per = per
         if mine:  # the share's features in the carrier's order, one tensor per slot
             self._outputs = {slot: join_parts(parts_of_slot(per, j, units, step.rows, tower, axis), order, tower, axis)
@@ -378,20 +414,7 @@ class SpreadTowers:
             for tower, slot, axis in self.keys if share else ():
                 x = self._outputs[slot].detach() if s == 0 else recv_tensor(self.stage_ranks[s], device)
                 pieces[slot].update(split_parts(x, step.order(s), step.rows, tower, axis))
-        trains = bool(self.params)
-        for tower, slot, axis in self.keys:  # a sample without this tower's media is in no share
-            like = next(iter(pieces[slot].values()), None)
-            empty = self._empty(slot) if like is None else like.narrow(axis, 0, 0)
-            for i in (i for group in step.groups for i in group):
-                for kind, k in (("image", 0), ("video", 1)) if tower == "vision" else (("audio", 2),):
-                    if (i, kind) not in pieces[slot]:
-                        if step.rows[i][k]:
-                            raise RuntimeError(f"sample {i} has {step.rows[i][k]} {kind} feature rows but no rank "
-                                               f"encoded it")
-                        pieces[slot][(i, kind)] = empty
-        dtype = self.params[0].dtype if trains else torch.float32
-        self._bank = [{slot: feature_leaf(join_parts(pieces[slot], group, tower, axis), trains, dtype)
-                       for tower, slot, axis in self.keys} for group in step.groups]
+        self._bank = [self._leaves(step, group, pieces) for group in step.groups]
         self._active = True
 
     def _empty(self, slot: int) -> torch.Tensor:
