@@ -146,6 +146,9 @@ class TrainConfig:
     """Write the sample keys of every micro-batch each data-reading rank fed (samples_rank*.jsonl),
     and at the end each rank's parameter digest (stage_rank*.json: param_sha256), so that runs can
     be checked: the replicas of a stage must end with the same weights."""
+    trace: bool = False
+    """Write every rank's pipeline instructions (forward, backward, sends, receives, encoder work)
+    with their times as a Chrome trace, RUN_DIR/trace_rank<R>.json: open them in ui.perfetto.dev."""
     eval_every: int | None = None
     """Score data.eval_path every N steps and after the last step, logged as eval_loss; null: ten
     times over the run (every ceil(train.steps / 10) steps) when data.eval_path is set; 0: never."""

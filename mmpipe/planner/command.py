@@ -343,6 +343,9 @@ def _plan_json(problem: PlanProblem, planned: PlannedSteps, chosen: Placement,
                           for b, bp in baselines.items()},
         },
     }
+    if not spread:  # every tower on the stages: each rank's compute in the simulated step
+        plan["predicted"]["busy_s"] = [[[round(float(x), 6) for x in r.busy] if r is not None else [0.0] * pp
+                                        for r in e.replicas] for e in planned.evals]
     if compared:
         plan["predicted"]["encoders"] = {
             "value": problem.placement.given, "chosen": chosen.name,

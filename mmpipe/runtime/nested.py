@@ -25,6 +25,8 @@ matches sends and receives by order per pair and communicator), and every send i
 non-blocking (waited for before the gradient reduction): a rank never waits on a send, only
 stage 0 on the features of the micro-batch it is about to run, and a rank on the gradients of
 the share it is about to run backward, both made earlier in every other rank's program.
+DeepSpeed's own activation and gradient sends are made non-blocking too (runtime/sends.py), so
+that a stage never waits for a neighbour busy with tower work to post its receive.
 
 Written by hand: DeepSpeed's pipeline engine takes a schedule as a class and runs whatever
 instructions its map knows, but ships no schedule that runs work outside the stage chain.
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from mmpipe.planner.api import BACKWARD, ENCODE, FORWARD, TOWER_BACKWARD, nested_program
+from mmpipe.runtime.sends import PendingSends
 from mmpipe.runtime.spread import EncodeStep, SpreadTowers, join_parts, recv_tensor, send_tensor, split_parts
 
 
@@ -105,6 +108,9 @@ class NestedTowers(SpreadTowers):
     """One rank's part of nested towers: SpreadTowers' shares, weights and reduction, run at the
     NestedSchedule's instructions instead of a pre-pass and a post-pass."""
 
+    timed = {EncodeFeatures: "tower", TowerBackward: "tower", RecvFeatures: "comm", SendFeatureGrads: "comm"}
+    """The telemetry kinds of the four instructions: a rank's encoder work is compute, not bubble."""
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.group = dist.new_group(backend=dist.get_backend())  # every rank creates it, in the same order
@@ -127,6 +133,7 @@ class NestedTowers(SpreadTowers):
         patched[TowerBackward] = lambda _eng, mb: self.tower_backward(mb)
         self.engine._INSTRUCTION_MAP = patched
         self.engine._train_schedule = self._schedule
+        self._pending = PendingSends(self.engine)  # DeepSpeed's sends: not waiting for a receiver at tower work
 
     def _schedule(self) -> ds_schedule.TrainSchedule:
         eng = self.engine

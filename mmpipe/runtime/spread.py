@@ -223,6 +223,10 @@ def recv_tensor(src: int, device, group=None) -> torch.Tensor:
 class SpreadTowers:
     """One rank's part of the spread towers (module docstring)."""
 
+    timed: dict = {}
+    """Instructions of mmpipe's in the engine's map -> the telemetry kind they are timed as
+    (none here: the pre-pass runs before the engine's step, the post-pass inside ReduceGrads)."""
+
     def __init__(self, *, model: ModelSpec, towers: tuple[str, ...], engine, layers: list[nn.Module],
                  dp: int) -> None:
         """`layers`: the spread layers in order; on stage 0 the PipelineModule's own modules,

@@ -20,6 +20,7 @@ from mmpipe.runtime.checkpoint import truncate_records
 from mmpipe.runtime.evaluate import EvalResult
 from mmpipe.runtime.metrics import MetricsWriter, ProgressBar
 from mmpipe.runtime.step import FedStep, TrainedStep
+from mmpipe.runtime.telemetry import busy_s
 
 __all__ = ["StepMetrics", "efficiency"]
 
@@ -118,7 +119,7 @@ class StepMetrics:
     def _record(self, step: int, fed: FedStep, trained: TrainedStep) -> dict:
         """The step's metrics.jsonl line; the calibrated prediction is made before this step is observed."""
         mbs, stages, dt, engine_s = len(fed.micro_batches), trained.stages, trained.step_s, trained.engine_s
-        busy = [st["fwd"] + st["bwd"] for st in stages]
+        busy = [busy_s(st) for st in stages]
         cal, compute, m_slow = self._calibration, fed.compute_s, fed.slow_micro_batches
         raw = cal.simulated(compute, m_slow)  # the hardware config's prediction
         pred = cal.predict(compute, m_slow)  # fitted on earlier steps only

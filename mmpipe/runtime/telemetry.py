@@ -1,5 +1,6 @@
 """What each rank measures of itself: the time of every forward and backward of every
-micro-batch, of communication, and of the optimizer step; and its peak memory in the step.
+micro-batch, of encoder tower work run off the stage chain (nested towers), of communication,
+and of the optimizer step; and its peak memory in the step.
 
 DeepSpeed's PipelineEngine executes a schedule of instructions; the timer wraps the engine's
 own instruction handlers on this one engine instance, so nothing else changes.
@@ -7,6 +8,7 @@ own instruction handlers on this one engine instance, so nothing else changes.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-KINDS = ("fwd", "bwd", "comm", "optim", "load")
+KINDS = ("fwd", "bwd", "tower", "comm", "optim", "load")
 _HANDLERS = {
     "_exec_forward_pass": "fwd",
     "_exec_backward_pass": "bwd",
@@ -28,6 +30,12 @@ _HANDLERS = {
     "_exec_optimizer_step": "optim",
     "_exec_load_micro_batch": "load",
 }
+
+
+def busy_s(kinds) -> float:
+    """A rank's compute of a step from its seconds by kind: the pipeline's forward and backward
+    passes and the tower work the nested schedule runs beside them (a rank's bubble is the rest)."""
+    return kinds["fwd"] + kinds["bwd"] + kinds["tower"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,7 +51,7 @@ class StepTimes:
 
     @property
     def busy(self) -> float:
-        return self.totals["fwd"] + self.totals["bwd"]
+        return busy_s(self.totals)
 
 
 class StageTimer:
@@ -70,6 +78,13 @@ class StageTimer:
                     getattr(self.current, kind).append(dt)
 
         return run
+
+    def time(self, engine, instruction, kind: str) -> None:
+        """Also time `instruction` (one mmpipe added to the map after this timer wrapped it) as
+        `kind`."""
+        patched = dict(engine._INSTRUCTION_MAP)
+        patched[instruction] = self._timed(patched[instruction], kind)
+        engine._INSTRUCTION_MAP = patched
 
     def take(self) -> StepTimes:
         """This step's times; the timer starts a new step."""
@@ -155,6 +170,69 @@ def per_stage(table: torch.Tensor, stage_of_rank: list[int], pp: int) -> list[di
     return out
 
 
+class InstructionTrace:
+    """Every instruction this rank's engine runs, as a Chrome trace (`train.trace`): one complete
+    event per instruction, named by its class (ForwardPass, SendActivation, EncodeFeatures, ...)
+    with its micro-batch or buffer and the step, and one per step around them, on this rank's own
+    row (pid = rank). The file is the trace event format's JSON array, closed at the end of the
+    run and readable before (Perfetto and chrome://tracing accept an array left open), so the
+    timelines of every rank open together: `ui.perfetto.dev`, open each trace_rank*.json.
+    Times are the wall clock (time.time), comparable across the ranks of a machine. On a GPU
+    each instruction ends with a device synchronize, so that its bar covers its kernels, not
+    only their launch (a traced run is slower there: measure speed without it).
+
+    Written by hand: torch.profiler traces kernels and Python calls, not the pipeline's
+    instructions, and DeepSpeed's wall-clock breakdown prints sums, not a timeline."""
+
+    def __init__(self, engine, path: Path, *, rank: int, stage: int, first_step: int) -> None:
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._rank = rank
+        self._sync = torch.cuda.synchronize if getattr(engine.device, "type", str(engine.device)) == "cuda" else None
+        self.step = first_step - 1
+        self._step_start = 0.0
+        self._write({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (stage {stage})"}},
+                    first=True)
+        engine._INSTRUCTION_MAP = {instr: self._traced(fn, instr.__name__)
+                                   for instr, fn in engine._INSTRUCTION_MAP.items()}
+
+    def _traced(self, fn, name: str):
+        def run(engine, *args, **kwargs):
+            t0 = time.time()
+            try:
+                return fn(engine, *args, **kwargs)
+            finally:
+                if self._sync is not None:
+                    self._sync()
+                self._event(name, t0, time.time(), {**kwargs, "step": self.step})
+
+        return run
+
+    def _event(self, name: str, t0: float, t1: float, args: dict) -> None:
+        self._write({"name": name, "ph": "X", "ts": round(t0 * 1e6, 1), "dur": round((t1 - t0) * 1e6, 1),
+                     "pid": self._rank, "tid": 0, "args": args})
+
+    def _write(self, event: dict, *, first: bool = False) -> None:
+        self._file.write(("[\n" if first else ",\n") + json.dumps(event))
+
+    def begin_step(self) -> None:
+        """A training step starts (its instructions, and anything before train_batch, follow)."""
+        self.step += 1
+        self._step_start = time.time()
+
+    def end_step(self) -> None:
+        """The step's optimizer update is done: its own event, on the row beside its instructions."""
+        t1 = time.time()
+        self._write({"name": f"step {self.step}", "ph": "X", "ts": round(self._step_start * 1e6, 1),
+                     "dur": round((t1 - self._step_start) * 1e6, 1), "pid": self._rank, "tid": 1,
+                     "args": {"step": self.step}})
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.write("\n]\n")
+            self._file.close()
+
+
 class StepTelemetry:
     """One rank's telemetry of the training steps, gathered from every rank: each stage's busy,
     communication and optimizer seconds and peak memory. It owns the engine's timer, the peak
@@ -167,6 +245,7 @@ class StepTelemetry:
         self._timer = StageTimer(engine)
         self._memory = PeakMemory(engine.device)
         self._stage_of_rank = _stage_of_every_rank(engine.stage_id, dist.get_world_size(), engine.device)
+        self._trace: InstructionTrace | None = None
 
     @property
     def memory_kind(self) -> str:
@@ -174,14 +253,33 @@ class StepTelemetry:
         return self._memory.kind
 
     def start(self) -> None:
-        """Begin a step's peak memory."""
+        """Begin a step's peak memory (and its traced events, with train.trace)."""
         self._memory.start()
+        if self._trace is not None:
+            self._trace.begin_step()
+
+    def trace_to(self, path: Path, *, first_step: int) -> None:
+        """train.trace: every instruction of this rank into `path` (InstructionTrace); call after
+        every other patch of the engine's instruction map, so that the trace sees what runs."""
+        self._trace = InstructionTrace(self._engine, path, rank=dist.get_rank(), stage=self._engine.stage_id,
+                                       first_step=first_step)
+
+    def close(self) -> None:
+        """The run is over: the trace file, if any, is closed."""
+        if self._trace is not None:
+            self._trace.close()
 
     def stages(self) -> list[dict[str, float]]:
         """The step's figures by stage (per_stage), gathered from every rank (a collective)."""
+        if self._trace is not None:
+            self._trace.end_step()
         times = gather_stage_times(self._timer.take(), world=dist.get_world_size(), device=self._engine.device,
                                    peak_mem=self._memory.peak())
         return per_stage(times.cpu(), self._stage_of_rank, self._pp)
+
+    def time_instruction(self, instruction, kind: str) -> None:
+        """Time an instruction mmpipe added to the engine's map (StageTimer.time)."""
+        self._timer.time(self._engine, instruction, kind)
 
     def drop(self) -> None:
         """Forget what ran since the last step (an evaluation's instructions are no step's)."""

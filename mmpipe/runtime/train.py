@@ -248,8 +248,13 @@ def train(rc: RunConfig, *, stop=None) -> RunResult:
                                      calibration=calibration, start=start, rank0=rank == 0))
             if spread is not None:
                 spread.install_post_pass()  # after the StageTimer's patch of the same instruction map
+                for instruction, kind in spread.timed.items():  # and the nested schedule's own, timed too
+                    telemetry.time_instruction(instruction, kind)
+            if rc.train.trace:  # after every other patch of the map: the trace sees what runs
+                telemetry.trace_to(Path(run_dir) / f"trace_rank{rank}.json", first_step=start + 1)
             result = _run_steps(loop)
         finally:
+            telemetry.close()
             if feeder is not None:
                 feeder.close()
             if metrics is not None:

@@ -84,12 +84,24 @@ def test_config_error_launches_nothing(run_mmpipe):
 
 
 def test_mixture_reports_what_it_drew(run_mmpipe):
-    run = run_mmpipe("train", "data=mixture", "train.steps=5")
+    # with train.trace (the run is short and already launched): every rank's timeline of the run
+    run = run_mmpipe("train", "data=mixture", "train.steps=5", "train.trace=true")
     assert run.code == 0, run.out[-3000:]
     line = next(l for l in run.out.splitlines() if l.startswith("mixture realised:"))
     counts = dict(re.findall(r"(synth-[ab]) (\d+)", line))
     assert int(counts["synth-a"]) + int(counts["synth-b"]) == 5 * 16
     assert int(counts["synth-a"]) > 2 * int(counts["synth-b"])  # weights 3:1
+    metrics = [json.loads(l) for l in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for rank, (passes, sends) in enumerate([("ForwardPass", "SendActivation"), ("BackwardPass", "SendGrad")]):
+        events = json.loads((run.run_dir / f"trace_rank{rank}.json").read_text())  # closed at the run's end
+        assert events[0]["args"]["name"] == f"rank {rank} (stage {rank})"
+        steps = [e for e in events if e.get("tid") == 1]
+        assert [e["args"]["step"] for e in steps] == [1, 2, 3, 4, 5]
+        for k, (step, m) in enumerate(zip(steps, metrics)):  # each step's passes, one per micro-batch
+            ran = [e for e in events if e.get("tid") == 0 and e["args"]["step"] == k + 1]
+            assert sum(e["name"] == passes for e in ran) == m["micro_batches"], (rank, k)
+            assert sum(e["name"] == sends for e in ran) == m["micro_batches"], (rank, k)
+            assert all(step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1 for e in ran)
 
 
 def test_a_sweep_runs_one_job_per_policy_each_in_its_own_directory(run_mmpipe):

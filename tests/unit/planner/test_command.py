@@ -117,6 +117,12 @@ def test_data_aware_not_slower_than_baselines_on_7b_slice(tmp_path):
     for name, b in plan["predicted"]["baselines"].items():
         assert ours <= np.mean(b["step_time_s"]), name
     assert ours >= np.mean(plan["predicted"]["lower_bound_s"])
+    # each rank's compute: at most the step, and together at least the bound (the step's compute
+    # at peak over the ranks), so bound / mean busy caps the efficiency idle-free ranks could reach
+    busy = np.asarray(plan["predicted"]["busy_s"])
+    assert busy.shape == (len(plan["steps"]), 2, 4)
+    for k, (t, lower) in enumerate(zip(plan["predicted"]["step_time_s"], plan["predicted"]["lower_bound_s"])):
+        assert busy[k].max() <= t and lower <= busy[k].mean() < busy[k].max(), k
 
 
 def test_a_small_step_is_explained_in_the_report(tmp_path, capsys):
