@@ -59,6 +59,11 @@ class StageTimer:
 
     def __init__(self, engine) -> None:
         self.current = StepTimes()
+        self._cuda = getattr(engine.device, "type", str(engine.device)) == "cuda"
+        self._marks: list[tuple[str, object, object]] = []
+        """On a GPU: (kind, start, end) CUDA events of the step's instructions, in order, read at
+        take(). The host returns from an instruction once its kernels are queued, so host time
+        would count a pass as done when it was launched and its running as bubble."""
         # The engine dispatches through a class-level map of plain functions; an instance-level
         # copy with timed wrappers changes this engine only.
         engine._INSTRUCTION_MAP = {
@@ -68,16 +73,27 @@ class StageTimer:
 
     def _timed(self, fn, kind: str):
         def run(engine, *args, **kwargs):
+            if self._cuda:  # the device's own time between two events on the stream
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return fn(engine, *args, **kwargs)
+                finally:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self._marks.append((kind, start, end))
             t0 = time.perf_counter()
             try:
                 return fn(engine, *args, **kwargs)
             finally:
-                dt = time.perf_counter() - t0
-                self.current.totals[kind] += dt
-                if kind in ("fwd", "bwd"):
-                    getattr(self.current, kind).append(dt)
+                self._add(kind, time.perf_counter() - t0)
 
         return run
+
+    def _add(self, kind: str, dt: float) -> None:
+        self.current.totals[kind] += dt
+        if kind in ("fwd", "bwd"):
+            getattr(self.current, kind).append(dt)
 
     def time(self, engine, instruction, kind: str) -> None:
         """Also time `instruction` (one mmpipe added to the map after this timer wrapped it) as
@@ -87,7 +103,12 @@ class StageTimer:
         engine._INSTRUCTION_MAP = patched
 
     def take(self) -> StepTimes:
-        """This step's times; the timer starts a new step."""
+        """This step's times; the timer starts a new step (on a GPU: once the step's work is done)."""
+        if self._marks:
+            torch.cuda.synchronize()
+            for kind, start, end in self._marks:
+                self._add(kind, start.elapsed_time(end) / 1e3)
+            self._marks = []
         done, self.current = self.current, StepTimes()
         return done
 

@@ -79,3 +79,42 @@ def test_the_trace_has_every_instruction_of_every_step_on_its_ranks_row(tmp_path
     encode, forward = (e for e in events[1:3])
     assert encode["dur"] >= 0.03e6 and forward["dur"] >= 0.02e6 and forward["ts"] >= encode["ts"] + encode["dur"]
     assert steps[0]["ts"] <= encode["ts"] and steps[0]["ts"] + steps[0]["dur"] >= forward["ts"] + forward["dur"]
+
+
+def test_on_a_gpu_each_instruction_is_timed_by_the_device_not_the_host(monkeypatch):
+    """The host returns from a pass once its kernels are queued: the timer reads CUDA events at
+    the step's end instead (here a fake clock: each event records the device time it was reached)."""
+    import torch
+
+    device_clock = iter([0.0, 50.0, 50.0, 60.0, 60.0, 140.0])  # ms: forward 50, send 10, backward 80
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.t = next(device_clock)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(True))
+
+    class GpuEngine(_Engine):
+        device = types.SimpleNamespace(type="cuda")
+
+        def _exec_backward_pass(self, buffer_id):
+            pass
+
+        _INSTRUCTION_MAP = {**_Engine._INSTRUCTION_MAP, ds.BackwardPass: _exec_backward_pass}
+
+    eng = GpuEngine()
+    timer = StageTimer(eng)
+    for cmd in (ds.ForwardPass(buffer_id=0), ds.SendActivation(buffer_id=0), ds.BackwardPass(buffer_id=0)):
+        eng.run(cmd)  # the host's own sleeps (20 and 10 ms) are not what is counted
+    step = timer.take()
+    assert synced == [True]
+    assert step.fwd == [0.05] and step.bwd == [0.08] and abs(step.totals["comm"] - 0.01) < 1e-12
+    assert timer.take().totals["fwd"] == 0.0  # the next step starts empty
