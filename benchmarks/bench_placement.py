@@ -50,16 +50,15 @@ def one(trace: str, preset: str, frozen_towers: bool = False) -> dict:
         problem = PlanProblem(model=model, hardware=hw, pp=PP, dp=DP, global_batch=BATCH, micro_batches=8,
                               trainable=trainable, policy="data-aware", memory_headroom=DEFAULT_HEADROOM,
                               placement=Placement.parse("auto", model))
-        plan = run_plan(problem, PlanInput(trace_path=str(ROOT / "data" / "workloads" / f"{trace}.jsonl"),
-                                           steps=STEPS), output=PlanOutput(quiet=True))
+        data = PlanInput(trace_path=str(ROOT / "data" / "workloads" / f"{trace}.jsonl"), steps=STEPS)
+        plan = run_plan(problem, data, output=PlanOutput(quiet=True))
     except ValueError as err:
         return {"trace": trace, "preset": preset, "error": str(err).splitlines()[0]}
     pred = plan["predicted"]
     lower = sum(pred["lower_bound_s"]) / len(pred["lower_bound_s"])
     enc = pred.get("encoders", {})
     if "busy_s" not in pred:  # auto chose a placement off the stages: the stages' own plan
-        staged = run_plan(dataclasses.replace(problem, placement=Placement.parse("stages", model)),
-                          PlanInput(trace_path=str(ROOT / "data" / "workloads" / f"{trace}.jsonl"), steps=STEPS),
+        staged = run_plan(dataclasses.replace(problem, placement=Placement.parse("stages", model)), data,
                           output=PlanOutput(quiet=True))
         pred["busy_s"] = staged["predicted"]["busy_s"]
     busy = sum(sum(map(sum, step)) / sum(map(len, step)) for step in pred["busy_s"]) / len(pred["busy_s"])

@@ -133,7 +133,7 @@ class NestedTowers(SpreadTowers):
         patched[TowerBackward] = lambda _eng, mb: self.tower_backward(mb)
         self.engine._INSTRUCTION_MAP = patched
         self.engine._train_schedule = self._schedule
-        self._pending = PendingSends(self.engine)  # DeepSpeed's sends: not waiting for a receiver at tower work
+        PendingSends(self.engine)  # DeepSpeed's sends: not waiting for a receiver at tower work (kept by the map)
 
     def _schedule(self) -> ds_schedule.TrainSchedule:
         eng = self.engine

@@ -32,6 +32,12 @@ _HANDLERS = {
 }
 
 
+def on_cuda(device) -> bool:
+    """Whether torch device `device` (a torch.device or its name) is a GPU's: its kernels run
+    asynchronously, so a host clock around them measures their launch."""
+    return getattr(device, "type", str(device)) == "cuda"
+
+
 def busy_s(kinds) -> float:
     """A rank's compute of a step from its seconds by kind: the pipeline's forward and backward
     passes and the tower work the nested schedule runs beside them (a rank's bubble is the rest)."""
@@ -59,7 +65,7 @@ class StageTimer:
 
     def __init__(self, engine) -> None:
         self.current = StepTimes()
-        self._cuda = getattr(engine.device, "type", str(engine.device)) == "cuda"
+        self._cuda = on_cuda(engine.device)
         self._marks: list[tuple[str, object, object]] = []
         """On a GPU: (kind, start, end) CUDA events of the step's instructions, in order, read at
         take(). The host returns from an instruction once its kernels are queued, so host time
@@ -138,7 +144,7 @@ class PeakMemory:
     """
 
     def __init__(self, device) -> None:
-        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.cuda = on_cuda(device)
         self.kind = "cuda_max_allocated" if self.cuda else "peak_rss"
         if not self.cuda and not self._reset_rss():
             self.kind = "lifetime_peak_rss"
@@ -208,7 +214,7 @@ class InstructionTrace:
     def __init__(self, engine, path: Path, *, rank: int, stage: int, first_step: int) -> None:
         self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self._rank = rank
-        self._sync = torch.cuda.synchronize if getattr(engine.device, "type", str(engine.device)) == "cuda" else None
+        self._sync = torch.cuda.synchronize if on_cuda(engine.device) else None
         self.step = first_step - 1
         self._step_start = 0.0
         self._write({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (stage {stage})"}},
